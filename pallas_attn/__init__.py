@@ -1,0 +1,9 @@
+"""Attention kernels for JAX: reference, blockwise XLA, and Pallas (Triton) GPU kernels.
+
+Layout [B, T, H, D]; see ``pallas_attn.masks`` for the mask semantics every impl shares.
+"""
+
+from pallas_attn.api import flash_attention
+from pallas_attn.heuristics import BlockSizes, num_splits_heuristic
+
+__all__ = ["BlockSizes", "flash_attention", "num_splits_heuristic"]

@@ -1,0 +1,93 @@
+"""The public ``flash_attention``: validation, defaults, dispatch on ``impl``."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_attn import masks, reference, validation, xla
+from pallas_attn.heuristics import BlockSizes
+
+
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    return_lse: bool = False,
+    impl: str = "auto",
+    block_sizes: BlockSizes | None = None,
+):
+    """Scaled dot-product attention, ``softmax(scale * Q K^T + mask) V``, without the T x S matrix.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D], float32 / bfloat16 / float16, ``Hq % Hkv == 0``
+        (query head ``h`` reads KV head ``h // (Hq // Hkv)``).
+      causal: query ``i`` sees keys up to position ``i + S - T`` (bottom-right aligned).
+      softmax_scale: default ``1 / sqrt(D)``.
+      window_size: ``(left, right)`` sliding window around that position, ``-1`` = unbounded.
+      softcap: if > 0, scores become ``softcap * tanh(s / softcap)`` after scaling.
+      q_segment_ids, kv_segment_ids: [B, T] and [B, S] ints; a query only sees keys of its own
+        segment (packed sequences). Give both or neither.
+      return_lse: also return the log-sum-exp of the scaled scores, natural log, float32
+        [B, Hq, T]; ``-inf`` for a row that sees no key (whose output is 0).
+      impl: "reference", "xla", "pallas", "interpret" or "auto" (pallas on GPU, else xla).
+      block_sizes: tile sizes for "xla"/"pallas"/"interpret"; default per head dim and dtype.
+
+    Returns:
+      ``out`` [B, T, Hq, D] in q's dtype, or ``(out, lse)`` when ``return_lse``. Differentiable in
+      q, k and v. The lse is differentiable with "reference" and "xla"; the Pallas kernels treat
+      its cotangent as zero (it is a by-product for combining partial results, not a loss input).
+    """
+    impl = validation.resolve_impl(impl)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        validation.check_array(name, x, ndim=4)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch of q ({q.shape[0]}) must equal batch of k ({k.shape[0]})")
+    validation.check_heads(q.shape, k.shape)
+    B, T, _, D = q.shape
+    S = k.shape[1]
+    if T == 0 or S == 0:
+        raise ValueError(f"sequence lengths must be >= 1, got q: T={T}, k: S={S}")
+    window = masks.normalize_window(causal, validation.check_window(window_size))
+    softcap = validation.check_softcap(softcap)
+    scale = validation.softmax_scale_or_default(softmax_scale, D)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    if q_segment_ids is not None:
+        validation.check_int_array("q_segment_ids", q_segment_ids, (B, T))
+        validation.check_int_array("kv_segment_ids", kv_segment_ids, (B, S))
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+
+    common = dict(
+        softmax_scale=scale,
+        window=window,
+        softcap=softcap,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
+    if impl == "reference":
+        out, lse = reference.attention(q, k, v, **common)
+    elif impl == "xla":
+        blocks = {}
+        if block_sizes is not None:
+            blocks = dict(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
+        out, lse = xla.attention(q, k, v, **common, **blocks)
+    else:
+        from pallas_attn import flash  # the Pallas kernels: imported only when asked for
+
+        block_sizes = block_sizes or BlockSizes.get_default(D, q.dtype)
+        out, lse = flash.attention(
+            q, k, v, **common, block_sizes=block_sizes, interpret=impl == "interpret"
+        )
+    return (out, lse.astype(jnp.float32)) if return_lse else out

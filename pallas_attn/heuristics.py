@@ -1,0 +1,77 @@
+"""Block sizes for the kernels and the split-KV ``num_splits`` heuristic."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+# Streaming multiprocessors of the GPU the heuristics assume when none is visible (H100/H200 SXM).
+DEFAULT_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the flash-attention kernels; frozen and hashable, so jit caches by it.
+
+    Attributes:
+      block_q, block_k: forward tile, rows of Q by rows of K/V.
+      block_q_bwd, block_k_bwd: backward tiles (dK/dV and dQ kernels).
+      num_warps: warps per Triton program (4 for 64-row tiles, 8 for 128-row tiles).
+      num_stages: software-pipelining depth of the K/V loads (2-3 on Hopper).
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BlockSizes.{f.name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def get_default(cls, head_dim: int = 64, dtype=jnp.bfloat16) -> BlockSizes:
+        """Defaults by head dim and dtype: smaller tiles where registers/shared memory run out."""
+        wide = jnp.dtype(dtype).itemsize >= 4 or head_dim > 128
+        if wide:
+            return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=4)
+        if head_dim <= 64:
+            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4)
+        return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=8)
+
+
+def num_splits_heuristic(
+    batch_nheads_mblocks: int,
+    num_sms: int,
+    num_n_blocks: int,
+    max_splits: int = 128,
+) -> int:
+    """How many KV splits a decode call should use (FlashAttention's rule).
+
+    No split when the (batch, kv-head, query-block) programs alone fill 80% of the SMs. Otherwise
+    pick the smallest split count whose wave efficiency ``n_waves / ceil(n_waves)`` is within 85%
+    of the best one, over counts up to ``min(max_splits, num_sms, num_n_blocks)``; a count that
+    gives the same number of KV blocks per split as the count below it is not eligible.
+    """
+    if batch_nheads_mblocks >= 0.8 * num_sms:
+        return 1
+    max_splits = min(max_splits, num_sms, num_n_blocks)
+    if max_splits <= 1:
+        return 1
+
+    def eligible(n: int) -> bool:
+        return n == 1 or math.ceil(num_n_blocks / n) != math.ceil(num_n_blocks / (n - 1))
+
+    efficiency = {}
+    for n in range(1, max_splits + 1):
+        if eligible(n):
+            waves = batch_nheads_mblocks * n / num_sms
+            efficiency[n] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return next(n for n, eff in efficiency.items() if eff >= 0.85 * best)
