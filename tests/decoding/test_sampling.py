@@ -1,0 +1,150 @@
+"""Each sampler's empirical distribution against the exact one (chi-square) on a tiny vocabulary."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
+
+N_DRAWS = 20_000
+LOGITS = np.array([2.0, 1.5, 1.5, 0.3, -0.7, -1.0, -3.0, 0.9], np.float32)  # V = 8, a tie at 1.5
+
+
+def exact_distribution(logits, cfg: SamplingConfig) -> np.ndarray:
+    """Float64 reference written from the definitions, one filter after another."""
+    x = np.asarray(logits, np.float64)
+    if cfg.temperature == 0.0:
+        p = np.zeros_like(x)
+        p[np.argmax(x)] = 1.0
+        return p
+    x = x / cfg.temperature
+
+    def softmax(z):
+        e = np.exp(z - z.max())
+        return e / e.sum()
+
+    if 0 < cfg.top_k < x.size:
+        kth = np.sort(x)[::-1][cfg.top_k - 1]
+        x = np.where(x >= kth, x, -np.inf)
+    if cfg.top_p < 1.0:
+        p = softmax(x)
+        order = np.argsort(-x, kind="stable")
+        total, kept = 0.0, []
+        for i in order:
+            kept.append(i)
+            total += p[i]
+            if total >= cfg.top_p:
+                break
+        threshold = x[kept[-1]]
+        x = np.where(x >= threshold, x, -np.inf)
+    if cfg.min_p > 0.0:
+        p = softmax(x)
+        x = np.where(p >= cfg.min_p * p.max(), x, -np.inf)
+    return softmax(x)
+
+
+def draw(cfg: SamplingConfig, seed: int = 0, logits=LOGITS) -> np.ndarray:
+    batch = jnp.broadcast_to(jnp.asarray(logits), (N_DRAWS, len(logits)))
+    tokens = jax.jit(sample, static_argnums=2)(batch, jax.random.key(seed), cfg)
+    return np.bincount(np.asarray(tokens), minlength=len(logits))
+
+
+CONFIGS = {
+    "temperature_1": SamplingConfig(temperature=1.0),
+    "temperature_0.5": SamplingConfig(temperature=0.5),
+    "temperature_2": SamplingConfig(temperature=2.0),
+    "top_k_2_tie_at_threshold": SamplingConfig(temperature=1.0, top_k=2),
+    "top_k_4": SamplingConfig(temperature=0.8, top_k=4),
+    "top_k_1": SamplingConfig(temperature=1.0, top_k=1),
+    "top_k_ge_vocab": SamplingConfig(temperature=1.0, top_k=50),
+    "top_p_0.5": SamplingConfig(temperature=1.0, top_p=0.5),
+    "top_p_0.9": SamplingConfig(temperature=1.0, top_p=0.9),
+    "top_p_tiny": SamplingConfig(temperature=1.0, top_p=1e-6),
+    "min_p_0.2": SamplingConfig(temperature=1.0, min_p=0.2),
+    "top_k_then_top_p": SamplingConfig(temperature=1.3, top_k=5, top_p=0.8),
+    "all_filters": SamplingConfig(temperature=0.7, top_k=6, top_p=0.95, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_empirical_matches_exact(name):
+    cfg = CONFIGS[name]
+    expected = exact_distribution(LOGITS, cfg)
+    np.testing.assert_allclose(
+        np.asarray(probabilities(jnp.asarray(LOGITS), cfg)), expected, rtol=1e-5, atol=1e-7
+    )
+    counts = draw(cfg)
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"drew filtered tokens: {counts} vs {expected}"
+    if support.sum() == 1:
+        assert counts[support].sum() == N_DRAWS
+        return
+    _, pvalue = stats.chisquare(counts[support], N_DRAWS * expected[support])
+    assert pvalue > 1e-3, f"{name}: counts {counts}, expected {N_DRAWS * expected}"
+
+
+def test_chi_square_detects_a_wrong_distribution():
+    """The test above has power: draws at temperature 1 are rejected against temperature 2."""
+    counts = draw(SamplingConfig(temperature=1.0))
+    expected = exact_distribution(LOGITS, SamplingConfig(temperature=2.0))
+    _, pvalue = stats.chisquare(counts, N_DRAWS * expected)
+    assert pvalue < 1e-6
+
+
+def test_top_k_keeps_ties_and_top_p_edges():
+    tie = SamplingConfig(temperature=1.0, top_k=2)
+    kept = np.isfinite(np.asarray(filtered_logits(jnp.asarray(LOGITS), tie)))
+    assert kept.tolist() == [True, True, True, False, False, False, False, False]
+    # top_p just above the top token's probability keeps exactly one more token (and its tie).
+    p0 = exact_distribution(LOGITS, SamplingConfig(temperature=1.0))[0]
+    for top_p, n_kept in ((p0 * 0.999, 1), (p0 * 1.001, 3)):
+        cfg = SamplingConfig(temperature=1.0, top_p=float(top_p))
+        assert np.isfinite(np.asarray(filtered_logits(jnp.asarray(LOGITS), cfg))).sum() == n_kept
+
+
+def test_greedy_is_argmax_and_ignores_key():
+    logits = jax.random.normal(jax.random.key(1), (16, 50))
+    want = np.argmax(np.asarray(logits), axis=-1)
+    for seed in (0, 1):
+        got = sample(logits, jax.random.key(seed), SamplingConfig())
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), want)
+    onehot = np.asarray(probabilities(logits, SamplingConfig()))
+    np.testing.assert_array_equal(onehot.argmax(-1), want)
+    assert (onehot.sum(-1) == 1).all()
+
+
+def test_same_key_same_tokens():
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9)
+    logits = jax.random.normal(jax.random.key(2), (64, 100))
+    a = sample(logits, jax.random.key(7), cfg)
+    b = sample(logits, jax.random.key(7), cfg)
+    c = sample(logits, jax.random.key(8), cfg)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (np.asarray(a) != np.asarray(c)).any()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1.0},
+        {"temperature": float("nan")},
+        {"top_k": -1},
+        {"top_k": 1.5},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"min_p": -0.1},
+        {"min_p": 2.0},
+    ],
+)
+def test_bad_config_raises(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingConfig(**kwargs)
+
+
+def test_config_is_hashable_static_arg():
+    assert hash(SamplingConfig(temperature=1, top_k=3)) == hash(SamplingConfig(1.0, 3))
