@@ -25,7 +25,7 @@ def test_reference_matches_numpy(case):
     softcap = case.pop("softcap", 0.0)
     segments = case.pop("segments", False)
     q, k, v = random_qkv(0, **case)
-    B, T, S = case["B"], case["T"], case["S"]
+    B, T = case["B"], case["T"]
     q_seg = kv_seg = None
     if segments:
         rng = np.random.default_rng(0)
@@ -46,9 +46,16 @@ def test_reference_matches_numpy(case):
         impl="reference",
     )
     want_out, want_lse = numpy_attention(
-        q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, q_seg=q_seg,
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        q_seg=q_seg,
         kv_seg=kv_seg,
-    )  # fmt: skip
+    )
     assert max_err(out, want_out) < 1e-5
     assert max_err(lse, want_lse) < 1e-5
 
@@ -58,9 +65,15 @@ def test_reference_ragged_offsets_match_numpy():
     q, k, v = random_qkv(1, 3, 4, 12, 4, 2, 8)
     q_offset, kv_start, kv_len = np.array([0, 5, 8]), np.array([0, 2, 1]), np.array([4, 9, 12])
     out, lse = reference.attention(
-        q, k, v, softmax_scale=0.5, window=(5, 0), q_offset=q_offset, kv_start=kv_start,
+        q,
+        k,
+        v,
+        softmax_scale=0.5,
+        window=(5, 0),
+        q_offset=q_offset,
+        kv_start=kv_start,
         kv_len=kv_len,
-    )  # fmt: skip
+    )
     want_out, want_lse = numpy_attention(
         q, k, v, scale=0.5, window=(5, 0), q_offset=q_offset, kv_start=kv_start, kv_len=kv_len
     )

@@ -65,9 +65,12 @@ def _run(case, dtype, seed=0):
     )
     fns = {
         "xla": functools.partial(
-            flash_attention, **opts, return_lse=True, impl="xla",
+            flash_attention,
+            **opts,
+            return_lse=True,
+            impl="xla",
             block_sizes=BlockSizes(block_q=16, block_k=32),
-        ),  # fmt: skip
+        ),
         "oracle": lambda q, k, v: reference.attention(
             *(x.astype(jnp.float32) for x in (q, k, v)), **ref_kw
         ),
@@ -104,9 +107,16 @@ def test_fully_masked_rows_give_zero_and_no_nan():
 
     def f(q, k, v):
         out, lse = flash_attention(
-            q, k, v, causal=True, q_segment_ids=seg_q, kv_segment_ids=seg_k, return_lse=True,
-            impl="xla", block_sizes=BlockSizes(block_q=8, block_k=8),
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            causal=True,
+            q_segment_ids=seg_q,
+            kv_segment_ids=seg_k,
+            return_lse=True,
+            impl="xla",
+            block_sizes=BlockSizes(block_q=8, block_k=8),
+        )
         return jnp.sum(out**2), (out, lse)
 
     grads, (out, lse) = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
@@ -123,7 +133,9 @@ def test_fully_masked_rows_give_zero_and_no_nan():
 
 def test_xla_is_deterministic():
     q, k, v = random_qkv(4, 1, 65, 65, 4, 2, 32)
-    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, impl="xla"))))
+    f = jax.jit(
+        jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, impl="xla")))
+    )
     a, b = f(q, k, v), f(q, k, v)
     assert np.array_equal(np.asarray(a), np.asarray(b))
 
@@ -134,8 +146,10 @@ def test_xla_memory_is_linear_in_sequence_length():
     spec = jax.ShapeDtypeStruct((1, T, H, D), jnp.float32)
 
     def fwd_bwd(q, k, v):
-        return jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, impl="xla")),
-                        argnums=(0, 1, 2))(q, k, v)  # fmt: skip
+        return jax.grad(
+            lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, impl="xla")),
+            argnums=(0, 1, 2),
+        )(q, k, v)
 
     compiled = jax.jit(fwd_bwd).trace(spec, spec, spec).lower().compile()
     mem = compiled.memory_analysis()
