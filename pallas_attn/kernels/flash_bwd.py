@@ -1,0 +1,186 @@
+"""Flash-attention backward kernels: FlashAttention-2, Alg. 2 (Dao, 2023), in Pallas (Triton).
+
+Both kernels recompute the probabilities tile by tile from the forward's lse,
+``p = exp2(s2 - lse2)`` (base-2 scores and lse, see :mod:`flash_common`), and use the preprocessed
+``delta = rowsum(dO * O) - dlse`` (computed by :mod:`pallas_attn.flash`):
+
+* ``dp = dO V^T`` and ``ds = p * (dp - delta)``, times ``1 - tanh^2`` under a softcap, then the
+  softmax scale; this covers both the output cotangent and the lse cotangent.
+* dK/dV kernel: one program per (key block, batch, KV head). It loops over the ``G`` query heads
+  of its group and over the query blocks that can see its keys, accumulating
+  ``dV += p^T dO`` and ``dK += ds^T Q`` in float32 registers; GQA heads are summed inside the
+  program, so no atomics and a deterministic result.
+* dQ kernel: one program per (query block, batch, query head), looping over the visible key
+  blocks as the forward does, accumulating ``dQ += ds K``.
+
+Nothing of size T x S is materialised. Inputs are padded as for :mod:`flash_fwd`, with Tp a
+multiple of ``block_q_bwd`` and Sp a multiple of ``block_k_bwd``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import flash_common as fc
+
+
+def _ds(cfg: fc.Config, p, dp, delta, t):
+    """``d(scaled scores)`` -> d(raw scores) for one tile (any orientation, broadcast delta)."""
+    ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+def _dkdv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, G, nq):
+    if cfg.segments:
+        q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs
+    else:
+        dk_ref, dv_ref = refs
+    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    q_offset, kv_start, kv_len = (meta_ref[i] for i in (fc.Q_OFFSET, fc.KV_START, fc.KV_LEN))
+    k_first = pl.program_id(0) * bk
+    k_pos = fc.positions(k_first, bk)[:, None]  # [bk, 1]
+    k = k_ref[...]  # [bk, D]
+    v = v_ref[...]
+    kv_seg = kv_seg_ref[...][:, None] if cfg.segments else None
+    lo, hi = fc.query_block_range(
+        cfg, k_first, k_first + bk - 1, q_offset, kv_start, kv_len, bq, nq
+    )
+
+    def q_block(i, carry, g):
+        dk, dv = carry
+        start = pl.multiple_of(i * bq, bq)
+        q = q_ref[pl.ds(start, bq), g, :]  # [bq, D]
+        do = do_ref[pl.ds(start, bq), g, :]
+        lse = lse_ref[g, pl.ds(start, bq)][None, :]  # [1, bq]
+        delta = delta_ref[g, pl.ds(start, bq)][None, :]
+        q_pos = fc.positions(q_offset + start, bq)[None, :]
+        q_seg = q_seg_ref[pl.ds(start, bq)][None, :] if cfg.segments else None
+        mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)  # [bk, bq]
+        s, t = fc.scores(cfg, k, q)  # transposed tile [bk, bq]
+        p = jnp.where(mask, jnp.exp2(s - lse), 0.0)
+        dv = dv + fc.dot_nn(p.astype(do.dtype), do)
+        ds = _ds(cfg, p, fc.dot_nt(v, do), delta, t)
+        dk = dk + fc.dot_nn(ds.astype(q.dtype), q)
+        return dk, dv
+
+    def head(g, carry):
+        return lax.fori_loop(lo, hi, functools.partial(q_block, g=g), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
+    dk_ref[...] = (dk * cfg.softmax_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, nk):
+    if cfg.segments:
+        q_seg_ref, kv_seg_ref, dq_ref = refs
+    else:
+        (dq_ref,) = refs
+    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    q_offset, kv_start, kv_len = (meta_ref[i] for i in (fc.Q_OFFSET, fc.KV_START, fc.KV_LEN))
+    q_first = q_offset + pl.program_id(0) * bq
+    q_pos = fc.positions(q_first, bq)[:, None]  # [bq, 1]
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...][:, None]
+    delta = delta_ref[...][:, None]
+    q_seg = q_seg_ref[...][:, None] if cfg.segments else None
+
+    def body(j, dq):
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        kv_seg = kv_seg_ref[pl.ds(start, bk)][None, :] if cfg.segments else None
+        k_pos = fc.positions(start, bk)[None, :]
+        mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)  # [bq, bk]
+        s, t = fc.scores(cfg, q, k)
+        p = jnp.where(mask, jnp.exp2(s - lse), 0.0)
+        ds = _ds(cfg, p, fc.dot_nt(do, v), delta, t)
+        return dq + fc.dot_nn(ds.astype(k.dtype), k)
+
+    lo, hi = fc.key_block_range(cfg, q_first, q_first + bq - 1, kv_start, kv_len, bk, nk)
+    dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * cfg.softmax_scale).astype(dq_ref.dtype)
+
+
+def backward(cfg: fc.Config, q, k, v, d_out, lse2, delta, meta, q_seg=None, kv_seg=None):
+    """Padded backward.
+
+    Args:
+      q, d_out: [B, Tp, Hq, Dp]; k, v: [B, Sp, Hkv, Dp].
+      lse2: [B, Hq, Tp] float32, ``log2(e) * lse`` with 0 on rows that saw no key.
+      delta: [B, Hq, Tp] float32, ``rowsum(dO * O) - dlse``.
+      meta, q_seg, kv_seg: as for :func:`flash_fwd.forward`.
+
+    Returns:
+      dq [B, Tp, Hq, Dp], dk and dv [B, Sp, Hkv, Dp], in the input dtypes.
+    """
+    B, Tp, Hq, Dp = q.shape
+    Sp, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    seg_args = [q_seg, kv_seg] if cfg.segments else []
+    common = dict(compiler_params=fc.compiler_params(cfg), interpret=cfg.interpret)
+
+    # dK, dV: grid over (key block j, batch b, KV head h); the whole group of G query heads.
+    group = pl.BlockSpec((None, Tp, G, Dp), lambda j, b, h: (b, 0, h, 0))
+    kv_tile = pl.BlockSpec((None, bk, None, Dp), lambda j, b, h: (b, j, h, 0))
+    group_rows = pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0))
+    seg_specs = [
+        pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
+        pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+    ]
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, cfg=cfg, G=G, nq=Tp // bq),
+        grid=(Sp // bk, B, Hkv),
+        in_specs=[
+            pl.BlockSpec((None, fc.META_WIDTH), lambda j, b, h: (b, 0)),
+            group,
+            kv_tile,
+            kv_tile,
+            group,
+            group_rows,
+            group_rows,
+        ]
+        + (seg_specs if cfg.segments else []),
+        out_specs=[kv_tile, kv_tile],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        name="flash_bwd_dkdv",
+        **common,
+    )(meta, q, k, v, d_out, lse2, delta, *seg_args)
+
+    # dQ: grid over (query block i, batch b, query head h), like the forward.
+    q_tile = pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, i, h, 0))
+    kv_full = pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, h // G, 0))
+    rows = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    seg_specs = [
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)),
+    ]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, nk=Sp // bk),
+        grid=(Tp // bq, B, Hq),
+        in_specs=[
+            pl.BlockSpec((None, fc.META_WIDTH), lambda i, b, h: (b, 0)),
+            q_tile,
+            kv_full,
+            kv_full,
+            q_tile,
+            rows,
+            rows,
+        ]
+        + (seg_specs if cfg.segments else []),
+        out_specs=q_tile,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        name="flash_bwd_dq",
+        **common,
+    )(meta, q, k, v, d_out, lse2, delta, *seg_args)
+    return dq, dk, dv
