@@ -1,0 +1,143 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from model_utils import jit_model
+
+from models import KVCache, Transformer, TransformerConfig
+from models.transformer import positions_from_segments
+
+
+def _model(**overrides):
+    config = TransformerConfig.preset("tiny", **{"attn_impl": "xla", **overrides})
+    return jit_model(Transformer(config, rngs=nnx.Rngs(0)))
+
+
+def _tokens(B, T, seed=1):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, 259, dtype=jnp.int32)
+
+
+def test_full_forward_shape_dtype_and_causality():
+    model = _model()
+    tokens = _tokens(2, 9)
+    logits = model(tokens)
+    assert logits.shape == (2, 9, model.config.vocab_size) and logits.dtype == jnp.float32
+    changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % 259)
+    other = model(changed)
+    np.testing.assert_array_equal(logits[:, :6], other[:, :6])
+    assert np.abs(logits[:, 6:] - other[:, 6:]).max() > 0
+
+
+def test_impls_agree():
+    overrides = dict(sliding_window=4, attn_softcap=20.0, final_softcap=30.0)
+    tokens = _tokens(2, 13)
+    xla = _model(**overrides)(tokens)
+    reference = _model(**overrides, attn_impl="reference")(tokens)
+    np.testing.assert_allclose(reference, xla, atol=2e-5, rtol=2e-5)
+
+
+def test_packed_segments_equal_separate_sequences():
+    model = _model()
+    a, b = _tokens(1, 5, seed=2), _tokens(1, 7, seed=3)
+    packed = jnp.concatenate([a, b], axis=1)
+    seg = jnp.array([[0] * 5 + [1] * 7], jnp.int32)
+    logits = model(packed, segment_ids=seg)
+    np.testing.assert_allclose(logits[:, :5], model(a), atol=1e-5)
+    np.testing.assert_allclose(logits[:, 5:], model(b), atol=1e-5)
+
+
+def test_positions_from_segments():
+    seg = jnp.array([[0, 0, 0, 1, 1, 2], [5, 5, 5, 5, 5, 5]])
+    np.testing.assert_array_equal(
+        positions_from_segments(seg), [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
+    )
+
+
+def _decode_all(model, tokens, cache, prefill):
+    logits, cache = model(tokens[:, :prefill], cache=cache)
+    steps = [logits]
+    for i in range(prefill, tokens.shape[1]):
+        logits, cache = model(tokens[:, i : i + 1], cache=cache)
+        steps.append(logits)
+    return jnp.concatenate(steps, axis=1), cache
+
+
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 3, "attn_softcap": 10.0}])
+def test_prefill_then_decode_equals_full_forward_contiguous(overrides):
+    model = _model(**overrides)
+    tokens = _tokens(2, 12)
+    full = model(tokens)
+    cache = KVCache.contiguous(model.config, 2, 16)
+    logits, cache = _decode_all(model, tokens, cache, prefill=5)
+    np.testing.assert_allclose(logits, full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, [12, 12])
+
+
+def test_prefill_then_decode_equals_full_forward_paged():
+    model = _model()
+    tokens = _tokens(2, 11)
+    full = model(tokens)
+    block_table = jnp.array([[3, 0, 5, -1], [1, 2, 4, -1]], jnp.int32)
+    cache = KVCache.paged(model.config, num_pages=6, page_size=4, block_table=block_table)
+    assert cache.capacity == 16 and cache.page_size == 4 and cache.is_paged
+    logits, cache = _decode_all(model, tokens, cache, prefill=6)
+    np.testing.assert_allclose(logits, full, atol=1e-5, rtol=1e-5)
+
+
+def test_ragged_prefill_with_length_reset_and_rollback():
+    """Right-padded prefill, lengths set to the prompt lengths, then decoding continues per row."""
+    model = _model()
+    long, short = _tokens(1, 7, seed=4), _tokens(1, 4, seed=5)
+    pad = jnp.full((1, 3), model.config.pad_id, jnp.int32)
+    batch = jnp.concatenate([long, jnp.concatenate([short, pad], axis=1)], axis=0)
+    cache = KVCache.contiguous(model.config, 2, 12)
+    _, cache = model(batch, cache=cache)
+    cache = cache.replace(lengths=jnp.array([7, 4], jnp.int32))
+    nxt = _tokens(2, 1, seed=6)
+    logits, cache = model(nxt, cache=cache)
+    ref_long = model(jnp.concatenate([long, nxt[:1]], axis=1))[:, -1]
+    ref_short = model(jnp.concatenate([short, nxt[1:]], axis=1))[:, -1]
+    np.testing.assert_allclose(logits[:, 0], jnp.concatenate([ref_long, ref_short]), atol=1e-5)
+    # Rollback by one token and re-feed a different token.
+    cache = cache.replace(lengths=cache.lengths - 1)
+    other = (nxt + 1) % 259
+    logits, _ = model(other, cache=cache)
+    ref_short = model(jnp.concatenate([short, other[1:]], axis=1))[:, -1]
+    np.testing.assert_allclose(logits[1, 0], ref_short[0], atol=1e-5)
+
+
+def test_cached_forward_under_jit():
+    model = Transformer(TransformerConfig.preset("tiny", attn_impl="xla"), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens, cache):
+        return nnx.merge(graphdef, state)(tokens, cache=cache)
+
+    tokens = _tokens(2, 6)
+    cache = KVCache.contiguous(model.config, 2, 8)
+    logits, cache = step(state, tokens, cache)
+    np.testing.assert_allclose(logits, model(tokens), atol=1e-5)
+    assert isinstance(cache, KVCache) and int(cache.lengths[0]) == 6
+
+
+def test_bf16_forward_is_close_to_float32():
+    model = Transformer(TransformerConfig.preset("tiny", attn_impl="xla"), rngs=nnx.Rngs(0))
+    model16 = Transformer(
+        TransformerConfig.preset("tiny", attn_impl="xla", dtype="bfloat16"), rngs=nnx.Rngs(0)
+    )
+    nnx.update(model16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model)))
+    tokens = _tokens(2, 8)
+    out16 = jit_model(model16)(tokens)
+    assert out16.dtype == jnp.float32
+    np.testing.assert_allclose(out16, jit_model(model)(tokens), atol=0.05)
+
+
+def test_bad_input():
+    model = Transformer(TransformerConfig.preset("tiny", attn_impl="xla"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="tokens"):
+        model(jnp.zeros((3,), jnp.int32))
+    cache = KVCache.contiguous(model.config, 1, 4)
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(_tokens(1, 2), segment_ids=jnp.zeros((1, 2), jnp.int32), cache=cache)
