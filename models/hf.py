@@ -1,0 +1,225 @@
+"""Hugging Face checkpoints: ``config.json`` + ``model.safetensors`` (or sharded with
+``model.safetensors.index.json``) for ``LlamaForCausalLM``, ``MistralForCausalLM`` and
+``Qwen2ForCausalLM``, read and written without torch.
+
+Hugging Face stores a linear layer's weight as ``[out, in]``; NNX ``Linear.kernel`` is ``[in, out]``,
+so those tensors are transposed on the way in and out. Everything else maps one to one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.flax
+from flax import nnx
+
+from models.config import RopeScaling, TransformerConfig
+from models.transformer import Transformer
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def config_from_hf(hf: dict, *, dtype=jnp.float32) -> TransformerConfig:
+    """A :class:`TransformerConfig` from a Hugging Face ``config.json`` dict."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
+    if hf.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias=True")
+    if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):
+        raise ValueError("unsupported attention_bias=True (bias on o_proj)")
+    rope = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    rope = {**legacy, **rope}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r} (default or llama3)")
+    window = None
+    if arch == "MistralForCausalLM":
+        window = hf.get("sliding_window")
+    elif arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        kinds = set(hf.get("layer_types") or ["sliding_attention"])
+        if kinds != {"sliding_attention"}:
+            raise ValueError(f"unsupported mix of layer_types {sorted(kinds)} (one kind only)")
+        window = hf.get("sliding_window")
+
+    def token_id(name):
+        value = hf.get(name)
+        return value[0] if isinstance(value, list) else value
+
+    head_dim = hf.get("head_dim")
+    if head_dim == hf["hidden_size"] // hf["num_attention_heads"]:
+        head_dim = None  # the derived default: keeps round trips equal
+    return TransformerConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        mlp_dim=hf["intermediate_size"],
+        head_dim=head_dim,
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        sliding_window=window,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position=hf.get("max_position_embeddings", 2048),
+        bos_id=token_id("bos_token_id"),
+        eos_id=token_id("eos_token_id"),
+        pad_id=token_id("pad_token_id"),
+        dtype=jnp.dtype(dtype).name,
+    )
+
+
+def config_to_hf(config: TransformerConfig) -> dict:
+    """The ``config.json`` dict for ``config``: Qwen2 when it has q/k/v bias, Mistral when it has
+    a sliding window, else Llama."""
+    if config.attn_softcap or config.final_softcap:
+        raise ValueError("softcap has no Llama/Mistral/Qwen2 equivalent; cannot export it")
+    if config.qkv_bias and config.sliding_window is not None:
+        raise ValueError("q/k/v bias with a sliding window has no supported HF architecture")
+    arch = "LlamaForCausalLM"
+    if config.qkv_bias:
+        arch = "Qwen2ForCausalLM"
+    elif config.sliding_window is not None:
+        arch = "MistralForCausalLM"
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        rope.update(
+            rope_type="llama3",
+            factor=s.factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position,
+        )
+    hf = {
+        "architectures": [arch],
+        "model_type": _MODEL_TYPE[arch],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.resolved_head_dim,
+        "intermediate_size": config.mlp_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": rope,
+        "max_position_embeddings": config.max_position,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": config.bos_id,
+        "eos_token_id": config.eos_id,
+        "pad_token_id": config.pad_id,
+        "dtype": config.dtype,
+    }
+    if arch == "MistralForCausalLM":
+        hf["sliding_window"] = config.sliding_window
+    if arch == "Qwen2ForCausalLM":
+        hf.update(use_sliding_window=False, sliding_window=None)
+    if arch == "LlamaForCausalLM":
+        hf.update(attention_bias=False, mlp_bias=False)
+    return hf
+
+
+def _named_params(model: Transformer) -> dict[str, tuple[nnx.Param, bool]]:
+    """HF tensor name -> (the model's Param, whether the HF tensor is its transpose)."""
+    named = {
+        "model.embed_tokens.weight": (model.embed.embedding, False),
+        "model.norm.weight": (model.norm.weight, False),
+    }
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        named[p + "input_layernorm.weight"] = (layer.input_norm.weight, False)
+        named[p + "post_attention_layernorm.weight"] = (layer.post_attn_norm.weight, False)
+        for group, module in (("self_attn", layer.attn), ("mlp", layer.mlp)):
+            for attr, linear in vars(module).items():
+                if isinstance(linear, nnx.Linear):
+                    named[f"{p}{group}.{attr}.weight"] = (linear.kernel, True)
+                    if linear.bias is not None:
+                        named[f"{p}{group}.{attr}.bias"] = (linear.bias, False)
+    if model.lm_head is not None:
+        named["lm_head.weight"] = (model.lm_head.kernel, True)
+    return named
+
+
+def _read_tensors(path: str) -> dict[str, np.ndarray]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        with safetensors.safe_open(os.path.join(path, name), framework="flax") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto") -> Transformer:
+    """A :class:`Transformer` from a Hugging Face checkpoint directory, parameters in ``dtype``.
+
+    Raises ValueError for an unsupported architecture (naming it) or tensors that do not match.
+    """
+    with open(os.path.join(path, "config.json")) as f:
+        config = config_from_hf(json.load(f), dtype=dtype).replace(attn_impl=attn_impl)
+    tensors = _read_tensors(path)
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    named = _named_params(model)
+    ignored = {k for k in tensors if k.endswith("rotary_emb.inv_freq")}
+    if config.tie_embeddings:
+        ignored.add("lm_head.weight")
+    missing = sorted(set(named) - set(tensors))
+    unexpected = sorted(set(tensors) - set(named) - ignored)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path}: missing tensors {missing}, unexpected {unexpected}")
+    for name, (param, transpose) in named.items():
+        value = jnp.asarray(tensors[name], config.jnp_dtype)
+        value = value.T if transpose else value
+        if value.shape != param.shape:
+            raise ValueError(f"tensor {name}: shape {value.shape}, expected {param.shape}")
+        param.set_value(value)
+    return model
+
+
+def save_hf_checkpoint(model: Transformer, path: str, *, dtype=None) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` (parameters in ``dtype``, default the
+    model's), loadable by :func:`load_hf_checkpoint` and by ``transformers``."""
+    config = model.config
+    if dtype is not None:
+        config = config.replace(dtype=jnp.dtype(dtype).name)
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for name, (param, transpose) in _named_params(model).items():
+        value = jnp.asarray(param[...], config.jnp_dtype)
+        tensors[name] = jnp.asarray(value.T if transpose else value)
+    safetensors.flax.save_file(
+        tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"}
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(config), f, indent=2, sort_keys=True)
+        f.write("\n")
