@@ -5,5 +5,12 @@ Layout [B, T, H, D]; see ``pallas_attn.masks`` for the mask semantics every impl
 
 from pallas_attn.api import flash_attention
 from pallas_attn.heuristics import BlockSizes, num_splits_heuristic
+from pallas_attn.kvcache import KVCacheResult, attention_with_kvcache
 
-__all__ = ["BlockSizes", "flash_attention", "num_splits_heuristic"]
+__all__ = [
+    "BlockSizes",
+    "KVCacheResult",
+    "attention_with_kvcache",
+    "flash_attention",
+    "num_splits_heuristic",
+]

@@ -1,0 +1,270 @@
+"""The public ``attention_with_kvcache``: validation, defaults, dispatch on ``impl``."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_attn import kvcache_ref, masks, validation, xla
+
+CACHE_DTYPES = (*validation.FLOAT_DTYPES, kvcache_ref.FP8_DTYPE)
+
+
+class KVCacheResult(NamedTuple):
+    """``out`` [B, Tq, Hq, D] (q's dtype); ``lse`` [B, Hq, Tq] float32 or None; the caches."""
+
+    out: jax.Array
+    lse: jax.Array | None
+    k_cache: jax.Array
+    v_cache: jax.Array
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    block_table=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved: bool = True,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    softmax_scale: float | None = None,
+    k_descale=None,
+    v_descale=None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    impl: str = "auto",
+) -> KVCacheResult:
+    """Attention of new queries over a KV cache, after appending new keys/values to it.
+
+    Args:
+      q: [B, Tq, Hq, D] float32 / bfloat16 / float16, ``Tq >= 1``.
+      k_cache, v_cache: contiguous [Bc, S, Hkv, D] or, with ``block_table``, paged
+        [num_blocks, P, Hkv, D]; q's dtype or ``float8_e4m3fn``.
+      k, v: optional [B, Tn, Hkv, D] new tokens in q's dtype, written at positions
+        ``cache_seqlens[b] .. cache_seqlens[b] + Tn - 1`` of row ``cache_batch_idx[b]`` (or ``b``).
+      cache_seqlens: int or [B] int, tokens already in each row (not changed by the call).
+      block_table: [B, max_blocks] int32 page indices; entries past a row's length are never read.
+      cache_batch_idx: [B] int, the cache row of each batch row (contiguous caches only).
+      cache_leftpad: [B] int, first valid key of each row (default 0).
+      rotary_cos, rotary_sin: [max_pos, R/2], ``R`` even and ``<= D``: rotate the first ``R`` dims of
+        q and of the new k before the write. New key ``t`` sits at position
+        ``cache_seqlens - cache_leftpad + t``; query ``i`` at ``cache_seqlens - cache_leftpad + i``
+        when causal or windowed, else at ``cache_seqlens - cache_leftpad``.
+      rotary_interleaved: pairs ``(2i, 2i+1)`` if True, ``(i, i + R/2)`` (GPT-NeoX) if False.
+      causal, window_size: bottom-right aligned: query ``i`` sits at key position
+        ``cache_seqlens + Tn - Tq + i``; keys ``[cache_leftpad, cache_seqlens + Tn)`` are valid.
+      softcap, softmax_scale: as in :func:`pallas_attn.flash_attention`.
+      k_descale, v_descale: [B, Hkv] float32 for an FP8 cache (default 1): real = stored * descale.
+      num_splits: KV splits of the decode kernel; 0 = heuristic. Results agree within rounding.
+      return_lse: also return the float32 natural-log lse [B, Hq, Tq].
+      impl: "reference", "xla", "pallas", "interpret" or "auto".
+
+    Returns:
+      :class:`KVCacheResult` ``(out, lse, k_cache, v_cache)``. Under ``jax.jit`` with the caches
+      donated, the caches are updated in place.
+    """
+    impl = validation.resolve_impl(impl)
+    validation.check_array("q", q, ndim=4)
+    B, Tq, Hq, D = q.shape
+    if Tq == 0:
+        raise ValueError(f"q must have at least one query (Tq >= 1), got shape {q.shape}")
+    _check_caches(q, k_cache, v_cache)
+    Hkv = k_cache.shape[2]
+    Tn = _check_new(q, k_cache, k, v)
+    fp8 = kvcache_ref.is_fp8(k_cache)
+
+    seqlens = _per_row("cache_seqlens", cache_seqlens, B)
+    leftpad = _per_row("cache_leftpad", 0 if cache_leftpad is None else cache_leftpad, B)
+    if block_table is not None:
+        if getattr(block_table, "ndim", None) != 2:
+            raise ValueError(f"block_table must be [B, max_blocks], got {_shape(block_table)}")
+        validation.check_int_array("block_table", block_table, (B, block_table.shape[1]))
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with a paged cache (block_table)")
+        block_table = jnp.asarray(block_table, jnp.int32)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if cache_batch_idx is not None:
+            validation.check_int_array("cache_batch_idx", cache_batch_idx, (B,))
+            cache_batch_idx = jnp.asarray(cache_batch_idx, jnp.int32)
+        elif k_cache.shape[0] != B:
+            raise ValueError(
+                f"k_cache has {k_cache.shape[0]} rows but q has batch {B}; "
+                "pass cache_batch_idx or a block_table"
+            )
+        capacity = k_cache.shape[1]
+    _check_values(seqlens, leftpad, Tn, capacity, k_cache.shape, block_table, cache_batch_idx)
+
+    cos, sin = _check_rotary(rotary_cos, rotary_sin, D)
+    k_descale = _descale("k_descale", k_descale, fp8, (B, Hkv))
+    v_descale = _descale("v_descale", v_descale, fp8, (B, Hkv))
+    window = masks.normalize_window(causal, validation.check_window(window_size))
+    static = kvcache_ref.Static(
+        softmax_scale=validation.softmax_scale_or_default(softmax_scale, D),
+        window=window,
+        softcap=validation.check_softcap(softcap),
+        rotary_interleaved=bool(rotary_interleaved),
+    )
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    args = kvcache_ref.CacheArgs(
+        seqlens, leftpad, cache_batch_idx, block_table, cos, sin, k_descale, v_descale
+    )
+
+    if impl == "reference":
+        out, lse, k_cache, v_cache = _reference(static, args, q, k_cache, v_cache, k, v)
+    elif impl == "xla":
+        out, lse, k_cache, v_cache = _xla(static, args, q, k_cache, v_cache, k, v)
+    else:
+        raise NotImplementedError(f"impl={impl!r} is not available yet for attention_with_kvcache")
+    return KVCacheResult(out, lse.astype(jnp.float32) if return_lse else None, k_cache, v_cache)
+
+
+_reference = jax.jit(kvcache_ref.attention, static_argnums=(0,))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _xla(static, args, q, k_cache, v_cache, k, v):
+    """The blockwise XLA path: the reference's cache write, then :func:`pallas_attn.xla.attention`."""
+    Tn = 0 if k is None else k.shape[1]
+    q, k_cache, v_cache = kvcache_ref.prepare(static, args, q, k_cache, v_cache, k, v)
+    k_rows, v_rows = kvcache_ref.attention_inputs(args, k_cache, v_cache)
+    out, lse = xla.attention(
+        q,
+        k_rows,
+        v_rows,
+        softmax_scale=static.softmax_scale,
+        window=static.window,
+        softcap=static.softcap,
+        block_k=_divisor_block(k_rows.shape[1]),
+        **kvcache_ref.mask_args(args, q.shape[1], Tn),
+    )
+    return out, lse, k_cache, v_cache
+
+
+def _divisor_block(S: int, cap: int = 512) -> int | None:
+    """Largest multiple of 8 <= cap dividing S (so the XLA path never pads a copy of the cache)."""
+    for bk in range(min(cap, S) // 8 * 8, 7, -8):
+        if S % bk == 0:
+            return bk
+    return None
+
+
+def _shape(x):
+    return tuple(getattr(x, "shape", ())) if hasattr(x, "shape") else type(x).__name__
+
+
+def _check_caches(q, k_cache, v_cache):
+    validation.check_array("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES)
+    validation.check_array("v_cache", v_cache, ndim=4, dtypes=CACHE_DTYPES)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache shape {k_cache.shape}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache dtypes differ: {k_cache.dtype}, {v_cache.dtype}")
+    if not kvcache_ref.is_fp8(k_cache) and k_cache.dtype != q.dtype:
+        raise TypeError(
+            f"k_cache dtype must be q's dtype ({q.dtype}) or float8_e4m3fn, got {k_cache.dtype}"
+        )
+    validation.check_heads(q.shape, k_cache.shape, k_name="k_cache")
+
+
+def _check_new(q, k_cache, k, v) -> int:
+    """Checks the new tokens; returns Tn (0 without them)."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v (new tokens) must be given together, got only one of them")
+    if k is None:
+        return 0
+    validation.check_array("k", k, ndim=4)
+    validation.check_array("v", v, ndim=4)
+    if k.shape != v.shape:
+        raise ValueError(f"v shape {v.shape} must equal k shape {k.shape}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k and v must have q's dtype {q.dtype}, got {k.dtype}, {v.dtype}")
+    want = (q.shape[0], k.shape[1], k_cache.shape[2], k_cache.shape[3])
+    if k.shape != want:
+        raise ValueError(f"k must have shape [B, Tn, Hkv, D] = {want}, got {k.shape}")
+    return k.shape[1]
+
+
+def _per_row(name: str, x, B: int):
+    """An int or a [B] int array -> [B] int32."""
+    if isinstance(x, int | np.integer) and not isinstance(x, bool):
+        return jnp.full((B,), int(x), jnp.int32)
+    validation.check_int_array(name, x, (B,))
+    return jnp.asarray(x, jnp.int32)
+
+
+def _concrete(x):
+    """A NumPy copy of ``x`` when its values are known at trace time, else None."""
+    if x is None or isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _check_values(seqlens, leftpad, Tn, capacity, cache_shape, block_table, batch_idx):
+    """Range checks on values that are concrete (skipped for traced arguments)."""
+    lens, pad = _concrete(seqlens), _concrete(leftpad)
+    if lens is not None:
+        if lens.min() < 0 or lens.max() + Tn > capacity:
+            raise ValueError(
+                f"cache_seqlens + Tn must lie in [0, {capacity}] (cache capacity), "
+                f"got cache_seqlens={lens.tolist()}, Tn={Tn}"
+            )
+    if pad is not None and pad.min() < 0:
+        raise ValueError(f"cache_leftpad must be >= 0, got {pad.tolist()}")
+    rows = _concrete(batch_idx)
+    if rows is not None and (rows.min() < 0 or rows.max() >= cache_shape[0]):
+        raise ValueError(f"cache_batch_idx must lie in [0, {cache_shape[0]}), got {rows.tolist()}")
+    table = _concrete(block_table)
+    if table is not None and lens is not None:
+        P, num_blocks = cache_shape[1], cache_shape[0]
+        for b, length in enumerate(lens + Tn):
+            used = table[b, : -(-int(length) // P)]
+            if used.size and (used.min() < 0 or used.max() >= num_blocks):
+                raise ValueError(
+                    f"block_table row {b} must hold pages in [0, {num_blocks}) for its "
+                    f"{int(length)} tokens (page size {P}), got {used.tolist()}; "
+                    "is k_cache paged [num_blocks, P, Hkv, D]?"
+                )
+
+
+def _check_rotary(cos, sin, D: int):
+    if (cos is None) != (sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if cos is None:
+        return None, None
+    validation.check_array("rotary_cos", cos, ndim=2)
+    validation.check_array("rotary_sin", sin, ndim=2)
+    if cos.shape != sin.shape:
+        raise ValueError(f"rotary_sin shape {sin.shape} must equal rotary_cos shape {cos.shape}")
+    if cos.shape[0] == 0 or cos.shape[1] == 0 or 2 * cos.shape[1] > D:
+        raise ValueError(
+            f"rotary_cos must be [max_pos, R/2] with 0 < R <= D={D}, got shape {cos.shape}"
+        )
+    return cos, sin
+
+
+def _descale(name: str, x, fp8: bool, shape):
+    if not fp8:
+        if x is not None:
+            raise ValueError(f"{name} is only valid with a float8_e4m3fn cache")
+        return None
+    if x is None:
+        return jnp.ones(shape, jnp.float32)
+    validation.check_array(name, x, ndim=2)
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape [B, Hkv] = {shape}, got {tuple(x.shape)}")
+    return jnp.asarray(x, jnp.float32)
