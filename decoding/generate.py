@@ -1,0 +1,332 @@
+"""KV-cache generation: one jitted prefill, one jitted ``lax.while_loop`` decode, no per-token sync.
+
+The pieces, gpt-fast style, so that speculative decoding can reuse the same state:
+
+* ``prefill``: runs the right-padded prompts [B, Tp] through the model with an empty cache, sets
+  the cache lengths to the true prompt lengths and samples each row's first new token.
+* ``decode_step``: feeds each row's last token (T = 1), samples the next one, appends it unless
+  the row is done. Traceable; called inside the loop.
+* ``decode``: the ``lax.while_loop`` of ``decode_step`` until every row is done or
+  ``max_new_tokens`` tokens exist, inside one jit with the state (and so the cache) donated.
+* ``generate``: host side: pads and buckets shapes, builds a contiguous or paged cache (pages
+  for every position a row may write are allocated before the loop and freed when it returns),
+  times the two phases, strips padding.
+
+Bucketing: batch to a power of two, the prompt length to a multiple of ``PROMPT_BUCKET`` and the
+token buffer to a multiple of ``NEW_TOKENS_BUCKET``; ``max_new_tokens`` and ``eos_id`` are traced
+values. Calls with similar sizes therefore reuse the compiled prefill and loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from decoding import paging
+from decoding.sampling import SamplingConfig, sample
+from models import KVCache
+
+PROMPT_BUCKET = 64
+NEW_TOKENS_BUCKET = 64
+CACHE_KINDS = ("paged", "contiguous")
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries, as one pytree.
+
+    Attributes:
+      tokens: [B, N] int32, the new tokens of each row (column j = j-th new token); entries at or
+        past ``num_new`` are 0.
+      num_new: [B] int32, new tokens in each row so far (an EOS included).
+      last: [B] int32, each row's last token, the input of the next step.
+      done: [B] bool, the row produced EOS (or is batch padding).
+      cache: the ``models.KVCache``; ``cache.lengths`` = prompt length + tokens fed so far.
+      key: the PRNG key; step ``s`` samples with ``fold_in(key, s)``.
+      step: int32 scalar, number of sampling steps taken (prefill is step 0 -> step becomes 1).
+    """
+
+    tokens: jax.Array
+    num_new: jax.Array
+    last: jax.Array
+    done: jax.Array
+    cache: KVCache
+    key: jax.Array
+    step: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """``tokens``: the new tokens per prompt (an EOS included, the prompt not); ``stats``:
+    prefill_s, decode_s, new_tokens, tokens_per_s (new tokens over prefill + decode time),
+    decode_tokens_per_s (tokens of the decode loop over its time), steps, batch, cache."""
+
+    tokens: list[list[int]]
+    stats: dict
+
+
+def _append(state: DecodeState, logits, eos_id, sampling: SamplingConfig) -> DecodeState:
+    """Samples from logits [B, V], appends to rows not done, advances the step."""
+    nxt = sample(logits, jax.random.fold_in(state.key, state.step), sampling)
+    live = ~state.done
+    B = nxt.shape[0]
+    col = jnp.minimum(state.num_new, state.tokens.shape[1] - 1)
+    written = jnp.where(live, nxt, state.tokens[jnp.arange(B), col])
+    return state.replace(
+        tokens=state.tokens.at[jnp.arange(B), col].set(written),
+        num_new=state.num_new + live.astype(jnp.int32),
+        last=jnp.where(live, nxt, state.last),
+        done=state.done | (live & (nxt == eos_id)),
+        step=state.step + 1,
+    )
+
+
+def prefill(
+    model,
+    tokens,
+    prompt_lengths,
+    cache: KVCache,
+    *,
+    key,
+    done,
+    eos_id,
+    num_new_max,
+    sampling: SamplingConfig,
+) -> DecodeState:
+    """Prompt pass: tokens [B, Tp] right-padded, prompt_lengths [B] >= 1, an empty cache.
+
+    Traceable (``generate`` jits it). ``done`` [B] bool marks rows to skip (batch padding);
+    ``num_new_max`` (static) is the width N of the token buffer.
+    """
+    B = tokens.shape[0]
+    logits, cache = model(tokens, cache=cache)
+    cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
+    last_logits = logits[jnp.arange(B), prompt_lengths - 1]  # [B, V]
+    state = DecodeState(
+        tokens=jnp.zeros((B, num_new_max), jnp.int32),
+        num_new=jnp.zeros((B,), jnp.int32),
+        last=jnp.zeros((B,), jnp.int32),
+        done=done,
+        cache=cache,
+        key=key,
+        step=jnp.zeros((), jnp.int32),
+    )
+    return _append(state, last_logits, eos_id, sampling)
+
+
+def decode_step(model, state: DecodeState, *, eos_id, sampling: SamplingConfig) -> DecodeState:
+    """One token for every row: feed ``state.last`` [B, 1], sample, append. Traceable.
+
+    Rows already done still run (their cache writes land in their own reserved positions) but
+    append nothing.
+    """
+    logits, cache = model(state.last[:, None], cache=state.cache)
+    return _append(state.replace(cache=cache), logits[:, -1], eos_id, sampling)
+
+
+def decode(model, state: DecodeState, *, max_new_tokens, eos_id, sampling: SamplingConfig):
+    """``decode_step`` until all rows are done or ``max_new_tokens`` tokens were sampled.
+
+    Traceable; ``max_new_tokens`` and ``eos_id`` may be traced int32 scalars.
+    """
+
+    def cond(s):
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def body(s):
+        return decode_step(model, s, eos_id=eos_id, sampling=sampling)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "sampling", "num_new_max"), donate_argnames=("cache",)
+)
+def _prefill_jit(
+    graphdef, params, tokens, prompt_lengths, cache, key, done, eos_id, *, num_new_max, sampling
+):
+    model = nnx.merge(graphdef, params)
+    return prefill(
+        model,
+        tokens,
+        prompt_lengths,
+        cache,
+        key=key,
+        done=done,
+        eos_id=eos_id,
+        num_new_max=num_new_max,
+        sampling=sampling,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("state",))
+def _decode_jit(graphdef, params, state, max_new_tokens, eos_id, *, sampling):
+    model = nnx.merge(graphdef, params)
+    return decode(model, state, max_new_tokens=max_new_tokens, eos_id=eos_id, sampling=sampling)
+
+
+def compiled_count() -> int:
+    """How many (prefill, decode) executables are cached: grows by one per recompilation."""
+    return _prefill_jit._cache_size() + _decode_jit._cache_size()
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    if hasattr(prompts, "shape") and hasattr(prompts, "dtype"):
+        arr = np.asarray(prompts)
+        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompts must be a [B, T] int array, got {arr.shape} {arr.dtype}")
+        prompts = arr.tolist()
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token lists or a [B, T] int array")
+    rows = []
+    for b, p in enumerate(prompts):
+        if not isinstance(p, list | tuple) or not p:
+            raise ValueError(f"prompt {b} must be a non-empty list of ints, got {p!r}")
+        row = [int(t) for t in p]
+        bad = [t for t in row if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {b} has token ids outside [0, {vocab_size}): {bad[:5]}")
+        rows.append(row)
+    return rows
+
+
+def _cache_for(model, kind: str, need, n_pad: int, capacity: int, page_size: int, num_pages):
+    """An empty cache for ``len(need)`` real rows, row b writing ``need[b]`` positions, and
+    ``n_pad`` batch-padding rows; for a paged cache also its ``BlockTables`` (else None).
+
+    Padding rows all share one row's worth of pages: they write there but nobody reads it.
+    """
+    config = model.config
+    batch = len(need) + n_pad
+    if kind == "contiguous":
+        return KVCache.contiguous(config, batch, capacity), None
+    max_pages = paging.pages_for(capacity, page_size)
+    pool = batch * max_pages if num_pages is None else num_pages
+    tables = paging.BlockTables(paging.PageAllocator(pool, page_size), batch, max_pages)
+    tables.reserve(list(need) + ([capacity] if n_pad else []) + [0] * max(n_pad - 1, 0))
+    for b in range(len(need) + 1, batch):
+        tables.share_prefix(len(need), b, max_pages)
+    return KVCache.paged(config, pool, page_size, tables.table()), tables
+
+
+def generate(
+    model,
+    prompts,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    eos_id: int | None = None,
+    seed: int = 0,
+    cache: str = "paged",
+    page_size: int = 16,
+    num_pages: int | None = None,
+) -> GenerateResult:
+    """Generates up to ``max_new_tokens`` tokens after each prompt.
+
+    Args:
+      model: a ``models.Transformer``.
+      prompts: a list of B token lists (lengths may differ) or a [B, T] int array.
+      max_new_tokens: >= 1; each row stops earlier after producing ``eos_id``.
+      sampling: a ``SamplingConfig``; default greedy.
+      eos_id: the stop token (kept in the output), or None.
+      seed: PRNG seed; same seed, same tokens.
+      cache: "paged" (pages from a ``paging.PageAllocator``) or "contiguous".
+      page_size: P, positions per page (paged only).
+      num_pages: size of the page pool (a static shape: keep it fixed across calls to avoid
+        recompiling); default ``B_pad * pages_for(Tp + N)``, the contiguous cache's size. Too
+        small a pool raises ``paging.OutOfPagesError`` before any work.
+
+    Returns:
+      ``GenerateResult`` with ``tokens`` (list per prompt) and ``stats``.
+    """
+    sampling = SamplingConfig() if sampling is None else sampling
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int | np.integer)
+        or (max_new_tokens < 1)
+    ):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if cache not in CACHE_KINDS:
+        raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    config = model.config
+    if eos_id is not None and not 0 <= int(eos_id) < config.vocab_size:
+        raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id!r}")
+    rows = _check_prompts(prompts, config.vocab_size)
+    lengths = [len(r) for r in rows]
+    if max(lengths) + max_new_tokens > config.max_position:
+        raise ValueError(
+            f"prompt length {max(lengths)} + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"max_position {config.max_position}"
+        )
+
+    B = len(rows)
+    B_pad = _next_pow2(B)
+    Tp = _round_up(max(lengths), PROMPT_BUCKET)
+    N = _round_up(max_new_tokens, NEW_TOKENS_BUCKET)
+    capacity = Tp + N
+    tokens = np.zeros((B_pad, Tp), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = r
+    prompt_lengths = np.array(lengths + [1] * (B_pad - B), np.int32)
+    done = np.arange(B_pad) >= B
+    # Positions a row writes: the padded prompt, then one per fed token.
+    need = [max(Tp, n + max_new_tokens) for n in lengths]
+    kv, tables = _cache_for(model, cache, need, B_pad - B, capacity, page_size, num_pages)
+    try:
+        graphdef, params = nnx.split(model)
+        eos = jnp.int32(-1 if eos_id is None else eos_id)
+        t0 = time.perf_counter()
+        state = _prefill_jit(
+            graphdef,
+            params,
+            jnp.asarray(tokens),
+            jnp.asarray(prompt_lengths),
+            kv,
+            jax.random.key(seed),
+            jnp.asarray(done),
+            eos,
+            num_new_max=N,
+            sampling=sampling,
+        )
+        jax.block_until_ready(state)
+        t1 = time.perf_counter()
+        state = _decode_jit(
+            graphdef, params, state, jnp.int32(max_new_tokens), eos, sampling=sampling
+        )
+        out, num_new, steps = jax.device_get((state.tokens, state.num_new, state.step))
+        t2 = time.perf_counter()
+    finally:
+        if tables is not None:
+            tables.free_all()
+    result = [out[b, : num_new[b]].tolist() for b in range(B)]
+    new_tokens = int(sum(num_new[:B]))
+    prefill_s, decode_s = t1 - t0, t2 - t1
+    stats = dict(
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        new_tokens=new_tokens,
+        tokens_per_s=new_tokens / (prefill_s + decode_s),
+        decode_tokens_per_s=(new_tokens - B) / decode_s if decode_s > 0 else 0.0,
+        steps=int(steps),
+        batch=B,
+        cache=cache,
+    )
+    return GenerateResult(tokens=result, stats=stats)

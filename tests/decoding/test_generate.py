@@ -1,0 +1,135 @@
+"""Jitted generation on the tiny model: greedy == full-forward argmax, paged == contiguous,
+per-row EOS, seeds, no recompilation across similar calls, pool errors before work."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from decoding import paging
+from decoding.generate import compiled_count, generate
+from decoding.sampling import SamplingConfig
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 50, 3, 3, 3, 3, 3, 3, 9]]  # B = 3 -> padded to 4
+NEW = 12
+TOP_P = SamplingConfig(temperature=1.0, top_p=0.9)
+
+
+def full_forward_greedy(model, prompts, n):
+    """n greedy tokens per prompt by re-running the full (uncached) forward on the growing
+    sequences, right-padded to one fixed length (causal: padding never affects earlier logits)."""
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+    L = max(len(p) for p in prompts) + n
+    seqs = np.zeros((len(prompts), L), np.int32)
+    for b, p in enumerate(prompts):
+        seqs[b, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts])
+    for _ in range(n):
+        logits = np.asarray(forward(params, jnp.asarray(seqs)))
+        rows = np.arange(len(prompts))
+        seqs[rows, lengths] = logits[rows, lengths - 1].argmax(-1)
+        lengths += 1
+    return [seqs[b, len(p) : len(p) + n].tolist() for b, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def greedy_paged(tiny_model):
+    return generate(tiny_model, PROMPTS, max_new_tokens=NEW)
+
+
+def test_greedy_equals_full_forward_argmax(tiny_model, greedy_paged):
+    assert [len(t) for t in greedy_paged.tokens] == [NEW] * len(PROMPTS)
+    assert greedy_paged.tokens == full_forward_greedy(tiny_model, PROMPTS, NEW)
+    assert len({tuple(t) for t in greedy_paged.tokens}) == len(PROMPTS)  # not degenerate
+
+
+def test_paged_equals_contiguous(tiny_model, greedy_paged):
+    contiguous = generate(tiny_model, PROMPTS, max_new_tokens=NEW, cache="contiguous")
+    assert contiguous.tokens == greedy_paged.tokens
+    sampled = [
+        generate(tiny_model, PROMPTS, max_new_tokens=NEW, sampling=TOP_P, seed=3, cache=kind)
+        for kind in ("paged", "contiguous")
+    ]
+    assert sampled[0].tokens == sampled[1].tokens
+
+
+def test_page_size_does_not_change_output(tiny_model, greedy_paged):
+    res = generate(tiny_model, PROMPTS, max_new_tokens=NEW, page_size=8)
+    assert res.tokens == greedy_paged.tokens
+
+
+def test_same_seed_same_tokens_other_seed_differs(tiny_model):
+    runs = [
+        generate(tiny_model, PROMPTS, max_new_tokens=NEW, sampling=TOP_P, seed=s) for s in (5, 5, 6)
+    ]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].tokens != runs[2].tokens
+
+
+def test_eos_stops_each_row_and_is_included(tiny_model, greedy_paged):
+    eos = greedy_paged.tokens[0][4]
+    res = generate(tiny_model, PROMPTS, max_new_tokens=NEW, eos_id=eos)
+    for full, got in zip(greedy_paged.tokens, res.tokens, strict=True):
+        want = full[: full.index(eos) + 1] if eos in full else full
+        assert got == want
+    assert res.tokens[0][-1] == eos and len(res.tokens[0]) == 5
+    assert res.stats["new_tokens"] == sum(len(t) for t in res.tokens)
+
+
+def test_array_prompts_and_single_token(tiny_model, greedy_paged):
+    res = generate(tiny_model, np.array([PROMPTS[0], PROMPTS[0]], np.int32), max_new_tokens=1)
+    assert res.tokens == [greedy_paged.tokens[0][:1]] * 2
+    assert res.stats["steps"] == 1
+
+
+def test_similar_calls_do_not_recompile(tiny_model):
+    generate(tiny_model, PROMPTS, max_new_tokens=NEW)  # compiled (or reused) here
+    before = compiled_count()
+    generate(tiny_model, PROMPTS[:2], max_new_tokens=NEW + 20, eos_id=3)  # batch 2 -> 2
+    generate(tiny_model, [[5] * 40, [6], [7, 8], [9]], max_new_tokens=7)  # prompt 40 -> 64
+    after_similar = compiled_count()
+    generate(tiny_model, [[5] * 70, [6], [7]], max_new_tokens=NEW)  # prompt bucket 128
+    assert after_similar - before <= 2  # only batch 2 (prefill + loop) was new
+    assert compiled_count() == after_similar + 2
+
+
+def test_stats_fields(greedy_paged):
+    stats = greedy_paged.stats
+    for key in ("prefill_s", "decode_s", "new_tokens", "tokens_per_s"):
+        assert stats[key] > 0
+    assert stats["new_tokens"] == len(PROMPTS) * NEW
+
+
+def test_pool_too_small_raises_before_work(tiny_model):
+    before = compiled_count()
+    with pytest.raises(paging.OutOfPagesError, match="num_pages"):
+        generate(tiny_model, PROMPTS, max_new_tokens=NEW, num_pages=4, sampling=TOP_P)
+    assert compiled_count() == before
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"cache": "ring"}, "cache"),
+        ({"page_size": 0}, "page_size"),
+        ({"eos_id": 10_000}, "eos_id"),
+        ({"prompts": []}, "prompts"),
+        ({"prompts": [[1], []]}, "prompt 1"),
+        ({"prompts": [[1, 999]]}, "token ids"),
+        ({"max_new_tokens": 600}, "max_position"),
+    ],
+)
+def test_bad_arguments_raise(tiny_model, kwargs, match):
+    args = {"prompts": PROMPTS, "max_new_tokens": 4} | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate(tiny_model, args.pop("prompts"), **args)
+
+
+def test_sampling_must_be_config(tiny_model):
+    with pytest.raises(TypeError, match="SamplingConfig"):
+        generate(tiny_model, PROMPTS, max_new_tokens=2, sampling={"temperature": 1.0})
