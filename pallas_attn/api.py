@@ -41,8 +41,8 @@ def flash_attention(
 
     Returns:
       ``out`` [B, T, Hq, D] in q's dtype, or ``(out, lse)`` when ``return_lse``. Differentiable in
-      q, k and v. The lse is differentiable with "reference" and "xla"; the Pallas kernels treat
-      its cotangent as zero (it is a by-product for combining partial results, not a loss input).
+      q, k and v; the lse is differentiable too, with every impl (the backward folds its
+      cotangent into ``delta = rowsum(dO * O) - dlse``).
     """
     impl = validation.resolve_impl(impl)
     for name, x in (("q", q), ("k", k), ("v", v)):
