@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn import kvcache_ref, masks, validation, xla
+from pallas_attn import kvcache_ref, masks, rotary, validation, xla
 
 CACHE_DTYPES = (*validation.FLOAT_DTYPES, kvcache_ref.FP8_DTYPE)
 
@@ -84,6 +84,8 @@ def attention_with_kvcache(
     _check_caches(q, k_cache, v_cache)
     Hkv = k_cache.shape[2]
     Tn = _check_new(q, k_cache, k, v)
+    if Tn == 0:
+        k = v = None
     fp8 = kvcache_ref.is_fp8(k_cache)
 
     seqlens = _per_row("cache_seqlens", cache_seqlens, B)
@@ -129,7 +131,17 @@ def attention_with_kvcache(
     elif impl == "xla":
         out, lse, k_cache, v_cache = _xla(static, args, q, k_cache, v_cache, k, v)
     else:
-        raise NotImplementedError(f"impl={impl!r} is not available yet for attention_with_kvcache")
+        out, lse, k_cache, v_cache = _pallas(
+            static,
+            args,
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            num_splits=num_splits,
+            interpret=impl == "interpret",
+        )
     return KVCacheResult(out, lse.astype(jnp.float32) if return_lse else None, k_cache, v_cache)
 
 
@@ -153,6 +165,63 @@ def _xla(static, args, q, k_cache, v_cache, k, v):
         **kvcache_ref.mask_args(args, q.shape[1], Tn),
     )
     return out, lse, k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_splits", "interpret"))
+def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpret: bool):
+    """The Pallas kernels: append (fused rotary, FP8) in place, then split-KV decode."""
+    from pallas_attn.kernels import append, decode  # imported only when asked for
+
+    B, Tq, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    paged = args.block_table is not None
+    if paged:
+        index = args.block_table
+        capacity = index.shape[1] * k_cache.shape[1]
+    else:
+        rows = jnp.arange(B, dtype=jnp.int32)
+        index = rows if args.cache_batch_idx is None else args.cache_batch_idx
+        capacity = k_cache.shape[1]
+    descale = None
+    if kvcache_ref.is_fp8(k_cache):
+        descale = jnp.stack([args.k_descale, args.v_descale])
+    if args.rotary_cos is not None:
+        windowed = static.window != (-1, -1)
+        positions = kvcache_ref.rotary_positions(args, Tq, per_token=windowed)
+        q = rotary.apply(
+            q, args.rotary_cos, args.rotary_sin, positions, interleaved=static.rotary_interleaved
+        )
+    Tn = 0
+    if k is not None:
+        Tn = k.shape[1]
+        k_cache, v_cache = append.append(
+            k_cache, v_cache, k, v, args.cache_seqlens, args.cache_leftpad, index,
+            args.rotary_cos, args.rotary_sin, descale,
+            interleaved=static.rotary_interleaved, interpret=interpret,
+        )  # fmt: skip
+    G = Hq // Hkv
+    block_m, block_n, num_warps = decode.default_blocks(G * Tq, D, q.dtype)
+    m_blocks = pl_cdiv(G * Tq, block_m)
+    cfg = decode.DecodeConfig(
+        softmax_scale=static.softmax_scale,
+        window=static.window,
+        softcap=static.softcap,
+        group=G,
+        block_m=block_m,
+        block_n=block_n,
+        num_splits=decode.choose_splits(num_splits, B * Hkv * m_blocks, capacity, block_n),
+        num_warps=num_warps,
+    )
+    masks_ = kvcache_ref.mask_args(args, Tq, Tn)
+    out, lse = decode.decode(
+        q, k_cache, v_cache, masks_["kv_len"], masks_["kv_start"], index, descale,
+        cfg=cfg, interpret=interpret,
+    )  # fmt: skip
+    return out, lse, k_cache, v_cache
+
+
+def pl_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _divisor_block(S: int, cap: int = 512) -> int | None:

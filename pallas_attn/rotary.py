@@ -7,9 +7,9 @@ first ``R`` dims is rotated by angle ``theta_i(p)``:
 * not interleaved (GPT-NeoX / Llama): pairs ``(i, i + R/2)``.
 
 ``out[d] = x[d] * cos[p, f(d)] + sign(d) * x[partner(d)] * sin[p, f(d)]`` with ``sign = -1`` for
-the first element of a pair. Dims ``d >= R`` pass through. The tables below (``frequency_index``,
-``partner_index``, ``sign``) are static NumPy arrays, so the same formula runs in plain ``jnp``
-(:func:`apply`) and inside a Pallas kernel (gathers from refs).
+the first element of a pair. Dims ``d >= R`` pass through. The index maps below (``frequency_index``,
+``partner_index``, ``sign``) are elementwise ops on an array of dims, so the same formula runs in
+plain ``jnp`` (:func:`apply`) and inside a Pallas kernel (as gathers from refs).
 """
 
 from __future__ import annotations
@@ -18,23 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def frequency_index(R: int, interleaved: bool) -> np.ndarray:
-    """[R] int32: the column of ``cos``/``sin`` that dim ``d`` uses."""
-    d = np.arange(R)
-    return (d // 2 if interleaved else d % (R // 2)).astype(np.int32)
+def frequency_index(d, R: int, interleaved: bool):
+    """The column of ``cos``/``sin`` that dim ``d`` (an int array, ``d < R``) uses."""
+    return d // 2 if interleaved else d % (R // 2)
 
 
-def partner_index(R: int, interleaved: bool) -> np.ndarray:
-    """[R] int32: the other dim of ``d``'s pair."""
-    d = np.arange(R)
-    return (d ^ 1 if interleaved else (d + R // 2) % R).astype(np.int32)
+def partner_index(d, R: int, interleaved: bool):
+    """The other dim of ``d``'s pair (``d < R``)."""
+    return d ^ 1 if interleaved else (d + R // 2) % R
 
 
-def sign(R: int, interleaved: bool) -> np.ndarray:
-    """[R] float32: -1 for the first element of a pair, +1 for the second."""
-    d = np.arange(R)
+def sign(d, R: int, interleaved: bool):
+    """float32 -1 for the first element of a pair, +1 for the second (``d < R``)."""
     first = d % 2 == 0 if interleaved else d < R // 2
-    return np.where(first, -1.0, 1.0).astype(np.float32)
+    return jnp.where(first, -1.0, 1.0).astype(jnp.float32)
 
 
 def apply(x, cos, sin, positions, *, interleaved: bool):
@@ -51,9 +48,10 @@ def apply(x, cos, sin, positions, *, interleaved: bool):
     """
     R = 2 * cos.shape[1]
     positions = jnp.clip(positions, 0, cos.shape[0] - 1)
-    f = frequency_index(R, interleaved)
+    d = np.arange(R)
+    f = frequency_index(d, R, interleaved)
     c = cos.astype(jnp.float32)[positions][..., None, f]  # [B, T, 1, R]
     s = sin.astype(jnp.float32)[positions][..., None, f]
     xr = x[..., :R].astype(jnp.float32)
-    rotated = xr * c + sign(R, interleaved) * xr[..., partner_index(R, interleaved)] * s
+    rotated = xr * c + sign(d, R, interleaved) * xr[..., partner_index(d, R, interleaved)] * s
     return jnp.concatenate([rotated.astype(x.dtype), x[..., R:]], axis=-1)
