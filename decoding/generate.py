@@ -65,7 +65,8 @@ class DecodeState:
 class GenerateResult:
     """``tokens``: the new tokens per prompt (an EOS included, the prompt not); ``stats``:
     prefill_s, decode_s, new_tokens, tokens_per_s (new tokens over prefill + decode time),
-    decode_tokens_per_s (tokens of the decode loop over its time), steps, batch, cache."""
+    decode_tokens_per_s (tokens of the decode loop over its time), compile_s (compilation in
+    this call, not part of the other times), steps, batch, cache."""
 
     tokens: list[list[int]]
     stats: dict
@@ -146,10 +147,10 @@ def decode(model, state: DecodeState, *, max_new_tokens, eos_id, sampling: Sampl
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "sampling", "num_new_max"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("graphdef", "num_new_max", "sampling"), donate_argnames=("cache",)
 )
 def _prefill_jit(
-    graphdef, params, tokens, prompt_lengths, cache, key, done, eos_id, *, num_new_max, sampling
+    params, tokens, prompt_lengths, cache, key, done, eos_id, *, graphdef, num_new_max, sampling
 ):
     model = nnx.merge(graphdef, params)
     return prefill(
@@ -166,14 +167,32 @@ def _prefill_jit(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("state",))
-def _decode_jit(graphdef, params, state, max_new_tokens, eos_id, *, sampling):
+def _decode_jit(params, state, max_new_tokens, eos_id, *, graphdef, sampling):
     model = nnx.merge(graphdef, params)
     return decode(model, state, max_new_tokens=max_new_tokens, eos_id=eos_id, sampling=sampling)
 
 
+# Executables compiled ahead of time, keyed by function, static arguments and the shapes/dtypes
+# of the dynamic ones (what jit keys on), so that compilation is timed apart from running.
+_EXECUTABLES: dict[tuple, jax.stages.Compiled] = {}
+
+
+def _run(fn, args: tuple, **static):
+    """``fn(*args, **static)`` through a cached ahead-of-time executable -> (out, compile_s)."""
+    leaves, treedef = jax.tree.flatten(args)
+    avals = tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
+    key = (fn, treedef, avals, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+    exe, compile_s = _EXECUTABLES.get(key), 0.0
+    if exe is None:
+        t0 = time.perf_counter()
+        exe = _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+        compile_s = time.perf_counter() - t0
+    return exe(*args), compile_s
+
+
 def compiled_count() -> int:
-    """How many (prefill, decode) executables are cached: grows by one per recompilation."""
-    return _prefill_jit._cache_size() + _decode_jit._cache_size()
+    """How many prefill and decode executables were compiled: grows by one per compilation."""
+    return len(_EXECUTABLES)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -293,9 +312,8 @@ def generate(
     try:
         graphdef, params = nnx.split(model)
         eos = jnp.int32(-1 if eos_id is None else eos_id)
-        t0 = time.perf_counter()
-        state = _prefill_jit(
-            graphdef,
+        static = dict(graphdef=graphdef, sampling=sampling)
+        args = (
             params,
             jnp.asarray(tokens),
             jnp.asarray(prompt_lengths),
@@ -303,14 +321,15 @@ def generate(
             jax.random.key(seed),
             jnp.asarray(done),
             eos,
-            num_new_max=N,
-            sampling=sampling,
         )
+        del kv  # donated
+        t0 = time.perf_counter()
+        state, compile_prefill = _run(_prefill_jit, args, num_new_max=N, **static)
         jax.block_until_ready(state)
         t1 = time.perf_counter()
-        state = _decode_jit(
-            graphdef, params, state, jnp.int32(max_new_tokens), eos, sampling=sampling
-        )
+        args = (params, state, jnp.int32(max_new_tokens), eos)
+        del state  # donated
+        state, compile_decode = _run(_decode_jit, args, **static)
         out, num_new, steps = jax.device_get((state.tokens, state.num_new, state.step))
         t2 = time.perf_counter()
     finally:
@@ -318,13 +337,14 @@ def generate(
             tables.free_all()
     result = [out[b, : num_new[b]].tolist() for b in range(B)]
     new_tokens = int(sum(num_new[:B]))
-    prefill_s, decode_s = t1 - t0, t2 - t1
+    prefill_s, decode_s = t1 - t0 - compile_prefill, t2 - t1 - compile_decode
     stats = dict(
         prefill_s=prefill_s,
         decode_s=decode_s,
         new_tokens=new_tokens,
         tokens_per_s=new_tokens / (prefill_s + decode_s),
         decode_tokens_per_s=(new_tokens - B) / decode_s if decode_s > 0 else 0.0,
+        compile_s=compile_prefill + compile_decode,
         steps=int(steps),
         batch=B,
         cache=cache,

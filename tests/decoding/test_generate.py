@@ -90,11 +90,13 @@ def test_similar_calls_do_not_recompile(tiny_model):
     generate(tiny_model, PROMPTS, max_new_tokens=NEW)  # compiled (or reused) here
     before = compiled_count()
     generate(tiny_model, PROMPTS[:2], max_new_tokens=NEW + 20, eos_id=3)  # batch 2 -> 2
-    generate(tiny_model, [[5] * 40, [6], [7, 8], [9]], max_new_tokens=7)  # prompt 40 -> 64
+    res = generate(tiny_model, [[5] * 40, [6], [7, 8], [9]], max_new_tokens=7)  # prompt 40 -> 64
+    assert res.stats["compile_s"] == 0.0
     after_similar = compiled_count()
     generate(tiny_model, [[5] * 70, [6], [7]], max_new_tokens=NEW)  # prompt bucket 128
     assert after_similar - before <= 2  # only batch 2 (prefill + loop) was new
     assert compiled_count() == after_similar + 2
+    assert generate(tiny_model, [[5] * 100], max_new_tokens=2).stats["compile_s"] > 0  # batch 1
 
 
 def test_stats_fields(greedy_paged):
