@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn import kvcache_ref, masks, rotary, validation, xla
+from pallas_attn import kvcache_ref, masks, validation, xla
 
 CACHE_DTYPES = (*validation.FLOAT_DTYPES, kvcache_ref.FP8_DTYPE)
 
@@ -172,10 +172,9 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
     """The Pallas kernels: append (fused rotary, FP8) in place, then split-KV decode."""
     from pallas_attn.kernels import append, decode  # imported only when asked for
 
-    B, Tq, Hq, D = q.shape
+    B, Tq = q.shape[:2]
     Hkv = k_cache.shape[2]
-    paged = args.block_table is not None
-    if paged:
+    if args.block_table is not None:
         index = args.block_table
         capacity = index.shape[1] * k_cache.shape[1]
     else:
@@ -185,12 +184,7 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
     descale = None
     if kvcache_ref.is_fp8(k_cache):
         descale = jnp.stack([args.k_descale, args.v_descale])
-    if args.rotary_cos is not None:
-        windowed = static.window != (-1, -1)
-        positions = kvcache_ref.rotary_positions(args, Tq, per_token=windowed)
-        q = rotary.apply(
-            q, args.rotary_cos, args.rotary_sin, positions, interleaved=static.rotary_interleaved
-        )
+    q = kvcache_ref.rotate_queries(static, args, q)
     Tn = 0
     if k is not None:
         Tn = k.shape[1]
@@ -199,29 +193,17 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
             args.rotary_cos, args.rotary_sin, descale,
             interleaved=static.rotary_interleaved, interpret=interpret,
         )  # fmt: skip
-    G = Hq // Hkv
-    block_m, block_n, num_warps = decode.default_blocks(G * Tq, D, q.dtype)
-    m_blocks = pl_cdiv(G * Tq, block_m)
-    cfg = decode.DecodeConfig(
-        softmax_scale=static.softmax_scale,
-        window=static.window,
-        softcap=static.softcap,
-        group=G,
-        block_m=block_m,
-        block_n=block_n,
-        num_splits=decode.choose_splits(num_splits, B * Hkv * m_blocks, capacity, block_n),
-        num_warps=num_warps,
-    )
-    masks_ = kvcache_ref.mask_args(args, Tq, Tn)
+    cfg = decode.DecodeConfig.make(
+        q.shape, Hkv, capacity, q.dtype,
+        softmax_scale=static.softmax_scale, window=static.window, softcap=static.softcap,
+        num_splits=num_splits,
+    )  # fmt: skip
+    lengths = kvcache_ref.mask_args(args, Tq, Tn)
     out, lse = decode.decode(
-        q, k_cache, v_cache, masks_["kv_len"], masks_["kv_start"], index, descale,
+        q, k_cache, v_cache, lengths["kv_len"], lengths["kv_start"], index, descale,
         cfg=cfg, interpret=interpret,
     )  # fmt: skip
     return out, lse, k_cache, v_cache
-
-
-def pl_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _divisor_block(S: int, cap: int = 512) -> int | None:

@@ -96,16 +96,26 @@ def slots(args: CacheArgs, Tn: int, cache_shape):
     return jnp.where(valid, page, cache_shape[0]), pos % P
 
 
+def rotate_queries(static: Static, args: CacheArgs, q):
+    """Rotary on q (if asked): query ``i`` at ``cache_seqlens - cache_leftpad (+ i when causal or
+    windowed)``."""
+    if args.rotary_cos is None:
+        return q
+    windowed = static.window != (-1, -1)
+    positions = rotary_positions(args, q.shape[1], per_token=windowed)
+    return rotary.apply(
+        q, args.rotary_cos, args.rotary_sin, positions, interleaved=static.rotary_interleaved
+    )
+
+
 def prepare(static: Static, args: CacheArgs, q, k_cache, v_cache, k=None, v=None):
     """Rotary on q and new k, FP8 quantisation, cache write. Returns ``(q, k_cache, v_cache)``."""
-    windowed = static.window != (-1, -1)
-    if args.rotary_cos is not None:
-        rope = dict(interleaved=static.rotary_interleaved)
-        q_pos = rotary_positions(args, q.shape[1], per_token=windowed)
-        q = rotary.apply(q, args.rotary_cos, args.rotary_sin, q_pos, **rope)
-        if k is not None:
-            k_pos = rotary_positions(args, k.shape[1], per_token=True)
-            k = rotary.apply(k, args.rotary_cos, args.rotary_sin, k_pos, **rope)
+    q = rotate_queries(static, args, q)
+    if args.rotary_cos is not None and k is not None:
+        k_pos = rotary_positions(args, k.shape[1], per_token=True)
+        k = rotary.apply(
+            k, args.rotary_cos, args.rotary_sin, k_pos, interleaved=static.rotary_interleaved
+        )
     if k is not None:
         if is_fp8(k_cache):
             k, v = quantize(k, args.k_descale), quantize(v, args.v_descale)

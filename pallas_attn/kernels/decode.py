@@ -52,6 +52,24 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
 
+    @classmethod
+    def make(cls, q_shape, Hkv, capacity, dtype, *, softmax_scale, window, softcap, num_splits):
+        """Tiles for q [B, Tq, Hq, D] over ``capacity`` keys per row; ``num_splits`` 0 = heuristic."""
+        B, Tq, Hq, D = q_shape
+        G = Hq // Hkv
+        block_m, block_n, num_warps = default_blocks(G * Tq, D, dtype)
+        programs = B * Hkv * pl.cdiv(G * Tq, block_m)
+        return cls(
+            softmax_scale=softmax_scale,
+            window=window,
+            softcap=softcap,
+            group=G,
+            block_m=block_m,
+            block_n=block_n,
+            num_splits=choose_splits(num_splits, programs, capacity, block_n),
+            num_warps=num_warps,
+        )
+
 
 def _next_pow2(x: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (x - 1).bit_length()))
