@@ -157,7 +157,7 @@ PRESETS: dict[str, TransformerConfig] = {
         num_layers=8,
         num_heads=8,
         num_kv_heads=4,
-        mlp_dim=704,
+        mlp_dim=576,
         tie_embeddings=True,
         max_position=2048,
         **_BYTE_IDS,

@@ -113,41 +113,18 @@ class Attention(nnx.Module):
             )
             return self.o_proj(out.reshape(B, T, c.num_heads * D))
         k_cache, v_cache, lengths, block_table = kv
-        out, k_cache, v_cache = _cached_attention(
-            q, k_cache, v_cache, k, v, lengths, block_table, **common
+        res = pallas_attn.attention_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens=lengths,
+            block_table=block_table,
+            impl=c.attn_impl,
+            **common,
         )
-        return self.o_proj(out.reshape(B, T, c.num_heads * D)), (k_cache, v_cache)
-
-
-def _cached_attention(q, k_cache, v_cache, k, v, lengths, block_table, **common):
-    """Writes k/v [B, T, Hkv, D] at ``lengths`` and attends over ``[0, lengths + T)``."""
-    B, T = k.shape[:2]
-    pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
-    if block_table is None:
-        rows = jnp.arange(B)[:, None]
-        k_cache = k_cache.at[rows, pos].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[rows, pos].set(v.astype(v_cache.dtype))
-        k_all, v_all = k_cache, v_cache
-    else:
-        P = k_cache.shape[1]
-        page = jnp.take_along_axis(block_table, pos // P, axis=1)
-        k_cache = k_cache.at[page, pos % P].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[page, pos % P].set(v.astype(v_cache.dtype))
-        pages = jnp.clip(block_table, 0, k_cache.shape[0] - 1)
-        k_all = k_cache[pages].reshape(B, -1, *k_cache.shape[2:])
-        v_all = v_cache[pages].reshape(B, -1, *v_cache.shape[2:])
-    window = pallas_attn.masks.normalize_window(common["causal"], common["window_size"])
-    out, _ = pallas_attn.reference.attention(
-        q,
-        k_all.astype(q.dtype),
-        v_all.astype(q.dtype),
-        softmax_scale=q.shape[-1] ** -0.5,
-        window=window,
-        softcap=common["softcap"],
-        q_offset=lengths,
-        kv_len=lengths + T,
-    )
-    return out, k_cache, v_cache
+        return self.o_proj(res.out.reshape(B, T, c.num_heads * D)), (res.k_cache, res.v_cache)
 
 
 class MLP(nnx.Module):
