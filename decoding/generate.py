@@ -239,7 +239,7 @@ def _cache_for(model, kind: str, need, n_pad: int, capacity: int, page_size: int
     tables.reserve(list(need) + ([capacity] if n_pad else []) + [0] * max(n_pad - 1, 0))
     for b in range(len(need) + 1, batch):
         tables.share_prefix(len(need), b, max_pages)
-    return KVCache.paged(config, pool, page_size, tables.table()), tables
+    return KVCache.paged(config, pool, page_size, jax.device_put(tables.table())), tables
 
 
 def generate(
@@ -311,27 +311,30 @@ def generate(
     kv, tables = _cache_for(model, cache, need, B_pad - B, capacity, page_size, num_pages)
     try:
         graphdef, params = nnx.split(model)
-        eos = jnp.int32(-1 if eos_id is None else eos_id)
+        eos = jax.device_put(np.int32(-1 if eos_id is None else eos_id))
+        max_new = jax.device_put(np.int32(max_new_tokens))
         static = dict(graphdef=graphdef, sampling=sampling)
         args = (
             params,
-            jnp.asarray(tokens),
-            jnp.asarray(prompt_lengths),
+            jax.device_put(tokens),
+            jax.device_put(prompt_lengths),
             kv,
-            jax.random.key(seed),
-            jnp.asarray(done),
+            jax.random.key(jax.device_put(np.uint32(seed))),
+            jax.device_put(done),
             eos,
         )
         del kv  # donated
-        t0 = time.perf_counter()
-        state, compile_prefill = _run(_prefill_jit, args, num_new_max=N, **static)
-        jax.block_until_ready(state)
-        t1 = time.perf_counter()
-        args = (params, state, jnp.int32(max_new_tokens), eos)
-        del state  # donated
-        state, compile_decode = _run(_decode_jit, args, **static)
-        out, num_new, steps = jax.device_get((state.tokens, state.num_new, state.step))
-        t2 = time.perf_counter()
+        # Only explicit transfers from here on: two dispatches, one sync after each.
+        with jax.transfer_guard("disallow"):
+            t0 = time.perf_counter()
+            state, compile_prefill = _run(_prefill_jit, args, num_new_max=N, **static)
+            jax.block_until_ready(state)
+            t1 = time.perf_counter()
+            args = (params, state, max_new, eos)
+            del state  # donated
+            state, compile_decode = _run(_decode_jit, args, **static)
+            out, num_new, steps = jax.device_get((state.tokens, state.num_new, state.step))
+            t2 = time.perf_counter()
     finally:
         if tables is not None:
             tables.free_all()

