@@ -49,6 +49,11 @@ def _lower(*, Tq, paged, D=128, dtype=jnp.bfloat16, fp8=False, rotary=False, Tn=
 def test_lowers_for_cuda(Tq, paged):
     text = _lower(Tq=Tq, paged=paged, causal=True)
     assert "kvcache_decode" in text and "kvcache_append" in text
+    # In place: both donated caches alias outputs of the program, and the append kernel's
+    # outputs alias its cache operands (no copy of the cache on the way).
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert main.count("tf.aliasing_output") == 2
+    assert text.count("stablehlo.output_operand_alias<") == 2
 
 
 @pytest.mark.parametrize(
