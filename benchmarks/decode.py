@@ -1,0 +1,154 @@
+"""KV-cache decode benchmark: ``python -m benchmarks.decode`` from the repository root.
+
+On a GPU: achieved bandwidth of ``attention_with_kvcache(impl="pallas")`` for one decode step
+(``Tq = 1``, every row filled to ``S``), counted as the K/V bytes read over the time, against the
+bandwidth of a measured device-to-device copy of the same bytes (read + write over its time).
+bfloat16, Hq = 32, Hkv = 8, D = 128, B in {1, 8, 64}, S in {1k, 8k, 32k, 128k}, contiguous and paged
+(P = 16, 64), ``num_splits`` auto (0) and 1. Where the shapes allow, JAX's bundled Triton kernels
+(``decode_attention.gqa``, ``paged_attention``) are timed as a comparison only. Writes
+``benchmarks/results/decode_gpu.json``.
+
+On CPU: the ``"xla"`` path's time (float32, B in {1, 8}, S in {1k, 8k}, contiguous and paged P = 16),
+with the same bandwidth figures (``num_splits`` does not apply to it).
+Writes ``benchmarks/results/decode_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks import common
+from pallas_attn import attention_with_kvcache
+
+Hq, Hkv, D = 32, 8, 128
+
+
+def _inputs(B, S, P, dtype, seed=0):
+    """q [B, 1, Hq, D], caches (contiguous or paged with a shuffled table), lengths = S."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (B, 1, Hq, D), dtype)
+    shape = (B, S, Hkv, D) if P is None else (B * S // P, P, Hkv, D)
+    k_cache = jax.random.normal(kk, shape, dtype)
+    v_cache = jax.random.normal(kv, shape, dtype)
+    table = None
+    if P is not None:
+        perm = np.random.default_rng(seed).permutation(B * S // P).astype(np.int32)
+        table = jnp.asarray(perm.reshape(B, S // P))
+    return q, k_cache, v_cache, table
+
+
+def _ours(impl, num_splits):
+    @jax.jit
+    def fn(q, k_cache, v_cache, lengths, table):
+        return attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
+            causal=True, num_splits=num_splits, impl=impl,
+        ).out  # fmt: skip
+
+    return fn
+
+
+def _copy_bandwidth(nbytes: int, dtype, runs: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write) of ``nbytes``."""
+    x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
+    copy = jax.jit(lambda a: a + jnp.asarray(0, dtype))  # a fresh output buffer, not an alias
+    return 2 * nbytes / common.time_fn(copy, x, runs=runs)
+
+
+def _bundled(kind):
+    """JAX's own Triton decode kernels, as a comparison (imported only here, never by the library)."""
+    if kind == "contiguous":
+        from jax.experimental.pallas.ops.gpu import decode_attention
+
+        @jax.jit
+        def fn(q, k_cache, v_cache, lengths):
+            return decode_attention.gqa(q[:, 0], k_cache, v_cache, kv_seq_len=lengths)
+
+        return fn
+    from jax.experimental.pallas.ops.gpu import paged_attention
+
+    @jax.jit
+    def fn(q, k_pages, v_pages, lengths, table):
+        return paged_attention.paged_attention(q[:, 0], k_pages, v_pages, table, lengths)
+
+    return fn
+
+
+def _measure(row, fn, args, kv_bytes, copy_bw, runs):
+    try:
+        seconds = common.time_fn(fn, *args, runs=runs)
+    except Exception as e:  # noqa: BLE001 - one failing config (OOM, unsupported) must not stop the run
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return row
+    row["ms"] = 1e3 * seconds
+    row["GB_per_s"] = kv_bytes / seconds / 1e9
+    row["vs_copy"] = kv_bytes / seconds / copy_bw
+    return row
+
+
+def run(configs, impl, dtype, runs, *, bundled: bool):
+    rows = []
+    for B, S, P in tqdm(configs, desc=f"{impl} configs"):
+        q, k_cache, v_cache, table = _inputs(B, S, P, dtype)
+        lengths = jnp.full((B,), S, jnp.int32)
+        kv_bytes = 2 * B * S * Hkv * D * jnp.dtype(dtype).itemsize
+        copy_bw = _copy_bandwidth(kv_bytes, dtype, runs)
+        base = dict(B=B, S=S, layout="contiguous" if P is None else f"paged P={P}")
+        base.update(dtype=jnp.dtype(dtype).name, copy_GB_per_s=copy_bw / 1e9)
+        args = (q, k_cache, v_cache, lengths, table)
+        for splits in (0, 1) if impl == "pallas" else (0,):  # the xla path does not split
+            row = dict(base, impl=impl, num_splits="auto" if splits == 0 else 1)
+            rows.append(_measure(row, _ours(impl, splits), args, kv_bytes, copy_bw, runs))
+        if bundled:
+            row = dict(base, impl="jax_bundled", num_splits="")
+            if P is None:
+                bargs = (q, k_cache, v_cache, lengths)
+            else:  # its layout is [Hkv, pages, P, D]: transposed once, outside the timing
+                pages = [jnp.transpose(c, (2, 0, 1, 3)) for c in (k_cache, v_cache)]
+                bargs = (q, *pages, lengths, table)
+            rows.append(
+                _measure(row, _bundled(base["layout"].split()[0]), bargs, kv_bytes, copy_bw, runs)
+            )
+        del q, k_cache, v_cache, table
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per measurement (median)")
+    args = parser.parse_args()
+    if jax.default_backend() == "gpu":
+        configs = [
+            (B, S, P)
+            for B in (1, 8, 64)
+            for S in (1024, 8192, 32768, 131072)
+            for P in (None, 16, 64)
+        ]
+        rows = run(configs, "pallas", jnp.bfloat16, args.runs, bundled=True)
+        name = "decode_gpu"
+    else:
+        configs = [(B, S, P) for B in (1, 8) for S in (1024, 8192) for P in (None, 16)]
+        rows = run(configs, "xla", jnp.float32, args.runs, bundled=False)
+        name = "decode_cpu"
+    cols = ["impl", "B", "S", "layout", "num_splits", "ms", "GB_per_s", "vs_copy", "copy_GB_per_s"]
+    common.print_table(rows, cols)
+    goal = [
+        r for r in rows
+        if r.get("impl") == "pallas" and r["B"] == 8 and r["S"] == 32768 and "vs_copy" in r
+    ]  # fmt: skip
+    meta = dict(runs=args.runs, shape=dict(Hq=Hq, Hkv=Hkv, D=D, Tq=1))
+    meta["load_average_1min"] = os.getloadavg()[0]  # other processes sharing the machine
+    if goal:
+        meta["goal_B8_S32k_best_vs_copy"] = max(r["vs_copy"] for r in goal)
+    path = common.write_results(name, rows, **meta)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
