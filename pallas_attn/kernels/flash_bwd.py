@@ -13,6 +13,7 @@ Both kernels recompute the probabilities tile by tile from the forward's lse,
 * dQ kernel: one program per (query block, batch, query head), looping over the visible key
   blocks as the forward does, accumulating ``dQ += ds K``.
 
+Tiles that every row fully sees skip the mask arithmetic (:func:`flash_common.split_loop`).
 Nothing of size T x S is materialised. Inputs are padded as for :mod:`flash_fwd`, with Tp a
 multiple of ``block_q_bwd`` and Sp a multiple of ``block_k_bwd``.
 """
@@ -49,29 +50,31 @@ def _dkdv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ref
     k = k_ref[...]  # [bk, D]
     v = v_ref[...]
     kv_seg = kv_seg_ref[...][:, None] if cfg.segments else None
-    lo, hi = fc.query_block_range(
-        cfg, k_first, k_first + bk - 1, q_offset, kv_start, kv_len, bq, nq
-    )
+    k_last = k_first + bk - 1
+    lo, hi = fc.query_block_range(cfg, k_first, k_last, q_offset, kv_start, kv_len, bq, nq)
+    full = fc.full_query_blocks(cfg, k_first, k_last, q_offset, kv_start, kv_len, bq, nq)
 
-    def q_block(i, carry, g):
+    def q_block(i, carry, masked, g):
         dk, dv = carry
         start = pl.multiple_of(i * bq, bq)
         q = q_ref[pl.ds(start, bq), g, :]  # [bq, D]
         do = do_ref[pl.ds(start, bq), g, :]
         lse = lse_ref[g, pl.ds(start, bq)][None, :]  # [1, bq]
         delta = delta_ref[g, pl.ds(start, bq)][None, :]
-        q_pos = fc.positions(q_offset + start, bq)[None, :]
-        q_seg = q_seg_ref[pl.ds(start, bq)][None, :] if cfg.segments else None
-        mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)  # [bk, bq]
         s, t = fc.scores(cfg, k, q)  # transposed tile [bk, bq]
-        p = jnp.where(mask, jnp.exp2(s - lse), 0.0)
+        p = jnp.exp2(s - lse)
+        if masked:
+            q_pos = fc.positions(q_offset + start, bq)[None, :]
+            q_seg = q_seg_ref[pl.ds(start, bq)][None, :] if cfg.segments else None
+            mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)
+            p = jnp.where(mask, p, 0.0)
         dv = dv + fc.dot_nn(p.astype(do.dtype), do)
         ds = _ds(cfg, p, fc.dot_nt(v, do), delta, t)
         dk = dk + fc.dot_nn(ds.astype(q.dtype), q)
         return dk, dv
 
     def head(g, carry):
-        return lax.fori_loop(lo, hi, functools.partial(q_block, g=g), carry)
+        return fc.split_loop(cfg, lo, hi, full, functools.partial(q_block, g=g), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
@@ -94,20 +97,24 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
     delta = delta_ref[...][:, None]
     q_seg = q_seg_ref[...][:, None] if cfg.segments else None
 
-    def body(j, dq):
+    def body(j, dq, masked):
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        kv_seg = kv_seg_ref[pl.ds(start, bk)][None, :] if cfg.segments else None
-        k_pos = fc.positions(start, bk)[None, :]
-        mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)  # [bq, bk]
-        s, t = fc.scores(cfg, q, k)
-        p = jnp.where(mask, jnp.exp2(s - lse), 0.0)
+        s, t = fc.scores(cfg, q, k)  # [bq, bk]
+        p = jnp.exp2(s - lse)
+        if masked:
+            kv_seg = kv_seg_ref[pl.ds(start, bk)][None, :] if cfg.segments else None
+            k_pos = fc.positions(start, bk)[None, :]
+            mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)
+            p = jnp.where(mask, p, 0.0)
         ds = _ds(cfg, p, fc.dot_nt(do, v), delta, t)
         return dq + fc.dot_nn(ds.astype(k.dtype), k)
 
-    lo, hi = fc.key_block_range(cfg, q_first, q_first + bq - 1, kv_start, kv_len, bk, nk)
-    dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+    q_last = q_first + bq - 1
+    lo, hi = fc.key_block_range(cfg, q_first, q_last, kv_start, kv_len, bk, nk)
+    full = fc.full_key_blocks(cfg, q_first, q_last, kv_start, kv_len, bk)
+    dq = fc.split_loop(cfg, lo, hi, full, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.softmax_scale).astype(dq_ref.dtype)
 
 

@@ -107,6 +107,50 @@ def query_block_range(
     return lax.div(lo, block_q), lax.div(hi + block_q - 1, block_q)
 
 
+def full_key_blocks(cfg: Config, q_first, q_last, kv_start, kv_len, block_k: int):
+    """Key blocks ``[lo, hi)`` that every query at positions ``q_first..q_last`` fully sees.
+
+    Those tiles need no mask. The keys every query sees are ``key_range`` with the roles of the
+    first and last query swapped. With segment ids no tile is known to be fully visible.
+    """
+    if cfg.segments:
+        return jnp.int32(0), jnp.int32(0)
+    lo, hi = masks.key_range(q_last, q_first, window=cfg.window, kv_start=kv_start, kv_len=kv_len)
+    lo, hi = jnp.maximum(lo, 0), jnp.maximum(hi, 0)
+    return lax.div(lo + block_k - 1, block_k), lax.div(hi, block_k)
+
+
+def full_query_blocks(
+    cfg: Config, k_first, k_last, q_offset, kv_start, kv_len, block_q, num_blocks
+):
+    """Query blocks ``[lo, hi)`` whose rows all see every key in ``k_first..k_last`` (no mask)."""
+    if cfg.segments:
+        return jnp.int32(0), jnp.int32(0)
+    left, right = cfg.window
+    rows = num_blocks * block_q
+    lo = jnp.int32(0) if right < 0 else jnp.clip(k_last - right - q_offset, 0, rows)
+    hi = jnp.int32(rows) if left < 0 else jnp.clip(k_first + left + 1 - q_offset, 0, rows)
+    # No row sees all these keys unless kv_start <= k_first and k_last < kv_len.
+    inside = jnp.minimum(k_first - kv_start, kv_len - 1 - k_last) + 1
+    hi = jnp.minimum(hi, jnp.maximum(inside, 0) * rows)
+    return lax.div(lo + block_q - 1, block_q), lax.div(hi, block_q)
+
+
+def split_loop(cfg: Config, lo, hi, full, body, carry):
+    """``fori_loop`` of ``body(j, carry, masked)`` over blocks ``[lo, hi)``.
+
+    Blocks inside ``full = (full_lo, full_hi)`` run with ``masked=False`` (no mask arithmetic);
+    the ones before and after it with ``masked=True``.
+    """
+    if cfg.segments:
+        return lax.fori_loop(lo, hi, lambda j, c: body(j, c, True), carry)
+    a = jnp.clip(full[0], lo, hi)
+    b = jnp.clip(full[1], a, hi)
+    carry = lax.fori_loop(lo, a, lambda j, c: body(j, c, True), carry)
+    carry = lax.fori_loop(a, b, lambda j, c: body(j, c, False), carry)
+    return lax.fori_loop(b, hi, lambda j, c: body(j, c, True), carry)
+
+
 def positions(start, n: int):
     """``start + [0, n)`` as int32."""
     return start + jnp.arange(n, dtype=jnp.int32)

@@ -2,7 +2,8 @@
 
 One program per (query block, batch, query head). It loads its ``[block_q, D]`` query tile once and
 walks only the key blocks the mask can make visible (causal/window/valid length; see
-:func:`flash_common.key_block_range`), keeping per row, in float32:
+:func:`flash_common.key_block_range`); the blocks every row fully sees skip the mask arithmetic
+(:func:`flash_common.split_loop`). It keeps per row, in float32:
 
 * ``m``: running max of the base-2 scores seen so far (``MASK_VALUE`` until a key is visible),
 * ``l``: running sum of ``exp2(s - m)`` over visible keys,
@@ -22,7 +23,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn import masks
@@ -41,28 +41,33 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, cfg: fc.Config, num_k_blocks: 
     q = q_ref[...]  # [bq, D]
     q_seg = q_seg_ref[...][:, None] if cfg.segments else None
 
-    def body(j, carry):
+    def body(j, carry, masked):
         m, l, acc = carry
         start = pl.multiple_of(j * bk, bk)
         s, _ = fc.scores(cfg, q, k_ref[pl.ds(start, bk), :])  # [bq, bk]
-        kv_seg = kv_seg_ref[pl.ds(start, bk)][None, :] if cfg.segments else None
-        k_pos = fc.positions(start, bk)[None, :]
-        mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)
-        s = jnp.where(mask, s, masks.MASK_VALUE)
+        if masked:
+            kv_seg = kv_seg_ref[pl.ds(start, bk)][None, :] if cfg.segments else None
+            k_pos = fc.positions(start, bk)[None, :]
+            mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)
+            s = jnp.where(mask, s, masks.MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)
-        p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
+        p = jnp.exp2(s - m_new[:, None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)
         v = v_ref[pl.ds(start, bk), :]
         acc = acc * alpha[:, None] + fc.dot_nn(p.astype(v.dtype), v)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-    lo, hi = fc.key_block_range(cfg, q_first, q_first + bq - 1, kv_start, kv_len, bk, num_k_blocks)
+    q_last = q_first + bq - 1
+    lo, hi = fc.key_block_range(cfg, q_first, q_last, kv_start, kv_len, bk, num_k_blocks)
+    full = fc.full_key_blocks(cfg, q_first, q_last, kv_start, kv_len, bk)
     init = (
         jnp.full((bq,), masks.MASK_VALUE, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
         jnp.zeros(q.shape, jnp.float32),
     )
-    m, l, acc = lax.fori_loop(lo, hi, body, init)
+    m, l, acc = fc.split_loop(cfg, lo, hi, full, body, init)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
