@@ -1,7 +1,7 @@
 """Cache append with fused rotary and FP8 quantisation, in place through ``input_output_aliases``.
 
-One program per ``(batch row b, KV head h)`` loads the row's ``Tn`` new keys and values
-``[Tn, D]``, rotates the first ``R`` dims of the keys (:mod:`pallas_attn.rotary`, gathering
+One program per ``(batch row b, KV head h, block of new tokens)`` loads up to ``block_t`` new keys
+and values ``[block_t, D]``, rotates the first ``R`` dims of the keys (:mod:`pallas_attn.rotary`, gathering
 ``cos``/``sin`` at positions ``cache_seqlens[b] - cache_leftpad[b] + t`` and each dim's pair
 partner), quantises both to FP8 (``x / descale`` saturated to +-448) when the cache is FP8, and
 scatters them to ``cache[idx0, idx1, h, :]``: ``(cache_batch_idx[b], cache_seqlens[b] + t)`` when
@@ -20,11 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn import rotary
+from pallas_attn.kernels.decode import next_pow2
 from pallas_attn.kvcache_ref import FP8_MAX
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def _kernel(
@@ -42,16 +39,18 @@ def _kernel(
     v_out_ref,
     *,
     Tn: int,
+    block_t: int,
     D: int,
     interleaved: bool,
     paged: bool,
 ):
     del k_in_ref, v_in_ref  # the same buffers as the outputs
-    b, h = pl.program_id(0), pl.program_id(1)
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # Lanes past Tn or D (padding to powers of two) repeat the last token / dim exactly, so their
     # stores duplicate a real lane's store (same address, same value) instead of needing a mask.
-    t = jnp.minimum(jnp.arange(_next_pow2(Tn), dtype=jnp.int32), Tn - 1)[:, None]
-    d = jnp.minimum(jnp.arange(_next_pow2(D), dtype=jnp.int32), D - 1)[None, :]
+    t = i * block_t + jnp.arange(block_t, dtype=jnp.int32)
+    t = jnp.minimum(t, Tn - 1)[:, None]
+    d = jnp.minimum(jnp.arange(next_pow2(D, floor=1), dtype=jnp.int32), D - 1)[None, :]
     k = k_new_ref[b, t, h, d].astype(jnp.float32)
     v = v_new_ref[b, t, h, d].astype(jnp.float32)
     seqlen = seqlens_ref[b]
@@ -72,7 +71,7 @@ def _kernel(
         k = jnp.clip(k / descale_ref[0, b, h], -FP8_MAX, FP8_MAX)
         v = jnp.clip(v / descale_ref[1, b, h], -FP8_MAX, FP8_MAX)
 
-    cache_pos = seqlen + t  # [Tp, 1]
+    cache_pos = seqlen + t  # [block_t, 1]
     if paged:
         P, num_blocks = k_out_ref.shape[1], k_out_ref.shape[0]
         max_blocks = index_ref.shape[1]
@@ -120,12 +119,15 @@ def append(
     """
     B, Tn, Hkv, D = k.shape
     whole = lambda x: None if x is None else pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    kernel = functools.partial(_kernel, Tn=Tn, D=D, interleaved=interleaved, paged=index.ndim == 2)
+    block_t = min(next_pow2(Tn, floor=1), 16)
+    kernel = functools.partial(
+        _kernel, Tn=Tn, block_t=block_t, D=D, interleaved=interleaved, paged=index.ndim == 2
+    )
     operands = (k, v, seqlens, leftpad, index, cos, sin, descale, k_cache, v_cache)
     n_in = sum(x is not None for x in operands)  # None operands are not pallas_call inputs
     return pl.pallas_call(
         kernel,
-        grid=(B, Hkv),
+        grid=(B, Hkv, pl.cdiv(Tn, block_t)),
         in_specs=[whole(x) for x in operands],
         out_specs=[whole(k_cache), whole(v_cache)],
         out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_cache, v_cache)],

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn import heuristics, masks
+from pallas_attn.kernels import flash_common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +72,14 @@ class DecodeConfig:
         )
 
 
-def _next_pow2(x: int, floor: int = 16) -> int:
+def next_pow2(x: int, floor: int = 16) -> int:
+    """Smallest power of two >= max(x, floor) (Triton block dims; ``dot`` needs >= 16)."""
     return max(floor, 1 << max(0, (x - 1).bit_length()))
 
 
 def default_blocks(rows: int, D: int, dtype) -> tuple[int, int, int]:
     """``(block_m, block_n, num_warps)`` for ``rows = G * Tq`` packed rows and head dim D."""
-    block_m = min(_next_pow2(rows), 64)
+    block_m = min(next_pow2(rows), 64)
     wide = jnp.dtype(dtype).itemsize >= 4 or D > 128
     block_n = 32 if wide else 64
     return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8
@@ -165,7 +167,7 @@ def _kernel(
         load_ok = (pos < kv_len)[:, None] & d_ok[None, :]
         at = (idx0[:, None], idx1[:, None], h, d_idx)
         k, v = load(k_ref, at, load_ok), load(v_ref, at, load_ok)
-        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [block_m, block_n]
+        s = flash_common.dot_nt(q, k) * scale  # [block_m, block_n] float32
         if cfg.softcap > 0:
             s = cfg.softcap * jnp.tanh(s / cfg.softcap)
         visible = masks.visible(
@@ -175,7 +177,7 @@ def _kernel(
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        acc = acc * alpha[:, None] + flash_common.dot_nn(p.astype(v.dtype), v)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
     init = (
@@ -241,7 +243,7 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: Decode
     """
     B, Tq, Hq, D = q.shape
     Hkv = k_cache.shape[2]
-    Dp = _next_pow2(D)
+    Dp = next_pow2(D)
     packed = pack_queries(q, Hkv, cfg.block_m, Dp)
     Mp = packed.shape[2]
     grid = (B, Hkv, Mp // cfg.block_m, cfg.num_splits)

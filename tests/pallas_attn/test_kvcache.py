@@ -350,8 +350,9 @@ def test_reference_and_xla_wide(case):
     check_impls(case, seed=4)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
-@pytest.mark.parametrize("page", [1, 4, 16])
+@pytest.mark.parametrize(
+    "impl,page", [("reference", 1), ("reference", 4), ("xla", 16), ("xla", 1), ("interpret", 4)]
+)
 def test_paged_equals_contiguous(impl, page):
     case = Case(Tq=5, Tn=5, Hq=4, Hkv=2, S=48, page=page, leftpad=True, causal=True)
     paged = make_inputs(case, seed=5)
@@ -521,6 +522,7 @@ INTERPRET = [
     Case(Tq=5, Tn=1, D=40, rotary=(40, False), batch_idx=True, window=(6, 2), leftpad=True),
     Case(Tq=5, Tn=0, fp8=True, dtype="bfloat16", page=4, S=24, causal=True),
     Case(Tq=1, Tn=1, fp8=True, batch_idx=True, rotary=(8, False), causal=True),
+    Case(Tq=64, Tn=40, Hq=6, Hkv=3, S=96, batch_idx=True, causal=True, rotary=(16, True)),
 ]
 
 
