@@ -18,8 +18,13 @@ class BlockSizes:
     Attributes:
       block_q, block_k: forward tile, rows of Q by rows of K/V.
       block_q_bwd, block_k_bwd: backward tiles (dK/dV and dQ kernels).
-      num_warps: warps per Triton program (4 for 64-row tiles, 8 for 128-row tiles).
+      num_warps: warps per Triton program (4 for 64-row tiles, 8 for 128-row tiles), used by
+        the forward and both backward kernels.
       num_stages: software-pipelining depth of the K/V loads (2-3 on Hopper).
+
+    The Pallas kernels need powers of two >= 16 (Triton's ``dot``) and shrink a tile to the
+    smallest such power covering the sequence (T = 7 runs 16-row tiles); the "xla" path uses only
+    ``block_q``/``block_k``, any positive size.
     """
 
     block_q: int = 64
