@@ -33,6 +33,8 @@ CASES = [
     (dict(T=129, S=129, Hq=4, Hkv=1, D=64, causal=True, segments=True), BF16),
 ]
 FLOOR = {F32: 1e-5, BF16: 1e-3, F16: 2e-4}
+# Static kernel options for tests that only build a config.
+_STATIC = dict(softmax_scale=1.0, window=(-1, -1), softcap=0.0, segments=False, interpret=True)
 
 
 def _case_id(case):
@@ -243,3 +245,18 @@ def test_block_sizes_must_be_powers_of_two():
     q, k, v = random_qkv(9, 1, 8, 8, 1, 1, 16)
     with pytest.raises(ValueError, match="block_k"):
         flash_attention(q, k, v, impl="interpret", block_sizes=BlockSizes(block_k=24))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+def test_default_block_sizes_are_valid_tiles(dtype):
+    for D in range(8, 257, 8):
+        bs = BlockSizes.get_default(D, dtype)
+        cfg = flash.make_config(bs, 4096, 4096, **_STATIC)
+        tiles = (cfg.block_q, cfg.block_k, cfg.block_q_bwd, cfg.block_k_bwd)
+        assert tiles == (bs.block_q, bs.block_k, bs.block_q_bwd, bs.block_k_bwd), D
+        assert cfg.num_warps in (4, 8) and cfg.num_stages >= 1
+
+
+def test_tiles_shrink_to_short_sequences():
+    cfg = flash.make_config(BlockSizes(block_q=128, block_k=64), 7, 40, **_STATIC)
+    assert (cfg.block_q, cfg.block_k, cfg.block_q_bwd, cfg.block_k_bwd) == (16, 64, 16, 64)
