@@ -81,19 +81,24 @@ def _measure(name, fn, shape, causal, dtype, runs, with_memory):
     return row, compiled["fwd"](q, k, v)
 
 
-def run_gpu(runs: int):
-    impls = {
-        "pallas": _ours("pallas"),
-        "cudnn": _jax_nn("cudnn"),
-        "jax_nn_xla": _jax_nn("xla"),
-        "xla": _ours("xla"),
-    }
-    configs = [
-        (T, D, c) for T in (512, 2048, 8192, 16384) for D in (64, 128) for c in (False, True)
-    ]
+GPU_IMPLS = {
+    "pallas": _ours("pallas"),
+    "cudnn": _jax_nn("cudnn"),
+    "jax_nn_xla": _jax_nn("xla"),
+    "xla": _ours("xla"),
+}
+GPU_CONFIGS = [
+    (T, D, c) for T in (512, 2048, 8192, 16384) for D in (64, 128) for c in (False, True)
+]
+
+
+def run_gpu(runs: int, impls=None, configs=None, tokens: int = 16384):
+    """(T, D, causal) configs, B = tokens / T, Hq = 2048 / D; ``impls`` must name pallas, cudnn."""
+    impls = impls or GPU_IMPLS
+    configs = configs or GPU_CONFIGS
     rows = []
     for T, D, causal in tqdm(configs, desc="gpu configs"):
-        shape = (16384 // T, T, 2048 // D, D)
+        shape = (tokens // T, T, 2048 // D, D)
         outs = {}
         for name, fn in impls.items():
             row, out = _measure(name, fn, shape, causal, jnp.bfloat16, runs, with_memory=False)
