@@ -50,7 +50,9 @@ def _kernel(
     # stores duplicate a real lane's store (same address, same value) instead of needing a mask.
     t = i * block_t + jnp.arange(block_t, dtype=jnp.int32)
     t = jnp.minimum(t, Tn - 1)[:, None]
-    d = jnp.minimum(jnp.arange(next_pow2(D, floor=1), dtype=jnp.int32), D - 1)[None, :]
+    d = jnp.arange(next_pow2(D, floor=1), dtype=jnp.int32)[None, :]
+    if next_pow2(D, floor=1) != D:
+        d = jnp.minimum(d, D - 1)
     k = k_new_ref[b, t, h, d].astype(jnp.float32)
     v = v_new_ref[b, t, h, d].astype(jnp.float32)
     seqlen = seqlens_ref[b]
@@ -66,6 +68,7 @@ def _kernel(
         partner = rotary.partner_index(d_r, R, interleaved)
         kp = k_new_ref[b, t, h, partner].astype(jnp.float32)
         k = k * c + rotary.sign(d_r, R, interleaved) * kp * s
+        k = k.astype(k_new_ref.dtype).astype(jnp.float32)  # rotated keys are in k's dtype
 
     if descale_ref is not None:
         k = jnp.clip(k / descale_ref[0, b, h], -FP8_MAX, FP8_MAX)

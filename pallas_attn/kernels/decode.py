@@ -138,9 +138,10 @@ def _kernel(
     if descale_ref is not None:
         scale = scale * descale_ref[0, b, h]
     q = q_ref[...]
-    d = jnp.arange(Dp, dtype=jnp.int32)
-    d_ok = d < D
-    d_idx = jnp.minimum(d, D - 1)[None, :]
+    # Head-dim lanes: a plain arange when D is a power of two, so Triton sees contiguous
+    # addresses along D and vectorises the loads; else padded lanes are clamped and masked.
+    d = jnp.arange(Dp, dtype=jnp.int32)[None, :]
+    d_idx = d if D == Dp else jnp.minimum(d, D - 1)
 
     def key_index(pos):
         """(idx0, idx1) [block_n] into the cache for key positions ``pos``, clamped in bounds.
@@ -164,7 +165,10 @@ def _kernel(
         m, l, acc = carry
         pos = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
         idx0, idx1 = key_index(pos)
-        load_ok = (pos < kv_len)[:, None] & d_ok[None, :]
+        load_ok = (pos < kv_len)[:, None]
+        if D != Dp:
+            load_ok = load_ok & (d < D)
+        load_ok = jnp.broadcast_to(load_ok, (block_n, Dp))
         at = (idx0[:, None], idx1[:, None], h, d_idx)
         k, v = load(k_ref, at, load_ok), load(v_ref, at, load_ok)
         s = flash_common.dot_nt(q, k) * scale  # [block_m, block_n] float32
