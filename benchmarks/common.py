@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -50,7 +51,7 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "jax": jax.__version__,
-        "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+        "jaxlib": importlib.metadata.version("jaxlib"),
     }
 
 
