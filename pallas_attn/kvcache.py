@@ -158,12 +158,9 @@ def _xla(static, args, q, k_cache, v_cache, k, v):
         q,
         k_rows,
         v_rows,
-        softmax_scale=static.softmax_scale,
-        window=static.window,
-        softcap=static.softcap,
         block_q=q.shape[1] if q.shape[1] <= 256 else None,  # decode: no padding of Tq = 1
         block_k=_divisor_block(k_rows.shape[1]),
-        **kvcache_ref.mask_args(args, q.shape[1], Tn),
+        **kvcache_ref.attend_kwargs(static, args, q.shape[1], Tn),
     )
     return out, lse, k_cache, v_cache
 

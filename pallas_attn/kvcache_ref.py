@@ -147,6 +147,16 @@ def mask_args(args: CacheArgs, Tq: int, Tn: int) -> dict:
     return dict(q_offset=kv_len - Tq, kv_start=args.cache_leftpad, kv_len=kv_len)
 
 
+def attend_kwargs(static: Static, args: CacheArgs, Tq: int, Tn: int) -> dict:
+    """Keyword arguments of :func:`pallas_attn.reference.attention` (and ``xla.attention``)."""
+    return dict(
+        softmax_scale=static.softmax_scale,
+        window=static.window,
+        softcap=static.softcap,
+        **mask_args(args, Tq, Tn),
+    )
+
+
 def attention_inputs(args: CacheArgs, k_cache, v_cache):
     """Per-row keys and values to attend over, dequantised when the cache is FP8."""
     k_rows, v_rows = cache_rows(args, k_cache), cache_rows(args, v_cache)
@@ -163,13 +173,5 @@ def attention(static: Static, args: CacheArgs, q, k_cache, v_cache, k=None, v=No
     Tn = 0 if k is None else k.shape[1]
     q, k_cache, v_cache = prepare(static, args, q, k_cache, v_cache, k, v)
     k_rows, v_rows = attention_inputs(args, k_cache, v_cache)
-    out, lse = reference.attention(
-        q,
-        k_rows,
-        v_rows,
-        softmax_scale=static.softmax_scale,
-        window=static.window,
-        softcap=static.softcap,
-        **mask_args(args, q.shape[1], Tn),
-    )
+    out, lse = reference.attention(q, k_rows, v_rows, **attend_kwargs(static, args, q.shape[1], Tn))
     return out, lse, k_cache, v_cache
