@@ -560,3 +560,11 @@ def test_num_splits_agree(num_splits):
     """Any split count gives the reference result (S = 200 keys: 4 key tiles of 64)."""
     case = Case(Tq=5, Tn=1, Hq=4, Hkv=2, S=200, leftpad=True, causal=True, window=(150, 0))
     check_interpret(case, seed=9, num_splits=num_splits)
+
+
+def test_interpret_is_deterministic():
+    """Same inputs, same output bits (splits are combined in a fixed order)."""
+    inp = make_inputs(Case(Tq=5, Tn=5, S=200, page=4, causal=True), seed=10)
+    a, b = call(inp, "interpret", num_splits=3), call(inp, "interpret", num_splits=3)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(_bits(x), _bits(y))
