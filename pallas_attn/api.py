@@ -76,18 +76,23 @@ def flash_attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
+    out, lse = run_impl(impl, q, k, v, block_sizes=block_sizes, **common)
+    return (out, lse.astype(jnp.float32)) if return_lse else out
+
+
+def run_impl(impl: str, q, k, v, *, block_sizes: BlockSizes | None, **kwargs):
+    """Runs a resolved ``impl`` on checked [B, T, H, D] inputs; ``kwargs`` as
+    :func:`pallas_attn.reference.attention` (window normalised). Returns ``(out, lse)``."""
     if impl == "reference":
-        out, lse = reference.attention(q, k, v, **common)
-    elif impl == "xla":
+        return reference.attention(q, k, v, **kwargs)
+    if impl == "xla":
         blocks = {}
         if block_sizes is not None:
             blocks = dict(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
-        out, lse = xla.attention(q, k, v, **common, **blocks)
-    else:
-        from pallas_attn import flash  # the Pallas kernels: imported only when asked for
+        return xla.attention(q, k, v, **kwargs, **blocks)
+    from pallas_attn import flash  # the Pallas kernels: imported only when asked for
 
-        block_sizes = block_sizes or BlockSizes.get_default(D, q.dtype)
-        out, lse = flash.attention(
-            q, k, v, **common, block_sizes=block_sizes, interpret=impl == "interpret"
-        )
-    return (out, lse.astype(jnp.float32)) if return_lse else out
+    block_sizes = block_sizes or BlockSizes.get_default(q.shape[-1], q.dtype)
+    return flash.attention(
+        q, k, v, **kwargs, block_sizes=block_sizes, interpret=impl == "interpret"
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_attn import masks, reference, validation, xla
+from pallas_attn import api, masks, validation
 from pallas_attn.heuristics import BlockSizes
 
 
@@ -92,20 +92,7 @@ def flash_attention_varlen(
     qb, kb, vb = _unpack(q, cu_q, max_q), _unpack(k, cu_k, max_k), _unpack(v, cu_k, max_k)
     common = dict(softmax_scale=scale, window=window, softcap=softcap, q_offset=len_k - len_q)
     common["kv_len"] = len_k
-    if impl == "reference":
-        out, lse = reference.attention(qb, kb, vb, **common)
-    elif impl == "xla":
-        blocks = {}
-        if block_sizes is not None:
-            blocks = dict(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
-        out, lse = xla.attention(qb, kb, vb, **common, **blocks)
-    else:
-        from pallas_attn import flash
-
-        block_sizes = block_sizes or BlockSizes.get_default(D, q.dtype)
-        out, lse = flash.attention(
-            qb, kb, vb, **common, block_sizes=block_sizes, interpret=impl == "interpret"
-        )
+    out, lse = api.run_impl(impl, qb, kb, vb, block_sizes=block_sizes, **common)
 
     # Pack back: token t belongs to sequence n (cu_q[n] <= t < cu_q[n + 1]) at row t - cu_q[n].
     tokens = jnp.arange(q.shape[0], dtype=jnp.int32)
