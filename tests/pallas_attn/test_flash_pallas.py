@@ -20,15 +20,19 @@ SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
 # Awkward shapes (T in 1, 7, 33, 129, 200; T != S; D in 16, 40, 64, 80, 128; G in 1, 4, 8), each
-# with a different option mix, and the dtype the default run uses for it.
+# with a different option mix, and the dtype the default run uses for it. ``blocks`` overrides
+# the 16-row tiles (block_q, block_k, block_q_bwd, block_k_bwd).
 CASES = [
     (dict(T=1, S=1, Hq=1, Hkv=1, D=16), F32),
     (dict(T=1, S=129, Hq=8, Hkv=1, D=64, causal=True), BF16),
     (dict(T=7, S=7, Hq=4, Hkv=1, D=40, causal=True), F16),
     (dict(T=33, S=33, Hq=4, Hkv=4, D=80, window=(8, 0)), F32),
     (dict(T=33, S=129, Hq=8, Hkv=2, D=128, causal=True, softcap=5.0), BF16),
-    (dict(T=129, S=33, Hq=4, Hkv=1, D=64, causal=True), F32),
-    (dict(T=200, S=200, Hq=8, Hkv=1, D=16, window=(17, 5), softcap=2.0), BF16),
+    (dict(T=129, S=33, Hq=4, Hkv=1, D=64, causal=True, blocks=(32, 16, 16, 32)), F32),
+    (
+        dict(T=200, S=200, Hq=8, Hkv=1, D=16, window=(17, 5), softcap=2.0, blocks=(16, 32, 32, 16)),
+        BF16,
+    ),
     (dict(T=200, S=129, Hq=2, Hkv=2, D=40, segments=True), F32),
     (dict(T=129, S=129, Hq=4, Hkv=1, D=64, causal=True, segments=True), BF16),
 ]
@@ -64,6 +68,7 @@ def _run(case, dtype, seed=0):
         softcap=case.pop("softcap", 0.0),
     )
     segments = case.pop("segments", False)
+    blocks = BlockSizes(*case.pop("blocks", (16, 16, 16, 16)))
     B = 2
     q, k, v = random_qkv(seed, B, **case, dtype=dtype)
     if segments:
@@ -88,7 +93,7 @@ def _run(case, dtype, seed=0):
     )
     fns = {
         "kernel": functools.partial(
-            flash_attention, **opts, return_lse=True, impl="interpret", block_sizes=SMALL
+            flash_attention, **opts, return_lse=True, impl="interpret", block_sizes=blocks
         ),
         "oracle": lambda q, k, v: reference.attention(
             *(x.astype(jnp.float32) for x in (q, k, v)), **ref_kw
