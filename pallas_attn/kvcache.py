@@ -74,7 +74,9 @@ def attention_with_kvcache(
 
     Returns:
       :class:`KVCacheResult` ``(out, lse, k_cache, v_cache)``. Under ``jax.jit`` with the caches
-      donated, the caches are updated in place.
+      donated, the caches are updated in place (Pallas: aliased kernel outputs; "xla": a scatter.
+      XLA's CPU backend scatters 16-bit and FP8 caches through a float32 copy; float32 caches,
+      and the Pallas path, need no second cache buffer).
     """
     impl = validation.resolve_impl(impl)
     validation.check_array("q", q, ndim=4)
