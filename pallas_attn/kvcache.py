@@ -260,9 +260,12 @@ def _per_row(name: str, x, B: int):
 
 def _concrete(x):
     """A NumPy copy of ``x`` when its values are known at trace time, else None."""
-    if x is None or isinstance(x, jax.core.Tracer):
+    if x is None:
         return None
-    return np.asarray(x)
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
 
 
 def _check_values(seqlens, leftpad, Tn, capacity, cache_shape, block_table, batch_idx):
