@@ -121,9 +121,11 @@ def train(
     *,
     log=print,
     progress: bool = True,
+    init: Transformer | None = None,
 ) -> tuple[Transformer, dict]:
-    """Trains a fresh ``Transformer(config)`` on ``corpus``; returns it and a summary dict."""
-    model = Transformer(config, rngs=nnx.Rngs(tc.seed))
+    """Trains ``init`` (or a fresh ``Transformer(config)``) on ``corpus``; returns the trained
+    model and a summary dict."""
+    model = init if init is not None else Transformer(config, rngs=nnx.Rngs(tc.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optimizer(tc)
     opt_state = tx.init(params)
@@ -169,6 +171,7 @@ def main(argv=None) -> None:
             flag = "--" + field.name.replace("_", "-")
             p.add_argument(flag, type=type(getattr(defaults, field.name)), default=None)
     p.add_argument("--attn-impl", default="auto")
+    p.add_argument("--init", default=None, help="start from this HF checkpoint (same preset)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--max-corpus-bytes", type=int, default=None)
     args = p.parse_args(argv)
@@ -185,13 +188,23 @@ def main(argv=None) -> None:
         f"{corpus.heldout.size:,} held-out tokens; {jax.devices()[0].platform}",
         flush=True,
     )
-    model, summary = train(config, corpus, tc, log=lambda s: print(s, flush=True))
+    init = None
+    if args.init is not None:
+        init = load_hf_checkpoint(args.init, attn_impl=args.attn_impl)
+        if init.config.replace(attn_impl=config.attn_impl) != config:
+            raise ValueError(f"--init {args.init} does not match preset {args.preset!r}")
+    model, summary = train(config, corpus, tc, log=lambda s: print(s, flush=True), init=init)
     save_hf_checkpoint(model, args.out, dtype=jnp.dtype(args.save_dtype))
     shipped = load_hf_checkpoint(args.out, attn_impl=args.attn_impl)
     graphdef, params, rest = nnx.split(shipped, nnx.Param, ...)
     held = data.heldout_batches(corpus.heldout, tc.batch, tc.seq_len, tc.eval_batches)
     summary["shipped_heldout_bpb"] = bits_per_byte(make_eval(graphdef), params, rest, held)
-    summary.update(preset=args.preset, save_dtype=args.save_dtype, tokenizer=repr(ByteTokenizer()))
+    summary.update(
+        preset=args.preset,
+        init=args.init,
+        save_dtype=args.save_dtype,
+        tokenizer=repr(ByteTokenizer()),
+    )
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")

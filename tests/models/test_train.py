@@ -63,16 +63,22 @@ def test_schedule_warms_up_then_decays():
     np.testing.assert_allclose(mid, 1.1, rtol=1e-5)
 
 
-def test_cli_writes_a_loadable_checkpoint(tmp_path):
+@pytest.mark.slow
+def test_cli_writes_a_loadable_checkpoint_and_resumes_from_it(tmp_path):
+    args = [
+        "--preset", "tiny", "--batch", "2", "--seq-len", "32", "--eval-every", "1",
+        "--eval-batches", "1", "--max-corpus-bytes", "40000", "--attn-impl", "xla",
+    ]  # fmt: skip
     out = tmp_path / "ckpt"
-    train.main(
-        [
-            "--preset", "tiny", "--steps", "2", "--batch", "2", "--seq-len", "32",
-            "--eval-every", "1", "--eval-batches", "1", "--max-corpus-bytes", "40000",
-            "--attn-impl", "xla", "--out", str(out),
-        ]
-    )  # fmt: skip
+    train.main([*args, "--steps", "2", "--out", str(out)])
     summary = json.loads((out / "training.json").read_text())
     assert len(summary["history"]) == 2 and summary["shipped_heldout_bpb"] > 0
     model = load_hf_checkpoint(str(out))
     assert model.config.num_params() == TransformerConfig.preset("tiny").num_params()
+    resumed = tmp_path / "resumed"
+    train.main([*args, "--steps", "1", "--init", str(out), "--out", str(resumed)])
+    summary2 = json.loads((resumed / "training.json").read_text())
+    assert summary2["init"] == str(out)
+    with pytest.raises(ValueError, match="does not match"):
+        train.main([*args, "--preset", "code-draft", "--steps", "1", "--init", str(out),
+                    "--out", str(tmp_path / "bad")])  # fmt: skip

@@ -107,21 +107,6 @@ def test_ragged_prefill_with_length_reset_and_rollback():
     np.testing.assert_allclose(logits[1, 0], ref_short[0], atol=1e-5)
 
 
-def test_cached_forward_under_jit():
-    model = Transformer(TransformerConfig.preset("tiny", attn_impl="xla"), rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def step(state, tokens, cache):
-        return nnx.merge(graphdef, state)(tokens, cache=cache)
-
-    tokens = _tokens(2, 6)
-    cache = KVCache.contiguous(model.config, 2, 8)
-    logits, cache = step(state, tokens, cache)
-    np.testing.assert_allclose(logits, model(tokens), atol=1e-5)
-    assert isinstance(cache, KVCache) and int(cache.lengths[0]) == 6
-
-
 def test_bf16_forward_is_close_to_float32():
     model = Transformer(TransformerConfig.preset("tiny", attn_impl="xla"), rngs=nnx.Rngs(0))
     model16 = Transformer(

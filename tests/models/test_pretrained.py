@@ -1,0 +1,55 @@
+"""The shipped models: present, loadable by ``models.pretrained`` and by ``transformers``."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_utils import jit_model
+
+from models import ByteTokenizer, pretrained
+from models.pretrained import SHIPPED, shipped_path
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_pretrained_loads_with_tokenizer(name):
+    model, tok = pretrained(name, attn_impl="xla")
+    assert isinstance(tok, ByteTokenizer)
+    c = model.config
+    assert c.vocab_size >= tok.vocab_size
+    assert (c.bos_id, c.eos_id, c.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+    summary = json.loads((shipped_path(name) / "training.json").read_text())
+    assert summary["params"] == c.num_params()
+
+
+def test_shipped_sizes_and_disk_footprint():
+    total = sum(p.stat().st_size for name in SHIPPED for p in shipped_path(name).iterdir())
+    assert total < 25e6
+    target, _ = pretrained("code-target")
+    draft, _ = pretrained("code-draft")
+    assert 5e6 <= target.config.num_params() <= 10e6
+    assert 0.5e6 <= draft.config.num_params() <= 1e6
+
+
+def test_target_predicts_python_better_than_uniform():
+    model, tok = pretrained("code-target", attn_impl="xla")
+    text = "import os\n\n\ndef main():\n    for name in os.listdir('.'):\n        print(name)\n"
+    ids = [tok.bos_id] + tok.encode(text)
+    logits = jit_model(model)(jnp.asarray([ids], jnp.int32))[0, :-1]
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    nll = -np.take_along_axis(logp, np.asarray(ids[1:])[:, None], 1).mean()
+    assert nll / np.log(2) < 4.0  # bits per byte; uniform over 256 bytes is 8
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_transformers_loads_shipped_model_with_same_logits(name):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(shipped_path(name), dtype=torch.float32)
+    model, tok = pretrained(name, attn_impl="xla")
+    ids = [tok.bos_id] + tok.encode("def add(a, b):\n    return a + b\n")
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits.numpy()
+    got = np.asarray(jit_model(model)(jnp.asarray([ids], jnp.int32)))
+    np.testing.assert_allclose(got, expected, atol=1e-4 * np.abs(expected).max())
