@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from decoding import paging
-from decoding.generate import compiled_count, generate
+from decoding.generate import compiled_count, decode_step, generate, prefill
 from decoding.sampling import SamplingConfig
+from models import KVCache
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 50, 3, 3, 3, 3, 3, 3, 9]]  # B = 3 -> padded to 4
 NEW = 12
@@ -129,3 +130,36 @@ def test_bad_arguments_raise(tiny_model, kwargs, match):
 def test_sampling_must_be_config(tiny_model):
     with pytest.raises(TypeError, match="SamplingConfig"):
         generate(tiny_model, PROMPTS, max_new_tokens=2, sampling={"temperature": 1.0})
+
+
+def test_prefill_and_decode_step_compose_and_roll_back(tiny_model, greedy_paged):
+    """The pieces speculative decoding builds on: prefill, decode_step, and rollback by length."""
+    graphdef, params = nnx.split(tiny_model)
+    greedy = SamplingConfig()
+    eos = jnp.int32(-1)
+    prompt = PROMPTS[0]
+
+    @jax.jit
+    def run(params, tokens, lengths, cache):
+        model = nnx.merge(graphdef, params)
+        done = jnp.zeros((1,), bool)
+        s = prefill(model, tokens, lengths, cache, key=jax.random.key(0), done=done,
+                    eos_id=eos, num_new_max=8, sampling=greedy)  # fmt: skip
+        for _ in range(3):
+            s = decode_step(model, s, eos_id=eos, sampling=greedy)
+        # Roll back the last two fed tokens and feed them again: same tokens come out.
+        back = s.replace(
+            cache=s.cache.replace(lengths=s.cache.lengths - 2),
+            last=s.tokens[:, 1],
+            num_new=s.num_new - 2,
+            step=s.step - 2,
+        )
+        for _ in range(2):
+            back = decode_step(model, back, eos_id=eos, sampling=greedy)
+        return s.tokens, back.tokens
+
+    tokens = jnp.zeros((1, 16), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt))
+    cache = KVCache.contiguous(tiny_model.config, 1, 32)
+    first, again = run(params, tokens, jnp.asarray([len(prompt)], jnp.int32), cache)
+    assert first[0, :4].tolist() == greedy_paged.tokens[0][:4]
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
