@@ -20,7 +20,7 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m pallas_attn.demo
+	$(PY) -m decoding "def fibonacci(n):" --max-new-tokens 200
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
