@@ -1,0 +1,44 @@
+"""Held-out bits per byte of shipped models or checkpoints on one fixed evaluation set.
+
+    python -m models.evaluate code-target code-draft path/to/checkpoint
+
+The set: 128 evenly spaced 256-byte windows of the held-out standard-library files (see
+``models.data``), byte targets only, packed documents separated by segment ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from flax import nnx
+
+from models import data
+from models.hf import load_hf_checkpoint
+from models.pretrained import SHIPPED, shipped_path
+from models.train import bits_per_byte, make_eval
+from models.transformer import Transformer
+
+WINDOWS, SEQ_LEN, BATCH = 128, 256, 16
+
+
+def heldout_bits_per_byte(model: Transformer, corpus: data.Corpus) -> float:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batches = data.heldout_batches(corpus.heldout, BATCH, SEQ_LEN, WINDOWS // BATCH)
+    return bits_per_byte(make_eval(graphdef), params, rest, batches)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("models", nargs="+", help=f"shipped names {SHIPPED} or checkpoint directories")
+    p.add_argument("--attn-impl", default="auto")
+    args = p.parse_args(argv)
+    corpus = data.Corpus.from_stdlib()
+    for name in args.models:
+        path = shipped_path(name) if name in SHIPPED else name
+        model = load_hf_checkpoint(str(path), attn_impl=args.attn_impl)
+        bpb = heldout_bits_per_byte(model, corpus)
+        print(f"{name}: {model.config.num_params():,} params, {bpb:.4f} bits/byte", flush=True)
+
+
+if __name__ == "__main__":
+    main()
