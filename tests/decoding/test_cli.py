@@ -57,3 +57,9 @@ def test_generates_from_a_checkpoint_directory(tiny_model, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["x", "--model", str(tmp_path), "--max-new-tokens", "100000"])
     assert exc.value.code == 2
+
+
+def test_default_model_is_the_shipped_code_target(capsys):
+    assert main(["def fibonacci(n):", "--max-new-tokens", "4", "--temperature", "0.8"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def fibonacci(n):") and " tokens | prefill" in err
