@@ -126,3 +126,21 @@ def test_bad_input():
     cache = KVCache.contiguous(model.config, 1, 4)
     with pytest.raises(ValueError, match="segment_ids"):
         model(_tokens(1, 2), segment_ids=jnp.zeros((1, 2), jnp.int32), cache=cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("paged", [False, True])
+def test_cached_forward_through_interpreted_pallas_kernels(paged):
+    """The cached forward with ``attn_impl="interpret"`` (the Pallas KV-cache kernels) equals
+    the XLA path."""
+    tokens = _tokens(2, 7)
+    outs = []
+    for impl in ("xla", "interpret"):
+        model = _model(attn_impl=impl)
+        if paged:
+            table = jnp.array([[2, 0, -1], [1, 3, -1]], jnp.int32)
+            cache = KVCache.paged(model.config, num_pages=4, page_size=4, block_table=table)
+        else:
+            cache = KVCache.contiguous(model.config, 2, 8)
+        outs.append(_decode_all(model, tokens, cache, prefill=5)[0])
+    np.testing.assert_allclose(outs[1], outs[0], atol=2e-5, rtol=2e-5)
