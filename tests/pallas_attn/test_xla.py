@@ -1,102 +1,18 @@
 """The blockwise XLA path against the float32 reference: forward, lse and gradients."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attn_utils import check_close, max_err, random_qkv
+from attn_utils import BF16, CASES, F32, case_id, check_against_reference, random_qkv
 
-from pallas_attn import BlockSizes, flash_attention, reference
-
-# Awkward shapes, each with a different option mix; small blocks so several key/query blocks,
-# partial last blocks and skipped blocks are all exercised.
-CASES = [
-    dict(T=1, S=1, Hq=1, Hkv=1, D=16),
-    dict(T=1, S=129, Hq=8, Hkv=1, D=64, causal=True),
-    dict(T=7, S=7, Hq=4, Hkv=1, D=40, causal=True),
-    dict(T=33, S=33, Hq=4, Hkv=4, D=80, window=(8, 0)),
-    dict(T=33, S=129, Hq=8, Hkv=2, D=128, causal=True, softcap=5.0),
-    dict(T=129, S=33, Hq=4, Hkv=1, D=64, causal=True),
-    dict(T=200, S=200, Hq=8, Hkv=1, D=16, window=(17, 5), softcap=2.0),
-    dict(T=200, S=129, Hq=2, Hkv=2, D=40, segments=True),
-    dict(T=129, S=129, Hq=4, Hkv=1, D=64, causal=True, segments=True),
-]
+from pallas_attn import BlockSizes, flash_attention
 
 
-def _segments(B, T, seed):
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32)
-
-
-def _run(case, dtype, seed=0):
-    """Returns (value, grads) for xla, the f32 oracle and the same-precision reference."""
-    case = dict(case)
-    opts = dict(
-        causal=case.pop("causal", False),
-        window_size=case.pop("window", (-1, -1)),
-        softcap=case.pop("softcap", 0.0),
-    )
-    segments = case.pop("segments", False)
-    B = 2
-    q, k, v = random_qkv(seed, B, **case, dtype=dtype)
-    if segments:
-        # Same segment layout for q and k when T == S, else ids drawn independently.
-        opts["q_segment_ids"] = _segments(B, case["T"], seed)
-        opts["kv_segment_ids"] = _segments(B, case["S"], seed + (case["T"] != case["S"]))
-    kd, kl = jax.random.split(jax.random.key(seed + 100))
-    d_out = jax.random.normal(kd, q.shape, jnp.float32).astype(dtype)
-    d_lse = jax.random.normal(kl, (B, case["Hq"], case["T"]), jnp.float32)
-
-    def loss(fn, q, k, v):
-        out, lse = fn(q, k, v)
-        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(lse * d_lse), (out, lse)
-
-    scale = case["D"] ** -0.5
-    window = (opts["window_size"][0], 0 if opts["causal"] else opts["window_size"][1])
-    ref_kw = dict(
-        softmax_scale=scale,
-        window=window,
-        softcap=opts["softcap"],
-        q_segment_ids=opts.get("q_segment_ids"),
-        kv_segment_ids=opts.get("kv_segment_ids"),
-    )
-    fns = {
-        "xla": functools.partial(
-            flash_attention,
-            **opts,
-            return_lse=True,
-            impl="xla",
-            block_sizes=BlockSizes(block_q=16, block_k=32),
-        ),
-        "oracle": lambda q, k, v: reference.attention(
-            *(x.astype(jnp.float32) for x in (q, k, v)), **ref_kw
-        ),
-        "same": lambda q, k, v: reference.attention(q, k, v, **ref_kw, upcast=False),
-    }
-    results = {}
-    for name, fn in fns.items():
-        grad_fn = jax.jit(jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2), has_aux=True))
-        grads, (out, lse) = grad_fn(q, k, v)
-        results[name] = (out, lse, grads)
-    return results
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", [c for c, _ in CASES], ids=[case_id(c) for c, _ in CASES])
 def test_xla_matches_reference(case, dtype):
-    r = _run(case, dtype)
-    out, lse, grads = r["xla"]
-    ref_out, ref_lse, ref_grads = r["oracle"]
-    same_out, _, same_grads = r["same"]
-    floor = 1e-5 if dtype == jnp.float32 else 1e-3
-    check_close(out, ref_out, same_out, factor=2, floor=floor)
-    assert max_err(lse, ref_lse) <= 1e-4
-    for name, g, g_ref, g_same in zip("qkv", grads, ref_grads, same_grads, strict=True):
-        assert g.dtype == dtype, name
-        check_close(g, g_ref, g_same, factor=3, floor=10 * floor)
+    check_against_reference(case, dtype, "xla")
 
 
 def test_fully_masked_rows_give_zero_and_no_nan():
