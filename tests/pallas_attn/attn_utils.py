@@ -185,3 +185,33 @@ def check_against_reference(case, dtype, impl, seed=0):
     for name, g, g_ref, g_same in zip("qkv", grads, ref_grads, same_grads, strict=True):
         assert g.dtype == dtype, name
         check_close(g, g_ref, g_same, factor=3, floor=10 * floor)
+
+
+def check_fully_masked_rows(impl, block_sizes):
+    """Rows that see no key: out 0, lse -inf, finite gradients (zero for those rows' queries)."""
+    from pallas_attn import flash_attention
+
+    # T > S with causal: the first T - S queries sit before key 0 and see nothing; the last three
+    # rows have a segment with no keys.
+    q, k, v = random_qkv(3, 2, 20, 8, 4, 2, 16)
+    seg_q = jnp.zeros((2, 20), jnp.int32).at[:, -3:].set(7)
+    seg_k = jnp.zeros((2, 8), jnp.int32)
+
+    def f(q, k, v):
+        out, lse = flash_attention(
+            q, k, v, causal=True, q_segment_ids=seg_q, kv_segment_ids=seg_k, return_lse=True,
+            impl=impl, block_sizes=block_sizes,
+        )  # fmt: skip
+        return jnp.sum(out**2), (out, lse)
+
+    grads, (out, lse) = grad_fn(f, q, k, v)(q, k, v)
+    hidden = np.zeros((20,), bool)
+    hidden[:12] = True
+    hidden[-3:] = True
+    assert np.all(np.asarray(out)[:, hidden] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[:, :, hidden]))
+    assert np.all(np.isfinite(np.asarray(lse)[:, :, ~hidden]))
+    for g in grads:
+        assert np.all(np.isfinite(np.asarray(g)))
+    assert np.all(np.asarray(grads[0])[:, hidden] == 0)
+    assert np.any(np.asarray(grads[0])[:, ~hidden] != 0)
