@@ -19,8 +19,8 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e ".[test,notebooks]"
 	touch $@
 
+# The demo samples (min-p): greedy decoding from the small shipped model falls into indentation runs.
 demo: $(VENV)/.installed
-	# min-p sampling: greedy decoding from the small shipped model falls into indentation runs.
 	$(PY) -m decoding "def fibonacci(n):" --max-new-tokens 200 --temperature 1.0 --min-p 0.1
 
 lint: $(VENV)/.installed-test
