@@ -1,5 +1,7 @@
-"""Jitted KV-cache generation, sampling, and the paged cache's page allocator."""
+"""Jitted KV-cache generation, speculative decoding, sampling, and the paged cache's page
+allocator."""
 
+from decoding.drafts import EarlyExit, PromptLookup
 from decoding.generate import (
     DecodeState,
     GenerateResult,
@@ -11,13 +13,16 @@ from decoding.generate import (
 )
 from decoding.paging import BlockTables, OutOfPagesError, PageAllocator
 from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
+from decoding.speculative import speculative_generate
 
 __all__ = [
     "BlockTables",
     "DecodeState",
+    "EarlyExit",
     "GenerateResult",
     "OutOfPagesError",
     "PageAllocator",
+    "PromptLookup",
     "SamplingConfig",
     "compiled_count",
     "decode",
@@ -27,4 +32,5 @@ __all__ = [
     "prefill",
     "probabilities",
     "sample",
+    "speculative_generate",
 ]
