@@ -1,4 +1,5 @@
-"""Command line: ``python -m decoding "def fibonacci(n):" --max-new-tokens 200``.
+"""Command line: ``python -m decoding "def fibonacci(n):" --max-new-tokens 200``
+(``--speculative code-draft|prompt-lookup|early-exit:L [--num-draft-tokens K]``).
 
 Prints the prompt with its continuation, then one stats line (prefill ms, decode tokens/s).
 Bad arguments give an argparse usage error (exit status 2), never a traceback.
@@ -38,6 +39,29 @@ def _model(text: str) -> str:
     )
 
 
+def _speculative(text: str) -> str:
+    """``code-draft``, ``prompt-lookup`` or ``early-exit:L`` (L >= 1)."""
+    kind, _, layers = text.partition(":")
+    if text in ("code-draft", "prompt-lookup") or (kind == "early-exit" and layers.isdigit()):
+        if kind != "early-exit" or int(layers) >= 1:
+            return text
+    raise argparse.ArgumentTypeError(
+        f"expected code-draft, prompt-lookup or early-exit:L with L >= 1, got {text!r}"
+    )
+
+
+def _draft(spec: str):
+    """The ``speculative_generate`` draft for a ``--speculative`` value."""
+    import decoding
+    import models
+
+    if spec == "code-draft":
+        return models.pretrained("code-draft")[0]
+    if spec == "prompt-lookup":
+        return decoding.PromptLookup()
+    return decoding.EarlyExit(num_layers=int(spec.partition(":")[2]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m decoding",
@@ -58,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
     parser.add_argument("--page-size", type=_positive_int, default=16, metavar="P")
+    parser.add_argument(
+        "--speculative",
+        type=_speculative,
+        default=None,
+        metavar="{code-draft,prompt-lookup,early-exit:L}",
+        help="speculative decoding with this draft (same output distribution, fewer target calls)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="tokens drafted per step (default: the draft kind's best measured)",
+    )
     return parser
 
 
@@ -96,26 +134,40 @@ def main(argv=None) -> int:
     if getattr(tokenizer, "bos_id", None) is not None:
         ids = [tokenizer.bos_id] + ids
     eos_id = getattr(tokenizer, "eos_id", getattr(tokenizer, "eos_token_id", None))
+    common = dict(
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        eos_id=eos_id,
+        seed=args.seed,
+        cache=args.cache,
+        page_size=args.page_size,
+    )
+    if args.num_draft_tokens is not None and args.speculative is None:
+        parser.error("--num-draft-tokens needs --speculative")
     try:
-        res = generate(
-            model,
-            [ids],
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            eos_id=eos_id,
-            seed=args.seed,
-            cache=args.cache,
-            page_size=args.page_size,
-        )
+        if args.speculative is None:
+            res = generate(model, [ids], **common)
+        else:
+            from decoding.speculative import speculative_generate
+
+            draft = _draft(args.speculative)
+            k = args.num_draft_tokens
+            res = speculative_generate(model, draft, [ids], num_draft_tokens=k, **common)
     except ValueError as e:
         parser.error(str(e))
     new = res.tokens[0]
     text = tokenizer.decode([t for t in new if t != eos_id])
     print(args.prompt + text)
     s = res.stats
+    spec = ""
+    if args.speculative is not None:
+        spec = (
+            f" | {args.speculative}, k={s['num_draft_tokens']}: acceptance "
+            f"{s['acceptance_rate']:.2f}, {s['tokens_per_target_call']:.2f} tokens/target call"
+        )
     print(
         f"[{len(new)} tokens | prefill {1e3 * s['prefill_s']:.1f} ms | decode "
-        f"{s['decode_tokens_per_s']:.1f} tok/s | {s['tokens_per_s']:.1f} tok/s overall | "
+        f"{s['decode_tokens_per_s']:.1f} tok/s | {s['tokens_per_s']:.1f} tok/s overall{spec} | "
         f"{args.cache} cache]",
         file=sys.stderr,
     )

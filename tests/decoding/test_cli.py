@@ -23,7 +23,7 @@ from models.hf import save_hf_checkpoint
         (["hi", "--model", "no-such-model"], "no-such-model"),
         (["hi", "--cache", "ring"], "cache"),
         (["hi", "--page-size", "0"], "page-size"),
-        (["hi", "--speculative"], "unrecognized"),
+        (["hi", "--speculative"], "speculative"),
         ([], "prompt"),
         ([""], "prompt must not be empty"),
     ],
