@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -258,6 +259,7 @@ def main(argv=None) -> None:
     held = data.heldout_batches(corpus.heldout, tc.batch, tc.seq_len, tc.eval_batches)
     summary["shipped_heldout_bpb"] = bits_per_byte(make_eval(graphdef), params, rest, held)
     summary.update(
+        command=" ".join(["python -m models.train", *(sys.argv[1:] if argv is None else argv)]),
         preset=args.preset,
         init=args.init,
         distill_from=args.distill_from,
