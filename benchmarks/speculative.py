@@ -1,0 +1,257 @@
+"""Speculative decoding benchmark: ``python -m benchmarks.speculative [--quick]``.
+
+On the shipped byte-level models (target ``code-target``, float32) and code prompts cut from
+held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy, temperature
+0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``) and k = 1..8:
+
+* acceptance a (accepted / proposed draft tokens) and tokens per target call, next to the
+  theory (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance at rate a (Leviathan et al., eq. 1);
+* wall-time speed-up over plain ``decoding.generate`` measured in the same run (median of
+  ``--runs`` calls per prompt after a warm-up that compiles; summed over prompts);
+* ``match``: greedy tokens equal plain ``generate``'s (1.0 expected);
+* ``transformers``' assisted generation on the same weights (``assistant_model=`` with a constant
+  ``num_assistant_tokens = k``, ``prompt_lookup_num_tokens=k``, ``assistant_early_exit=L``):
+  its speed-up over its own plain ``generate`` and its tokens/s.
+
+Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and prints a table.
+``--quick``: one prompt, greedy, k in {2, 4}, 48 new tokens, one timed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sysconfig
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks import common
+
+KINDS = ("code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6")
+PROMPT_BYTES = 96
+
+
+def code_prompts(count: int) -> list[str]:
+    """``count`` prompts: the PROMPT_BYTES bytes that start at a ``def`` line in held-out files."""
+    from models import data
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for path in data.stdlib_files(str(root)):
+        if not data.is_heldout(path.relative_to(root).as_posix()):
+            continue
+        text = path.read_text(errors="replace")
+        at = text.find("\n    def ")
+        if at >= 0 and text[at + 1 : at + 1 + PROMPT_BYTES].isascii():
+            prompts.append(text[at + 1 : at + 1 + PROMPT_BYTES])
+        if len(prompts) == count:
+            return prompts
+    return prompts
+
+
+def make_draft(kind: str, draft_model):
+    import decoding
+
+    if kind == "code-draft":
+        return draft_model
+    if kind == "prompt-lookup":
+        return decoding.PromptLookup()
+    return decoding.EarlyExit(num_layers=int(kind.partition(":")[2]))
+
+
+def timed(fn, runs: int):
+    """(median seconds of ``runs`` calls after one warm-up call, the last result)."""
+    fn()
+    times, res = [], None
+    for _ in range(runs):
+        start = time.perf_counter()
+        res = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), res
+
+
+def theory(a: float, k: int) -> float:
+    """Expected tokens per target call at i.i.d. acceptance rate a: (1 - a^(k+1)) / (1 - a)."""
+    return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def ours(target, draft_model, ids, kind, k, sampling, new, runs, plain):
+    """One row for our speculative decoding over all prompts ``ids``."""
+    from decoding import speculative_generate
+
+    total, acc, prop, tpc, match = 0.0, [], [], [], []
+    for row, ref in zip(ids, plain["tokens"], strict=True):
+        s, res = timed(
+            lambda row=row: speculative_generate(
+                target, make_draft(kind, draft_model), [row], num_draft_tokens=k,
+                max_new_tokens=new, sampling=sampling,
+            ),
+            runs,
+        )  # fmt: skip
+        total += s
+        st = res.stats
+        acc.append(st["acceptance_rate"] * st["num_draft_tokens"] * st["target_calls"])
+        prop.append(st["num_draft_tokens"] * st["target_calls"])
+        tpc.append(st["tokens_per_target_call"])
+        match.append(res.tokens == ref)
+    a = sum(acc) / max(sum(prop), 1)
+    return dict(
+        acceptance=a,
+        tokens_per_call=statistics.mean(tpc),
+        theory=theory(a, k),
+        tok_s=len(ids) * new / total,
+        speedup=plain["seconds"] / total,
+        match=float(np.mean(match)) if sampling.greedy else None,
+    )
+
+
+def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, runs, hf_plain_s):
+    """transformers' assisted generation for the same kind -> dict (or an error string)."""
+    import torch
+
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=not greedy, pad_token_id=258)
+    if not greedy:
+        kwargs.update(temperature=0.8, top_k=0)
+    if kind == "code-draft":
+        hf_draft.generation_config.num_assistant_tokens = k
+        hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+        kwargs["assistant_model"] = hf_draft
+    elif kind == "prompt-lookup":
+        kwargs["prompt_lookup_num_tokens"] = k
+    else:
+        kwargs["assistant_early_exit"] = int(kind.partition(":")[2])
+        hf.generation_config.num_assistant_tokens = k
+    total = 0.0
+    try:
+        with torch.inference_mode():
+            for row in ids:
+                x = torch.tensor([row])
+                s, _ = timed(
+                    lambda x=x: hf.generate(x, attention_mask=torch.ones_like(x), **kwargs), runs
+                )
+                total += s
+    except Exception as e:  # an unsupported combination is reported, not fatal
+        return dict(hf_error=f"{type(e).__name__}: {str(e)[:120]}")
+    return dict(hf_tok_s=len(ids) * new / total, hf_speedup=hf_plain_s / total)
+
+
+def baselines(target, hf, ids, sampling, new, runs):
+    """Plain ``generate`` and plain transformers ``generate`` over all prompts."""
+    import torch
+
+    from decoding import generate
+
+    ours_s, tokens = 0.0, []
+    for row in ids:
+        s, res = timed(
+            lambda row=row: generate(target, [row], max_new_tokens=new, sampling=sampling), runs
+        )
+        ours_s, tokens = ours_s + s, tokens + [res.tokens]
+    kwargs = dict(
+        max_new_tokens=new, min_new_tokens=new, do_sample=not sampling.greedy, pad_token_id=258
+    )
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=0)
+    hf_s = 0.0
+    with torch.inference_mode():
+        for row in ids:
+            x = torch.tensor([row])
+            hf_s += timed(
+                lambda x=x: hf.generate(x, attention_mask=torch.ones_like(x), **kwargs), runs
+            )[0]
+    return dict(seconds=ours_s, tokens=tokens, hf_seconds=hf_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--kinds", nargs="+", default=None)
+    parser.add_argument("--ks", nargs="+", type=int, default=None)
+    parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--draft-checkpoint", default=None, help="a draft other than code-draft")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--out", default="speculative_cpu")
+    args = parser.parse_args()
+    quick = args.quick
+    kinds = args.kinds or (["code-draft", "prompt-lookup", "early-exit:4"] if quick else KINDS)
+    ks = args.ks or ([2, 4] if quick else list(range(1, 9)))
+    n_prompts = args.prompts or (1 if quick else 4)
+    new = args.new_tokens or (48 if quick else 128)
+    runs = args.runs or (1 if quick else 3)
+    modes = ["greedy"] if quick else ["greedy", "t0.8"]
+
+    import torch
+    import transformers
+
+    import models
+    from decoding import SamplingConfig
+    from models.pretrained import shipped_path
+
+    target, tok = models.pretrained("code-target")
+    draft_dir = args.draft_checkpoint or str(shipped_path("code-draft"))
+    draft_model = models.load_hf_checkpoint(draft_dir)
+    texts = code_prompts(n_prompts)
+    ids = [[tok.bos_id] + tok.encode(t) for t in texts]
+    hf = (
+        transformers.AutoModelForCausalLM.from_pretrained(str(shipped_path("code-target")))
+        .float()
+        .eval()
+    )
+    hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir).float().eval()
+    rows, load_start = [], os.getloadavg()
+    total = len(modes) * len(kinds) * len(ks)
+    with tqdm(total=total, desc="speculative") as bar:
+        for mode in modes:
+            sampling = SamplingConfig() if mode == "greedy" else SamplingConfig(temperature=0.8)
+            plain = baselines(target, hf, ids, sampling, new, runs)
+            for kind in kinds:
+                for k in ks:
+                    bar.set_postfix(mode=mode, kind=kind, k=k)
+                    row = dict(mode=mode, kind=kind, k=k)
+                    row.update(ours(target, draft_model, ids, kind, k, sampling, new, runs, plain))
+                    if not args.no_hf:
+                        hf_plain = plain["hf_seconds"]
+                        row.update(
+                            hf_assisted(
+                                hf, hf_draft, ids, kind, k, sampling.greedy, new, runs, hf_plain
+                            )
+                        )
+                    row.update(plain_tok_s=len(ids) * new / plain["seconds"],
+                               hf_plain_tok_s=len(ids) * new / plain["hf_seconds"])  # fmt: skip
+                    rows.append(row)
+                    bar.update()
+    columns = ["mode", "kind", "k", "acceptance", "tokens_per_call", "theory", "tok_s",
+               "plain_tok_s", "speedup", "match", "hf_tok_s", "hf_speedup"]  # fmt: skip
+    common.print_table(rows, columns)
+    path = common.write_results(
+        args.out,
+        rows,
+        settings=dict(
+            prompts=texts,
+            new_tokens=new,
+            runs=runs,
+            batch=1,
+            dtype="float32",
+            draft=draft_dir,
+            quick=quick,
+            torch=torch.__version__,
+            torch_threads=torch.get_num_threads(),
+            loadavg_start=load_start,
+            loadavg_end=os.getloadavg(),
+        ),  # fmt: skip
+        note=(
+            "Shared 2-core CPU: wall times are noisy; acceptance and tokens per call are not. "
+            "Speed-ups are against plain generate measured in the same run."
+        ),
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
