@@ -198,10 +198,23 @@ def train(
     return model, summary
 
 
-def _load_teacher(name: str, attn_impl: str) -> Transformer:
-    """A shipped model by name (``models.pretrained``) or a checkpoint directory."""
-    path = str(shipped_path(name)) if name in SHIPPED else name
-    return load_hf_checkpoint(path, attn_impl=attn_impl)
+def _starting_models(args, config: TransformerConfig):
+    """(``--init`` model or None, ``--distill-from`` teacher or None), checked against config."""
+    init = teacher = None
+    if args.init is not None:
+        init = load_hf_checkpoint(args.init, attn_impl=args.attn_impl)
+        if init.config.replace(attn_impl=config.attn_impl) != config:
+            raise ValueError(f"--init {args.init} does not match preset {args.preset!r}")
+    if args.distill_from is not None:
+        name = args.distill_from  # a shipped model or a checkpoint directory
+        path = str(shipped_path(name)) if name in SHIPPED else name
+        teacher = load_hf_checkpoint(path, attn_impl=args.attn_impl)
+        if teacher.config.vocab_size != config.vocab_size:
+            raise ValueError(
+                f"--distill-from {name} has vocab_size {teacher.config.vocab_size}, "
+                f"preset {args.preset!r} has {config.vocab_size}"
+            )
+    return init, teacher
 
 
 def main(argv=None) -> None:
@@ -237,19 +250,7 @@ def main(argv=None) -> None:
         f"{corpus.heldout.size:,} held-out tokens; {jax.devices()[0].platform}",
         flush=True,
     )
-    init = None
-    if args.init is not None:
-        init = load_hf_checkpoint(args.init, attn_impl=args.attn_impl)
-        if init.config.replace(attn_impl=config.attn_impl) != config:
-            raise ValueError(f"--init {args.init} does not match preset {args.preset!r}")
-    teacher = None
-    if args.distill_from is not None:
-        teacher = _load_teacher(args.distill_from, args.attn_impl)
-        if teacher.config.vocab_size != config.vocab_size:
-            raise ValueError(
-                f"--distill-from {args.distill_from} has vocab_size {teacher.config.vocab_size}, "
-                f"preset {args.preset!r} has {config.vocab_size}"
-            )
+    init, teacher = _starting_models(args, config)
     model, summary = train(
         config, corpus, tc, log=lambda s: print(s, flush=True), init=init, teacher=teacher
     )
