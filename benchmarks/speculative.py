@@ -166,6 +166,31 @@ def baselines(target, hf, ids, sampling, new, runs):
     return dict(seconds=ours_s, tokens=tokens, hf_seconds=hf_s)
 
 
+def sweep(models_, ids, modes, kinds, ks, new: int, runs: int) -> list[dict]:
+    """One row per (mode, kind, k); ``models_`` = (target, draft, hf, hf_draft or None)."""
+    from decoding import SamplingConfig
+
+    target, draft_model, hf, hf_draft = models_
+    rows = []
+    with tqdm(total=len(modes) * len(kinds) * len(ks), desc="speculative") as bar:
+        for mode in modes:
+            sampling = SamplingConfig() if mode == "greedy" else SamplingConfig(temperature=0.8)
+            plain = baselines(target, hf, ids, sampling, new, runs)
+            for kind in kinds:
+                for k in ks:
+                    bar.set_postfix(mode=mode, kind=kind, k=k)
+                    row = dict(mode=mode, kind=kind, k=k)
+                    row.update(ours(target, draft_model, ids, kind, k, sampling, new, runs, plain))
+                    if hf_draft is not None:
+                        args = (hf, hf_draft, ids, kind, k, sampling.greedy, new, runs)
+                        row.update(hf_assisted(*args, plain["hf_seconds"]))
+                    row.update(plain_tok_s=len(ids) * new / plain["seconds"],
+                               hf_plain_tok_s=len(ids) * new / plain["hf_seconds"])  # fmt: skip
+                    rows.append(row)
+                    bar.update()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -190,7 +215,6 @@ def main() -> None:
     import transformers
 
     import models
-    from decoding import SamplingConfig
     from models.pretrained import shipped_path
 
     target, tok = models.pretrained("code-target")
@@ -204,28 +228,9 @@ def main() -> None:
         .eval()
     )
     hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir).float().eval()
-    rows, load_start = [], os.getloadavg()
-    total = len(modes) * len(kinds) * len(ks)
-    with tqdm(total=total, desc="speculative") as bar:
-        for mode in modes:
-            sampling = SamplingConfig() if mode == "greedy" else SamplingConfig(temperature=0.8)
-            plain = baselines(target, hf, ids, sampling, new, runs)
-            for kind in kinds:
-                for k in ks:
-                    bar.set_postfix(mode=mode, kind=kind, k=k)
-                    row = dict(mode=mode, kind=kind, k=k)
-                    row.update(ours(target, draft_model, ids, kind, k, sampling, new, runs, plain))
-                    if not args.no_hf:
-                        hf_plain = plain["hf_seconds"]
-                        row.update(
-                            hf_assisted(
-                                hf, hf_draft, ids, kind, k, sampling.greedy, new, runs, hf_plain
-                            )
-                        )
-                    row.update(plain_tok_s=len(ids) * new / plain["seconds"],
-                               hf_plain_tok_s=len(ids) * new / plain["hf_seconds"])  # fmt: skip
-                    rows.append(row)
-                    bar.update()
+    load_start = os.getloadavg()
+    models_ = (target, draft_model, hf, None if args.no_hf else hf_draft)
+    rows = sweep(models_, ids, modes, kinds, ks, new, runs)
     columns = ["mode", "kind", "k", "acceptance", "tokens_per_call", "theory", "tok_s",
                "plain_tok_s", "speedup", "match", "hf_tok_s", "hf_speedup"]  # fmt: skip
     common.print_table(rows, columns)
