@@ -15,9 +15,13 @@ A draft kind is a frozen, hashable object (a static argument of the jitted loop)
 
 ``params`` is the draft's array pytree (None when it has none): the loop passes it as a jit
 argument, so the weights are not baked into the executable. The verification loop only sees
-``Proposal``s; a kind that drafts from the target's own hidden states (Medusa / EAGLE heads)
-fits the same interface: its state holds the last hidden state and its heads' parameters are
-``params``.
+``Proposal``s and the acceptance rule only q, so a kind that drafts from the target's own hidden
+states (Medusa / EAGLE heads) fits the same interface: its heads' weights are ``params``, its
+state holds the target's hidden state at the last accepted position, and its ``propose`` makes
+no forward call of the target. What it adds to the loop is one hand-off: the verification
+forward (``speculative_step``) must also return the final hidden states [B, k+1, dim]
+(:func:`forward` runs the blocks explicitly, so it is the place to return them) for the kind to
+keep the one at each row's last accepted token.
 
 Kinds here: :class:`ModelDraft` (a smaller ``models.Transformer`` with its own cache),
 :class:`PromptLookup` (n-gram lookup in the prompt and generated text) and :class:`EarlyExit`
