@@ -5,7 +5,8 @@ The filters compose in the order Hugging Face applies them: temperature, then to
 on the top-k survivors' renormalised probabilities, then min-p on those of the top-p survivors.
 Ties at a filter's threshold are all kept (a token whose logit equals the k-th largest survives
 top-k), so the filtered distribution does not depend on the order of equal logits.
-Randomness comes only from the explicit PRNG key: same key, same tokens.
+Randomness comes only from the explicit PRNG key: same key, same tokens. Seeds are ints in
+[0, 2**32), the uint32 a key is made from (``check_seed``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 _F32 = np.finfo(np.float32)
+SEED_LIMIT = 2**32
+
+
+def check_seed(seed) -> int:
+    """``seed`` as a Python int; TypeError unless an int, ValueError unless in [0, 2**32)."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    return int(seed)
 
 
 @dataclasses.dataclass(frozen=True)
