@@ -5,7 +5,7 @@ from models.config import PRESETS, RopeScaling, TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.kv_cache import KVCache
 from models.nnx_attention import pallas_attention_fn
-from models.pretrained import pretrained
+from models.pretrained import load_model, pretrained
 from models.tokenizer import ByteTokenizer
 from models.transformer import Transformer
 
@@ -17,6 +17,7 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "load_hf_checkpoint",
+    "load_model",
     "pallas_attention_fn",
     "pretrained",
     "save_hf_checkpoint",
