@@ -179,7 +179,7 @@ def test_tiny_temperatures_are_greedy(temperature, filters):
     np.testing.assert_array_equal(filtered.argmax(-1), want)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     temperature=st.floats(-307.0, 308.0).map(lambda e: 10.0**e),  # log-uniform
     row=st.lists(
