@@ -104,6 +104,10 @@ class Engine:
       max_prefill_tokens: prompt tokens prefilled per step, over all requests; also the largest
         chunk.
       sampling: the default ``SamplingConfig`` of requests (default greedy).
+      max_seq_len: the longest request (prompt + max_new_tokens) accepted; default the model's
+        ``max_position``. It sets the block table's width, ``pages_for(max_seq_len)``, a fixed
+        shape of every step; the XLA attention path reads that many positions per row, so a
+        tighter bound makes CPU steps cheaper (the Pallas kernel only reads a row's own pages).
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class Engine:
         prefix_caching: bool = True,
         max_prefill_tokens: int = 512,
         sampling: SamplingConfig | None = None,
+        max_seq_len: int | None = None,
     ):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a models.Transformer, got {type(model).__name__}")
@@ -128,10 +133,14 @@ class Engine:
         self.sampling = _check_sampling("sampling", sampling) or SamplingConfig()
         self.prefix_caching = prefix_caching
         self.allocator = PageAllocator(_check_int("num_pages", num_pages, 1), page_size)
-        self.max_pages = min(num_pages, pages_for(self.config.max_position, page_size))
+        limit = self.config.max_position
+        self.max_seq_len = limit if max_seq_len is None else max_seq_len
+        _check_int("max_seq_len", self.max_seq_len, 2, limit + 1)
+        self.max_pages = min(num_pages, pages_for(self.max_seq_len - 1, page_size))
         self.tables = BlockTables(self.allocator, self.max_batch, self.max_pages)
         self._scratch = num_pages
-        self._graphdef, self._params = nnx.split(model)
+        graphdef, self._params = nnx.split(model)
+        self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef)
         pool = KVCache.paged(self.config, num_pages + 1, page_size, np.zeros((1, 1), np.int32))
         self._k, self._v = pool.k, pool.v
         self._configs: list[SamplingConfig] = [self.sampling]
@@ -158,7 +167,7 @@ class Engine:
 
         Raises ``ValueError`` (``TypeError`` for ``sampling``) before queueing anything when the
         request is malformed or can never fit: an empty prompt, a token outside the vocabulary,
-        or prompt + max_new_tokens beyond the pool, one row's block table or ``max_position``.
+        or prompt + max_new_tokens beyond the pool or ``max_seq_len``.
         """
         prompt = self._check_prompt(prompt_tokens)
         max_new = _check_int("max_new_tokens", max_new_tokens, 1)
@@ -167,17 +176,16 @@ class Engine:
         eos = None if eos_id is None else _check_int("eos_id", eos_id, 0, V)
         seed = None if seed is None else _check_int("seed", seed, 0, 2**32)
         total = len(prompt) + max_new
-        if total > self.config.max_position:
-            raise ValueError(
-                f"prompt length {len(prompt)} + max_new_tokens {max_new} exceeds the model's "
-                f"max_position {self.config.max_position}"
-            )
         need = pages_for(total - 1, self.page_size)  # the last new token is never cached
-        if need > self.max_pages:
+        if need > self.allocator.num_pages:
             raise ValueError(
                 f"prompt length {len(prompt)} + max_new_tokens {max_new} needs {need} pages of "
-                f"{self.page_size}, more than the pool holds for one request ({self.max_pages} of "
-                f"num_pages={self.allocator.num_pages})"
+                f"{self.page_size}, more than the pool holds (num_pages={self.allocator.num_pages})"
+            )
+        if total > self.max_seq_len:
+            raise ValueError(
+                f"prompt length {len(prompt)} + max_new_tokens {max_new} exceeds max_seq_len "
+                f"{self.max_seq_len} (default: the model's max_position)"
             )
         rid = self._next_rid
         self._next_rid += 1
@@ -310,10 +318,9 @@ class Engine:
         table = np.full((1, self.max_pages), self._scratch, np.int32)
         pages = self.tables.rows[req.row][: pages_for(start + n, P)]
         table[0, : len(pages)] = pages
-        self._k, self._v = engine_steps.prefill_chunk(
-            self._params, self._k, self._v, tokens, np.array([start], np.int32), table,
-            graphdef=self._graphdef,
-        )  # fmt: skip
+        self._k, self._v = self._prefill_fn(
+            self._params, self._k, self._v, tokens, np.array([start], np.int32), table
+        )
         req.computed += n
         self._counts["prefill_tokens"] += n
         self._register(req)
@@ -348,9 +355,9 @@ class Engine:
             config_idx[b] = self._configs.index(req.sampling)
             pages = self.tables.rows[b]
             table[b, : len(pages)] = pages
-        new, self._k, self._v = engine_steps.decode_rows(
+        new, self._k, self._v = self._decode_fn(
             self._params, self._k, self._v, last, lengths, table, seeds, index, config_idx,
-            graphdef=self._graphdef, configs=tuple(self._configs),
+            configs=tuple(self._configs),
         )  # fmt: skip
         new = np.asarray(new)
         self._counts["decode_steps"] += 1

@@ -53,8 +53,7 @@ def sample_rows(logits, keys, config_idx, configs: tuple[SamplingConfig, ...]):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("k", "v"))
-def prefill_chunk(params, k, v, tokens, start, table, *, graphdef):
+def prefill_chunk(graphdef, params, k, v, tokens, start, table):
     """tokens [1, C] at positions ``start[0] ..``, pages ``table`` [1, max_pages] -> (k, v)."""
     TRACES["prefill"] += 1
     model = nnx.merge(graphdef, params)
@@ -62,8 +61,7 @@ def prefill_chunk(params, k, v, tokens, start, table, *, graphdef):
     return cache.k, cache.v
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "configs"), donate_argnames=("k", "v"))
-def decode_rows(params, k, v, last, lengths, table, seeds, index, config_idx, *, graphdef, configs):
+def decode_rows(graphdef, params, k, v, last, lengths, table, seeds, index, config_idx, *, configs):
     """One token per row: last [B] fed at position lengths [B] through table [B, max_pages].
 
     Returns ``(next tokens [B] int32, k, v)``; seeds [B] uint32, index [B] int32 and
@@ -75,6 +73,21 @@ def decode_rows(params, k, v, last, lengths, table, seeds, index, config_idx, *,
     logits, cache = model(last[:, None], cache=cache)
     tokens = sample_rows(logits[:, -1], row_keys(seeds, index), config_idx, configs)
     return tokens, cache.k, cache.v
+
+
+@functools.lru_cache(maxsize=16)
+def jitted(graphdef):
+    """``(prefill_chunk, decode_rows)`` jitted for one model structure, the pool donated.
+
+    The graph definition is closed over (hashed once here, not at every call); cached so that
+    engines over the same model share compilations.
+    """
+    prefill = jax.jit(functools.partial(prefill_chunk, graphdef), donate_argnums=(1, 2))
+    decode = jax.jit(
+        functools.partial(decode_rows, graphdef), static_argnames=("configs",),
+        donate_argnums=(1, 2),
+    )  # fmt: skip
+    return prefill, decode
 
 
 @functools.partial(jax.jit, donate_argnames=("k", "v"))

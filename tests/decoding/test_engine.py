@@ -21,6 +21,7 @@ from decoding.sampling import SamplingConfig
 MAX_NEW = 14
 PAGE = 8
 BIG_POOL, SMALL_POOL = 48, 12
+MAX_SEQ = 64  # a block table of 8 pages
 
 _rng = np.random.default_rng(0)
 _SHARED = _rng.integers(0, 256, 21).tolist()  # 2 full pages of 8 and a partial one
@@ -37,8 +38,9 @@ TOP_P = SamplingConfig(temperature=1.0, top_p=0.9)
 
 def make_engine(model, num_pages=BIG_POOL, **kwargs) -> Engine:
     return Engine(
-        model, max_batch=4, num_pages=num_pages, page_size=PAGE, max_prefill_tokens=32, **kwargs
-    )
+        model, max_batch=4, num_pages=num_pages, page_size=PAGE, max_prefill_tokens=32,
+        max_seq_len=MAX_SEQ, **kwargs,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +196,7 @@ def test_sampled_tokens_do_not_depend_on_the_batch(tiny_model):
         ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ([1, 2], {"max_new_tokens": 2.0}, "max_new_tokens must be an int"),
         ([1] * 95, {"max_new_tokens": 8}, "num_pages=12"),  # 102 positions > 12 pages of 8
-        ([1] * 500, {"max_new_tokens": 20}, "max_position 512"),
+        ([1] * 60, {"max_new_tokens": 8}, "exceeds max_seq_len 64"),
         ([1, 2], {"eos_id": 264}, "eos_id"),
         ([1, 2], {"seed": -1}, "seed"),
     ],
@@ -219,6 +221,8 @@ def test_bad_engine_arguments(tiny_model):
         Engine(tiny_model, num_pages=4, max_prefill_tokens=0)
     with pytest.raises(TypeError, match="model"):
         Engine("model", num_pages=4)
+    with pytest.raises(ValueError, match="max_seq_len must be in"):
+        Engine(tiny_model, num_pages=4, max_seq_len=513)
 
 
 @settings(
