@@ -74,6 +74,29 @@ def run_engine(model, requests, max_len: int, max_seq_len: int):
     return busy_s, series, eng.stats()
 
 
+def engine_rows(model, requests, max_len: int, useful: int):
+    """Warm-up and timed engine passes at two block-table widths -> (rows, series of the first)."""
+    longest = max(len(p) + n for p, n in requests)
+    rows, series = [], None
+    for table in (max_len, longest):
+        run_engine(model, requests, max_len, table)  # warm-up: compilation
+        eng_s, s, stats = run_engine(model, requests, max_len, table)
+        series = series or s
+        rows.append(
+            dict(
+                method=f"engine (table {table})",
+                tokens_per_s=useful / eng_s,
+                wall_s=eng_s,
+                kv_util_mean=float(np.mean(s["paged"])),
+                contiguous_prealloc_util_mean=float(np.mean(s["contiguous"])),
+                decode_steps=stats["decode_steps"],
+                preemptions=stats["preemptions"],
+                prefix_cache_hits=stats["prefix_cache_hits"],
+            )
+        )
+    return rows, series
+
+
 def run_static(model, requests):
     """One pass of static batches -> (wall seconds, mean KV utilization of their caches)."""
     from decoding import generate
@@ -131,24 +154,7 @@ def main() -> None:
     requests = make_requests(args.requests, args.scale, config.vocab_size)
     useful = sum(n for _, n in requests)
 
-    longest = max(len(p) + n for p, n in requests)
-    rows, series = [], None
-    for table in (max_len, longest):
-        run_engine(model, requests, max_len, table)  # warm-up: compilation
-        eng_s, s, stats = run_engine(model, requests, max_len, table)
-        series = series or s
-        rows.append(
-            dict(
-                method=f"engine (table {table})",
-                tokens_per_s=useful / eng_s,
-                wall_s=eng_s,
-                kv_util_mean=float(np.mean(s["paged"])),
-                contiguous_prealloc_util_mean=float(np.mean(s["contiguous"])),
-                decode_steps=stats["decode_steps"],
-                preemptions=stats["preemptions"],
-                prefix_cache_hits=stats["prefix_cache_hits"],
-            )
-        )
+    rows, series = engine_rows(model, requests, max_len, useful)
     run_static(model, requests)  # warm-up
     static_s, static_util = run_static(model, requests)
     rows.append(dict(method="static generate", tokens_per_s=useful / static_s, wall_s=static_s,

@@ -243,3 +243,32 @@ def test_random_arrival_schedules(tiny_model, greedy_refs, schedule, small):
         assert streamed[rid] == greedy_refs[i][:n]
     assert eng.run_until_done() == streamed
     assert_clean(eng)
+
+
+@pytest.mark.slow
+def test_shipped_model_sampled_with_shared_prefixes_and_preemption():
+    """The shipped code-draft model on real code prompts sharing a header, sampled (min-p) with
+    EOS, in a pool small enough to preempt: every request equals ``generate`` on it alone."""
+    from models import pretrained
+
+    model, tok = pretrained("code-draft")
+    header = "import os\nimport sys\n\n\ndef main(argv):\n    "
+    prompts = [header + s for s in ("return 0\n", "for arg in argv:", "if not argv:", "x = ")]
+    prompts += ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
+    prompts = [[tok.bos_id] + tok.encode(p) for p in prompts]
+    sampling = SamplingConfig(temperature=1.0, min_p=0.1)
+    eng = Engine(model, max_batch=4, num_pages=24, page_size=8, max_prefill_tokens=32)
+    ids = [
+        eng.submit(p, 96, sampling=sampling, eos_id=tok.eos_id, seed=s)
+        for s, p in enumerate(prompts)
+    ]
+    for p in prompts[:2]:  # a second wave hits the header pages in the cache
+        ids.append(eng.submit(p, 96, sampling=sampling, eos_id=tok.eos_id, seed=11))
+    out = eng.run_until_done()
+    seeds = list(range(len(prompts))) + [11, 11]
+    for rid, p, s in zip(ids, prompts + prompts[:2], seeds, strict=True):
+        want = generate(model, [p], max_new_tokens=96, sampling=sampling, eos_id=tok.eos_id, seed=s)
+        assert out[rid] == want.tokens[0]
+    stats = eng.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert_clean(eng)
