@@ -154,10 +154,11 @@ def test_eos_stops_a_request(tiny_model, greedy_refs):
 
 def test_no_recompiles_as_requests_come_and_go(tiny_model):
     eng = make_engine(tiny_model)
-    run_schedule(eng, [(0, 0, 3), (0, 3, 2)])  # warm: decode and both chunk buckets
+    run_schedule(eng, [(0, 0, 3), (0, 3, 2), (2, 2, 2)])  # warm: decode, both buckets, a copy
     before = dict(engine_steps.TRACES)
     run_schedule(eng, [(0, 1, 6), (1, 3, 2), (2, 4, 9), (4, 5, 3), (4, 0, 5), (6, 2, 2)])
     assert dict(engine_steps.TRACES) == before
+    assert eng.stats()["page_copies"] == 2
 
 
 def test_sampled_tokens_do_not_depend_on_the_batch(tiny_model):
