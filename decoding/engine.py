@@ -226,7 +226,8 @@ class Engine:
     # ----------------------------------------------------------------------------- stepping
 
     def step(self) -> dict[int, list[int]]:
-        """One scheduler step -> ``{request id: new tokens}`` (empty when there is no work)."""
+        """One scheduler step -> ``{request id: [new token]}`` for the requests that got one (none
+        when there is no work or every admitted request is still prefilling)."""
         t0 = time.perf_counter()
         self._admit()
         self._prefill()
