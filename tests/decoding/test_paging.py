@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from decoding.paging import BlockTables, OutOfPagesError, PageAllocator, block_hashes, pages_for
 
@@ -167,3 +169,35 @@ def test_make_writable_is_all_or_nothing():
     assert tables.rows[1] == [0, 1] and alloc.num_free == 1
     with pytest.raises(ValueError, match="max_pages=4"):
         tables.make_writable(0, 0, 17)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("grow share write free"), st.integers(0, 2),
+                          st.integers(1, 20)), max_size=40))  # fmt: skip
+def test_random_operations_keep_the_books(ops):
+    """Whatever rows do, each page's count equals the rows holding it, every page is exactly one
+    of free / cached / held, and freeing every row leaves no page held."""
+    alloc = PageAllocator(num_pages=10, page_size=4)
+    tables = BlockTables(alloc, batch=3, max_pages=6)
+    for op, row, n in ops:
+        other = (row + 1) % 3
+        try:
+            if op == "grow":
+                tables.make_writable(row, tables.capacity(row), tables.capacity(row) + n)
+            elif op == "share" and not tables.rows[row]:
+                tables.adopt(row, tables.rows[other][: n % 4])
+            elif op == "write" and tables.rows[row]:
+                tables.make_writable(row, n % tables.capacity(row), tables.capacity(row))
+            elif op == "free":
+                for i, page in enumerate(tables.rows[row]):
+                    alloc.register(page, bytes([row, i]))  # as if every page were full
+                tables.free(row)
+        except (OutOfPagesError, ValueError):
+            pass
+        held = np.zeros(10, int)
+        for pages in tables.rows:
+            np.add.at(held, pages, 1)
+        assert [alloc.refcount(p) for p in range(10)] == held.tolist()
+        assert alloc.num_free + alloc.num_cached + int((held > 0).sum()) == 10
+    tables.free_all()
+    assert alloc.num_available == 10
