@@ -4,7 +4,8 @@
 
 1. admit waiting requests (first come, first served) while a batch row is free and the pool can
    hold their tokens: full pages of the prompt seen before are taken from the prefix cache by
-   reference (hash of the token-block chain), the rest are allocated;
+   reference (hash of the token-block chain), the rest are allocated; a request whose next page
+   a running request is still prefilling waits for it instead of computing it twice;
 2. prefill admitted requests in chunks of at most ``max_prefill_tokens`` tokens per step, each
    chunk one ``Tq > 1`` cached forward into the request's own pages (chunk boundaries depend only
    on the request, never on what else is batched);
@@ -264,6 +265,8 @@ class Engine:
         if self.prefix_caching:
             self._extend_hashes(req, n // P)
             hits = self.allocator.lookup(req.hashes[: n // P])
+            if req.hashes[len(hits) : len(hits) + 1] and req.hashes[len(hits)] in self._pending():
+                return False  # a running request is computing our next page: wait and share it
         # A fully cached sequence still feeds its last token: that write copies the last page
         # (copy on write); if the pool cannot spare the copy, recompute that page instead.
         for use in dict.fromkeys([len(hits), min(len(hits), (n - 1) // P)]):
@@ -281,6 +284,11 @@ class Engine:
         self._counts["prefix_cache_hits"] += use
         self._running.append(req)
         return True
+
+    def _pending(self) -> set[bytes]:
+        """Hashes of the full prompt pages running requests will compute but have not yet."""
+        P = self.page_size
+        return {h for r in self._running for h in r.hashes[r.registered : (len(r.tokens) - 1) // P]}
 
     def _extend_hashes(self, req: _Request, num_pages: int) -> None:
         P, have = self.page_size, len(req.hashes)

@@ -100,6 +100,18 @@ def test_shared_prefix_pages_reused(tiny_model, greedy_refs):
     assert_clean(eng)
 
 
+def test_burst_with_a_common_prefix_computes_it_once(tiny_model, greedy_refs):
+    """Submitted together: the second request waits one step for the first one's pages."""
+    eng = make_engine(tiny_model)
+    ids = [eng.submit(p, MAX_NEW) for p in (PROMPTS[0], PROMPTS[1], PROMPTS[4])]
+    assert set(eng.step()) == {ids[0]}  # prompt 1 waits for the shared pages, prompt 4 behind it
+    assert eng.stats()["waiting"] == 2
+    out = eng.run_until_done()
+    assert [out[r] for r in ids] == [greedy_refs[0], greedy_refs[1], greedy_refs[4]]
+    s = eng.stats()
+    assert s["prefix_cache_hits"] == 2 and s["prefill_tokens"] == 26 + 23
+
+
 def test_cached_pages_survive_reuse_and_finish(tiny_model, greedy_refs):
     """A prompt served twice from the cache (copy on write each time) still gives the same
     tokens: the cached pages were never written."""
