@@ -62,3 +62,23 @@ def test_every_listed_recipe_renders_the_committed_results(tmp_path, capsys):
     produced = {p.name for p in tmp_path.glob("*.png")}
     assert {"attention_cpu_time.png", "decode_cpu_time.png"} <= produced
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # ~20 s on 2 loaded cores: ten small compilations
+def test_gpu_recipes_draw_the_rows_the_gpu_code_paths_write(tmp_path):
+    """The GPU branches of the scripts run off GPU on tiny shapes (stand-in impls), and their
+    rows, as written, render with the GPU recipes; so the recipes cannot drift from the keys."""
+    from benchmarks import attention, decode
+
+    impls = {"pallas": attention._ours("reference"), "cudnn": attention._jax_nn("xla")}
+    rows, _ = attention.run_gpu(1, impls=impls, configs=[(8, 64, True), (16, 64, True)], tokens=16)
+    drows = decode.run([(1, 16, None), (1, 32, None)], "xla", "float32", 1, bundled=False)
+    recipes = registry.plot_recipes()
+    for name, part in (("attention_gpu", rows), ("decode_gpu", drows)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(dict(name=name, rows=part)))
+    written = render_all(tmp_path, recipes)
+    assert {p.name for p in written} == {
+        f"{name}_{plot.name}.png"
+        for name in ("attention_gpu", "decode_gpu")
+        for plot in recipes[name]
+    }
