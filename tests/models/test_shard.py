@@ -204,6 +204,25 @@ def test_adamw_state_follows_the_parameters():
 
 
 @needs_8
+def test_sharded_pallas_model_lowers_for_cuda_with_local_kernels():
+    """On a GPU mesh the Pallas (Triton) kernels sit inside the shard_map, on local shapes:
+    rows B/dp = 2, query heads Hq/tp = 4, KV heads Hkv/tp = 2 (lowered from this CPU host)."""
+    config = CONFIG.replace(attn_impl="pallas", head_dim=16, dtype="bfloat16")
+    model = models.shard(Transformer(config, rngs=nnx.Rngs(0)), _mesh((2, 4)))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.zeros((4, 8), jnp.int32)
+    cache = KVCache.contiguous(config, 4, 64, mesh=mesh_of(model))
+    full = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).trace(state, tokens)
+    cached = jax.jit(lambda s, t, c: nnx.merge(graphdef, s)(t, cache=c)).trace(state, tokens, cache)
+    for traced, local_kv in [(full, "2x8x2x16xbf16"), (cached, "2x64x2x16xbf16")]:
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        manual = text[text.index("sdy.manual_computation") :]
+        header = manual[: manual.index("{\n")]
+        assert "tensor<2x8x4x16xbf16>" in header and f"tensor<{local_kv}>" in header, header
+        assert "xla.gpu.triton" in manual
+
+
+@needs_8
 def test_bad_meshes_raise():
     with pytest.raises(ValueError, match="num_kv_heads"):  # Hkv = 2 on 8 model shards
         models.shard(Transformer(TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0)), _mesh((1, 8)))
