@@ -93,7 +93,9 @@ def _param_spec(path) -> P:
 def param_shardings(model, mesh: Mesh | None = None):
     """The ``NamedSharding`` of every parameter of ``model``, as a state of the same structure
     as ``nnx.state(model)`` (see ``PARAM_RULES``). Default mesh: the model's own."""
-    mesh = mesh_of(model) if mesh is None else mesh
+    mesh = mesh_of(model) if mesh is None else check_mesh(model.config, mesh)
+    if mesh is None:
+        raise ValueError("model is not sharded: pass a mesh or call models.shard(model, mesh)")
     return jax.tree_util.tree_map_with_path(
         lambda path, _: NamedSharding(mesh, _param_spec(path)), nnx.state(model)
     )
@@ -118,7 +120,7 @@ def shard(model, mesh: Mesh):
 
 
 def batch_axis(mesh: Mesh, batch: int) -> str | None:
-    """ "data" when the mesh has a data axis that divides ``batch``, else None (replicated)."""
+    """The "data" axis when the mesh has one that divides ``batch``, else None (replicated)."""
     return "data" if "data" in mesh.axis_names and batch % axis_size(mesh, "data") == 0 else None
 
 
@@ -264,7 +266,9 @@ def memory_plan(
     device), KV bytes per token (total and per device: 2 x layers x Hkv x D x itemsize, over tp),
     and the largest total batch whose rows each hold ``context`` tokens.
     """
-    if devices % model_axis or config.num_kv_heads % model_axis:
+    if not 0 <= reserve_fraction < 1:
+        raise ValueError(f"reserve_fraction must be in [0, 1), got {reserve_fraction!r}")
+    if model_axis < 1 or devices % model_axis or config.num_kv_heads % model_axis:
         raise ValueError(
             f"model_axis ({model_axis}) must divide devices ({devices}) and num_kv_heads "
             f"({config.num_kv_heads})"
