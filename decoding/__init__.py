@@ -1,5 +1,7 @@
-"""Jitted KV-cache generation, sampling, and the paged cache's page allocator."""
+"""Jitted KV-cache generation, sampling, the paged cache's page allocator and the continuous-
+batching engine."""
 
+from decoding.engine import Engine
 from decoding.generate import (
     DecodeState,
     GenerateResult,
@@ -15,6 +17,7 @@ from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sa
 __all__ = [
     "BlockTables",
     "DecodeState",
+    "Engine",
     "GenerateResult",
     "OutOfPagesError",
     "PageAllocator",

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx, struct
 
 from decoding import paging
-from decoding.sampling import SamplingConfig, sample
+from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
 from models.shard import mesh_of, replicated
 
@@ -207,8 +207,10 @@ def _next_pow2(n: int) -> int:
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     if hasattr(prompts, "shape") and hasattr(prompts, "dtype"):
         arr = np.asarray(prompts)
-        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompts must be a [B, T] int array, got {arr.shape} {arr.dtype}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"prompts must be an int array, got dtype {arr.dtype}")
+        if arr.ndim != 2:
+            raise ValueError(f"prompts must be a [B, T] int array, got shape {arr.shape}")
         prompts = arr.tolist()
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts must be a non-empty list of token lists or a [B, T] int array")
@@ -216,6 +218,9 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     for b, p in enumerate(prompts):
         if not isinstance(p, list | tuple) or not p:
             raise ValueError(f"prompt {b} must be a non-empty list of ints, got {p!r}")
+        floats = [t for t in p if isinstance(t, bool) or not isinstance(t, int | np.integer)]
+        if floats:
+            raise TypeError(f"prompt {b} has token ids that are not ints: {floats[:5]!r}")
         row = [int(t) for t in p]
         bad = [t for t in row if not 0 <= t < vocab_size]
         if bad:
@@ -263,9 +268,11 @@ def generate(
       max_new_tokens: >= 1; each row stops earlier after producing ``eos_id``.
       sampling: a ``SamplingConfig``; default greedy.
       eos_id: the stop token (kept in the output), or None.
-      seed: PRNG seed; same seed, same tokens.
+      seed: PRNG seed, an int in [0, 2**32); same seed, same tokens.
       cache: "paged" (pages from a ``paging.PageAllocator``) or "contiguous".
-      page_size: P, positions per page (paged only).
+      page_size: P, positions per page (paged only); capped at the positions the request can
+        use (bucketed prompt + new tokens), so a huge P allocates no more than a contiguous
+        cache.
       num_pages: size of the page pool (a static shape: keep it fixed across calls to avoid
         recompiling); default ``B_pad * pages_for(Tp + N)``, the contiguous cache's size. Too
         small a pool raises ``paging.OutOfPagesError`` before any work.
@@ -286,9 +293,15 @@ def generate(
         raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    seed = check_seed(seed)
     config = model.config
-    if eos_id is not None and not 0 <= int(eos_id) < config.vocab_size:
-        raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id!r}")
+    if eos_id is not None:
+        if isinstance(eos_id, bool) or not isinstance(eos_id, int | np.integer):
+            raise TypeError(
+                f"eos_id must be an int or None, got {type(eos_id).__name__} {eos_id!r}"
+            )
+        if not 0 <= eos_id < config.vocab_size:
+            raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id!r}")
     rows = _check_prompts(prompts, config.vocab_size)
     lengths = [len(r) for r in rows]
     if max(lengths) + max_new_tokens > config.max_position:
@@ -302,6 +315,7 @@ def generate(
     Tp = _round_up(max(lengths), PROMPT_BUCKET)
     N = _round_up(max_new_tokens, NEW_TOKENS_BUCKET)
     capacity = Tp + N
+    page_size = min(page_size, capacity)  # a larger page would only hold unused positions
     tokens = np.zeros((B_pad, Tp), np.int32)
     for b, r in enumerate(rows):
         tokens[b, : len(r)] = r

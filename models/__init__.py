@@ -5,7 +5,7 @@ from models.config import PRESETS, RopeScaling, TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.kv_cache import KVCache
 from models.nnx_attention import pallas_attention_fn
-from models.pretrained import pretrained
+from models.pretrained import load_model, pretrained
 from models.shard import make_train_step as make_sharded_train_step
 from models.shard import memory_plan, param_shardings, shard, train_shardings
 from models.tokenizer import ByteTokenizer
@@ -19,6 +19,7 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "load_hf_checkpoint",
+    "load_model",
     "make_sharded_train_step",
     "memory_plan",
     "pallas_attention_fn",

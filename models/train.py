@@ -27,6 +27,7 @@ from tqdm import tqdm
 from models import data
 from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
+from models.pretrained import checkpoint_arg, load_model
 from models.tokenizer import ByteTokenizer
 from models.transformer import Transformer
 
@@ -171,7 +172,12 @@ def main(argv=None) -> None:
             flag = "--" + field.name.replace("_", "-")
             p.add_argument(flag, type=type(getattr(defaults, field.name)), default=None)
     p.add_argument("--attn-impl", default="auto")
-    p.add_argument("--init", default=None, help="start from this HF checkpoint (same preset)")
+    p.add_argument(
+        "--init",
+        default=None,
+        type=checkpoint_arg,
+        help="start from this shipped model or HF checkpoint directory (same preset)",
+    )
     p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--max-corpus-bytes", type=int, default=None)
     args = p.parse_args(argv)
@@ -190,7 +196,7 @@ def main(argv=None) -> None:
     )
     init = None
     if args.init is not None:
-        init = load_hf_checkpoint(args.init, attn_impl=args.attn_impl)
+        init = load_model(args.init, attn_impl=args.attn_impl)
         if init.config.replace(attn_impl=config.attn_impl) != config:
             raise ValueError(f"--init {args.init} does not match preset {args.preset!r}")
     model, summary = train(config, corpus, tc, log=lambda s: print(s, flush=True), init=init)
