@@ -1,4 +1,4 @@
-"""Greedy ``generate`` with a sharded model equals the single-device tokens.
+"""Greedy ``generate`` and the ``Engine`` with a sharded model equal the single-device tokens.
 
 Runs in the 8-device pytest process started by
 ``tests/models/test_shard.py::test_sharding_on_8_host_devices`` (skipped elsewhere). ``generate``
@@ -13,7 +13,7 @@ import pytest
 from conftest import random_transformer
 
 import models
-from decoding import generate
+from decoding import Engine, generate
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
@@ -39,3 +39,17 @@ def test_sharded_greedy_generate_equals_single_device(shape, cache, single_devic
     res = generate(model, PROMPTS, max_new_tokens=NEW, cache=cache, page_size=4)
     assert res.tokens == single_device_tokens
     assert res.stats["steps"] == NEW
+
+
+def _engine_tokens(model):
+    engine = Engine(model, num_pages=64, page_size=4, max_batch=4, max_seq_len=64)
+    ids = [engine.submit(p, max_new_tokens=6) for p in PROMPTS]
+    out = engine.run_until_done()
+    return [out[i] for i in ids]
+
+
+def test_engine_with_a_sharded_model_equals_single_device():
+    """Continuous batching (4 rows for 6 requests, chunked prefill, shared pool) on (2, 4)."""
+    want = _engine_tokens(random_transformer(**OVERRIDES))
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    assert _engine_tokens(models.shard(random_transformer(**OVERRIDES), mesh)) == want
