@@ -112,6 +112,7 @@ def test_sharded_logits_equal_single_device(shape, single_device_logits):
 @needs_8
 def test_parameters_are_megatron_sharded():
     model = models.shard(_model(), _mesh((2, 4)))
+    mesh = mesh_of(model)
     attn, mlp = model.layers[0].attn, model.layers[0].mlp
     col, row = P(None, "model"), P("model", None)
     for param, spec in [
@@ -126,7 +127,9 @@ def test_parameters_are_megatron_sharded():
         (model.lm_head.kernel, col),
         (model.norm.weight, P()),
     ]:
-        assert _has_spec(param[...], mesh_of(model), spec)
+        assert _has_spec(param[...], mesh, spec)
+    biased = models.shard(Transformer(CONFIG.replace(qkv_bias=True), rngs=nnx.Rngs(0)), mesh)
+    assert _has_spec(biased.layers[0].attn.v_proj.bias[...], mesh, P("model"))
     # Device (d, j) holds the KV heads [2j, 2j + 2) and the query heads [4j, 4j + 4) that read them.
     shards = attn.k_proj.kernel[...].addressable_shards
     assert {s.data.shape for s in shards} == {(CONFIG.dim, 2 * CONFIG.resolved_head_dim)}
