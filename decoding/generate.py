@@ -31,6 +31,7 @@ from flax import nnx, struct
 from decoding import paging
 from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
+from models.shard import mesh_of, replicated
 
 PROMPT_BUCKET = 64
 NEW_TOKENS_BUCKET = 64
@@ -234,17 +235,17 @@ def _cache_for(model, kind: str, need, n_pad: int, capacity: int, page_size: int
 
     Padding rows all share one row's worth of pages: they write there but nobody reads it.
     """
-    config = model.config
+    config, mesh = model.config, mesh_of(model)
     batch = len(need) + n_pad
     if kind == "contiguous":
-        return KVCache.contiguous(config, batch, capacity), None
+        return KVCache.contiguous(config, batch, capacity, mesh=mesh), None
     max_pages = paging.pages_for(capacity, page_size)
     pool = batch * max_pages if num_pages is None else num_pages
     tables = paging.BlockTables(paging.PageAllocator(pool, page_size), batch, max_pages)
     tables.reserve(list(need) + ([capacity] if n_pad else []) + [0] * max(n_pad - 1, 0))
     for b in range(len(need) + 1, batch):
         tables.share_prefix(len(need), b, max_pages)
-    return KVCache.paged(config, pool, page_size, jax.device_put(tables.table())), tables
+    return KVCache.paged(config, pool, page_size, tables.table(), mesh=mesh), tables
 
 
 def generate(
@@ -325,16 +326,17 @@ def generate(
     kv, tables = _cache_for(model, cache, need, B_pad - B, capacity, page_size, num_pages)
     try:
         graphdef, params = nnx.split(model)
-        eos = jax.device_put(np.int32(-1 if eos_id is None else eos_id))
-        max_new = jax.device_put(np.int32(max_new_tokens))
+        put = functools.partial(jax.device_put, device=replicated(model))  # a sharded model's mesh
+        eos = put(np.int32(-1 if eos_id is None else eos_id))
+        max_new = put(np.int32(max_new_tokens))
         static = dict(graphdef=graphdef, sampling=sampling)
         args = (
             params,
-            jax.device_put(tokens),
-            jax.device_put(prompt_lengths),
+            put(tokens),
+            put(prompt_lengths),
             kv,
-            jax.random.key(jax.device_put(np.uint32(seed))),
-            jax.device_put(done),
+            jax.random.key(put(np.uint32(seed))),
+            put(done),
             eos,
         )
         del kv  # donated
