@@ -5,8 +5,8 @@ A draft kind is a frozen, hashable object (a static argument of the jitted loop)
 * ``check(target, k)``: ``ValueError`` naming the argument when it cannot draft for ``target``;
 * ``default_num_draft_tokens``: the k used when ``num_draft_tokens=None`` (from
   ``benchmarks/speculative.py``);
-* ``make_state(target, cache_kind, batch, page_size, num_pages)``: host side, the draft's own
-  pytree state (e.g. a KV cache) and its page tables (or None);
+* ``make_state(target, params, cache_kind, batch, page_size, num_pages)``: host side, the
+  draft's own pytree state (e.g. a KV cache) and its page tables (or None);
 * ``prefill(params, state, tokens, prompt_lengths)``: traced, after the target's prefill;
 * ``propose(ctx, k, sampling, key)``: traced, returns a :class:`Proposal`: k tokens [B, k], the
   distributions q [B, k, V] they were drawn from (shaped by the same ``SamplingConfig`` as the
@@ -152,10 +152,10 @@ class ModelDraft:
     def check(self, target, k: int) -> None:
         _check_vocab("draft", self.config.vocab_size, target)
 
-    def make_state(self, target, cache_kind: str, batch, page_size: int, num_pages):
-        n_pad = len(batch.done) - batch.num_rows
+    def make_state(self, target, params, cache_kind: str, batch, page_size: int, num_pages):
+        model, n_pad = nnx.merge(self.graphdef, params), len(batch.done) - batch.num_rows
         cap = batch.capacity
-        return _cache_for(self.config, cache_kind, batch.need, n_pad, cap, page_size, num_pages)
+        return _cache_for(model, cache_kind, batch.need, n_pad, cap, page_size, num_pages)
 
     def prefill(self, params, cache, tokens, prompt_lengths):
         _, cache = nnx.merge(self.graphdef, params)(tokens, cache=cache)
@@ -203,7 +203,7 @@ class EarlyExit:
                 f"num_layers={target.config.num_layers}"
             )
 
-    def make_state(self, target, cache_kind, batch, page_size, num_pages):
+    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
         return None, None
 
     def prefill(self, params, state, tokens, prompt_lengths):
@@ -248,7 +248,7 @@ class PromptLookup:
     def check(self, target, k: int) -> None:
         pass
 
-    def make_state(self, target, cache_kind, batch, page_size, num_pages):
+    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
         return None, None
 
     def prefill(self, params, state, tokens, prompt_lengths):
