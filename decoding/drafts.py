@@ -43,12 +43,13 @@ from models import KVCache
 from models.transformer import rope_tables
 
 # k used when ``num_draft_tokens=None``, per kind: the k maximising the expected speed-up
-# tokens_per_call(k) / (t_verify(k + 1) + k * t_draft) / t_verify(1), with the tokens per target
-# call measured by ``benchmarks/speculative.py`` on the shipped code-target (distilled code-draft:
-# 2.04 at k = 2, 2.35 at k = 4; prompt lookup 1.74 / 2.14) and step costs measured on CPU
-# (target 2.0 ms + 0.26 ms per extra verified token, code-draft 0.3 ms, early exit at 4 of 8
-# layers ~1 ms). See the README's Speculative decoding section.
-DEFAULT_K = {"model": 2, "prompt-lookup": 3, "early-exit": 2}
+# tokens_per_call(k) * t_verify(1) / (t_verify(k + 1) + k * t_draft), with the tokens per target
+# call measured by ``benchmarks/speculative.py`` (greedy, shipped code-target, k = 1, 2, 3, 4:
+# distilled code-draft 1.68, 2.22, 2.39, 2.52; prompt lookup 1.49, 1.71, 1.88, 2.04; early exit
+# after 4 layers 1.47, 1.73, 1.80, 1.88) and step costs on CPU (target 2.0 ms + 0.26 ms per extra
+# verified token, code-draft 0.3 ms, early exit after 4 of 8 layers ~1 ms). Wall times on the
+# shared CPU were too noisy to pick k directly; see the README's Speculative decoding section.
+DEFAULT_K = {"model": 2, "prompt-lookup": 2, "early-exit": 1}
 
 
 class Proposal(NamedTuple):
