@@ -45,19 +45,11 @@ def flash_attention(
       cotangent into ``delta = rowsum(dO * O) - dlse``).
     """
     impl = validation.resolve_impl(impl)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        validation.check_array(name, x, ndim=4)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    validation.check_qkv(q, k, v, letters="BTHD")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch of q ({q.shape[0]}) must equal batch of k ({k.shape[0]})")
-    validation.check_heads(q.shape, k.shape)
     B, T, _, D = q.shape
     S = k.shape[1]
-    if T == 0 or S == 0:
-        raise ValueError(f"sequence lengths must be >= 1, got q: T={T}, k: S={S}")
     window = masks.normalize_window(causal, validation.check_window(window_size))
     softcap = validation.check_softcap(softcap)
     scale = validation.softmax_scale_or_default(softmax_scale, D)

@@ -80,9 +80,8 @@ def attention_with_kvcache(
     """
     impl = validation.resolve_impl(impl)
     validation.check_array("q", q, ndim=4)
+    validation.check_nonempty("q", q, "BTHD")
     B, Tq, Hq, D = q.shape
-    if Tq == 0:
-        raise ValueError(f"q must have at least one query (Tq >= 1), got shape {q.shape}")
     _check_caches(q, k_cache, v_cache)
     Hkv = k_cache.shape[2]
     Tn = _check_new(q, k_cache, k, v)
@@ -96,6 +95,7 @@ def attention_with_kvcache(
         if getattr(block_table, "ndim", None) != 2:
             raise ValueError(f"block_table must be [B, max_blocks], got {_shape(block_table)}")
         validation.check_int_array("block_table", block_table, (B, block_table.shape[1]))
+        validation.check_nonempty("block_table", block_table, "BN")
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with a paged cache (block_table)")
         block_table = jnp.asarray(block_table, jnp.int32)
@@ -116,6 +116,7 @@ def attention_with_kvcache(
     k_descale = _descale("k_descale", k_descale, fp8, (B, Hkv))
     v_descale = _descale("v_descale", v_descale, fp8, (B, Hkv))
     window = masks.normalize_window(causal, validation.check_window(window_size))
+    _check_rotary_length(cos, seqlens, leftpad, max(Tn, Tq if window != (-1, -1) else 1))
     static = kvcache_ref.Static(
         softmax_scale=validation.softmax_scale_or_default(softmax_scale, D),
         window=window,
@@ -229,6 +230,7 @@ def _check_caches(q, k_cache, v_cache):
         raise TypeError(
             f"k_cache dtype must be q's dtype ({q.dtype}) or float8_e4m3fn, got {k_cache.dtype}"
         )
+    validation.check_nonempty("k_cache", k_cache, "BSHD")
     validation.check_heads(q.shape, k_cache.shape, k_name="k_cache")
 
 
@@ -309,6 +311,21 @@ def _check_rotary(cos, sin, D: int):
             f"rotary_cos must be [max_pos, R/2] with 0 < R <= D={D}, got shape {cos.shape}"
         )
     return cos, sin
+
+
+def _check_rotary_length(cos, seqlens, leftpad, span: int):
+    """The tables must cover every rotary position used, ``cache_seqlens - cache_leftpad + t`` for
+    ``t < span``. Checked when both are concrete; under ``jax.jit`` with traced lengths it cannot
+    be, and positions past the table are clamped to its last row (the caller's contract)."""
+    lens, pad = _concrete(seqlens), _concrete(leftpad)
+    if cos is None or lens is None or pad is None:
+        return
+    last = int((lens - pad).max()) + span - 1
+    if last >= cos.shape[0]:
+        raise ValueError(
+            f"rotary_cos has {cos.shape[0]} rows but position {last} is used "
+            f"(cache_seqlens - cache_leftpad + {span - 1}); it needs at least {last + 1} rows"
+        )
 
 
 def _descale(name: str, x, fp8: bool, shape):

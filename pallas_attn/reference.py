@@ -55,6 +55,9 @@ def attention(
     out_dtype = q.dtype
     if upcast:
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    k_pos = jnp.arange(S, dtype=jnp.int32)[None, :, None, None]
+    owned = masks.key_owned(k_pos, _per_batch(kv_start, B), _per_batch(kv_len, B))
+    k, v = masks.zero_unowned(owned, k, v)  # [B, S, 1, 1]: garbage outside never reaches a matmul
     qg = q.reshape(B, T, Hkv, G, D)
     s = jnp.einsum("bthgd,bshd->bhgts", qg, k) * jnp.asarray(softmax_scale, q.dtype)
     if softcap > 0:

@@ -165,7 +165,7 @@ def _kernel(
         m, l, acc = carry
         pos = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
         idx0, idx1 = key_index(pos)
-        load_ok = (pos < kv_len)[:, None]
+        load_ok = masks.key_owned(pos, kv_start, kv_len)[:, None]  # never read unowned slots
         if D != Dp:
             load_ok = load_ok & (d < D)
         load_ok = jnp.broadcast_to(load_ok, (block_n, Dp))

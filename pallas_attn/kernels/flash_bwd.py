@@ -47,8 +47,7 @@ def _dkdv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ref
     q_offset, kv_start, kv_len = (meta_ref[i] for i in (fc.Q_OFFSET, fc.KV_START, fc.KV_LEN))
     k_first = pl.program_id(0) * bk
     k_pos = fc.positions(k_first, bk)[:, None]  # [bk, 1]
-    k = k_ref[...]  # [bk, D]
-    v = v_ref[...]
+    k, v = fc.zero_unowned_rows(k_first, kv_start, kv_len, k_ref[...], v_ref[...])  # [bk, D]
     kv_seg = kv_seg_ref[...][:, None] if cfg.segments else None
     k_last = k_first + bk - 1
     lo, hi = fc.query_block_range(cfg, k_first, k_last, q_offset, kv_start, kv_len, bq, nq)
@@ -99,13 +98,15 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
 
     def body(j, dq, masked):
         start = pl.multiple_of(j * bk, bk)
-        k = k_ref[pl.ds(start, bk), :]
+        k = k_ref[pl.ds(start, bk), :]  # [bk, D]
         v = v_ref[pl.ds(start, bk), :]
+        if masked:
+            k_pos = fc.positions(start, bk)[None, :]
+            k, v = fc.zero_unowned_rows(start, kv_start, kv_len, k, v)
         s, t = fc.scores(cfg, q, k)  # [bq, bk]
         p = jnp.exp2(s - lse)
         if masked:
             kv_seg = kv_seg_ref[pl.ds(start, bk)][None, :] if cfg.segments else None
-            k_pos = fc.positions(start, bk)[None, :]
             mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)
             p = jnp.where(mask, p, 0.0)
         ds = _ds(cfg, p, fc.dot_nt(do, v), delta, t)

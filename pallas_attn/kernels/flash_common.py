@@ -81,6 +81,13 @@ def tile_visible(cfg: Config, q_pos, k_pos, kv_start, kv_len, q_seg=None, kv_seg
     )
 
 
+def zero_unowned_rows(start, kv_start, kv_len, *tiles):
+    """Zeroes the rows of ``[bk, D]`` key/value tiles (keys ``start + [0, bk)``) that lie outside
+    ``[kv_start, kv_len)``: memory the row does not own may hold NaN (:func:`masks.key_owned`)."""
+    k_pos = positions(start, tiles[0].shape[0])[:, None]  # [bk, 1]
+    return masks.zero_unowned(masks.key_owned(k_pos, kv_start, kv_len), *tiles)
+
+
 def key_block_range(cfg: Config, q_first, q_last, kv_start, kv_len, block_k: int, num_blocks: int):
     """Key blocks ``[lo, hi)`` that queries at positions ``q_first..q_last`` may see."""
     lo, hi = masks.key_range(q_first, q_last, window=cfg.window, kv_start=kv_start, kv_len=kv_len)

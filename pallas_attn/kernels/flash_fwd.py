@@ -44,10 +44,14 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, cfg: fc.Config, num_k_blocks: 
     def body(j, carry, masked):
         m, l, acc = carry
         start = pl.multiple_of(j * bk, bk)
-        s, _ = fc.scores(cfg, q, k_ref[pl.ds(start, bk), :])  # [bq, bk]
+        k = k_ref[pl.ds(start, bk), :]  # [bk, D]
+        v = v_ref[pl.ds(start, bk), :]
+        if masked:
+            k_pos = fc.positions(start, bk)[None, :]
+            k, v = fc.zero_unowned_rows(start, kv_start, kv_len, k, v)
+        s, _ = fc.scores(cfg, q, k)  # [bq, bk]
         if masked:
             kv_seg = kv_seg_ref[pl.ds(start, bk)][None, :] if cfg.segments else None
-            k_pos = fc.positions(start, bk)[None, :]
             mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)
             s = jnp.where(mask, s, masks.MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -55,7 +59,6 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, cfg: fc.Config, num_k_blocks: 
         p = jnp.exp2(s - m_new[:, None])
         if masked:
             p = jnp.where(mask, p, 0.0)
-        v = v_ref[pl.ds(start, bk), :]
         acc = acc * alpha[:, None] + fc.dot_nn(p.astype(v.dtype), v)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
