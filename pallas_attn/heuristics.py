@@ -7,6 +7,8 @@ import math
 
 import jax.numpy as jnp
 
+from pallas_attn import shapes
+
 # Streaming multiprocessors of the GPU the heuristics assume when none is visible (H100/H200 SXM).
 DEFAULT_NUM_SMS = 132
 
@@ -80,3 +82,18 @@ def num_splits_heuristic(
             efficiency[n] = waves / math.ceil(waves)
     best = max(efficiency.values())
     return next(n for n, eff in efficiency.items() if eff >= 0.85 * best)
+
+
+def xla_blocks(T: int, S: int) -> tuple[int, int]:
+    """``(block_q, block_k)`` of the "xla" path: big enough to keep XLA's matmuls efficient on CPU,
+    small enough for O(T) memory."""
+    return min(512, shapes.round_up(T, 8)), min(512, shapes.round_up(S, 8))
+
+
+def xla_cache_block(S: int, cap: int = 512) -> int | None:
+    """Largest multiple of 8 <= cap dividing S (so the XLA path never pads a copy of a cache), or
+    None (the default of :func:`xla_blocks`)."""
+    for bk in range(min(cap, S) // 8 * 8, 7, -8):
+        if S % bk == 0:
+            return bk
+    return None
