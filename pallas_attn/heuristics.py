@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
 from pallas_attn import shapes
@@ -97,3 +98,26 @@ def xla_cache_block(S: int, cap: int = 512) -> int | None:
         if S % bk == 0:
             return bk
     return None
+
+
+def decode_blocks(rows: int, D: int, dtype) -> tuple[int, int, int]:
+    """``(block_m, block_n, num_warps)`` of the decode kernel for ``rows = G * Tq`` packed query rows
+    and head dim D."""
+    block_m = min(shapes.next_pow2(rows, floor=16), 64)
+    wide = jnp.dtype(dtype).itemsize >= 4 or D > 128
+    block_n = 32 if wide else 64
+    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first GPU, or ``DEFAULT_NUM_SMS`` off GPU."""
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) or DEFAULT_NUM_SMS
+
+
+def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int) -> int:
+    """``num_splits`` as asked, or :func:`num_splits_heuristic` for 0, capped by the key blocks."""
+    n_blocks = -(-capacity // block_n)
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(programs, num_sms(), n_blocks)
+    return max(1, min(num_splits, n_blocks))
