@@ -9,6 +9,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+# The ``impl`` values every op takes (exported as ``pallas_attn.IMPLS``).
 IMPLS = ("auto", "reference", "xla", "pallas", "interpret")
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

@@ -57,16 +57,9 @@ def _kernel(
     seqlen = seqlens_ref[b]
 
     if cos_ref is not None:
-        R = 2 * cos_ref.shape[1]
-        rot = jnp.broadcast_to(d < R, k.shape)
-        d_r = jnp.minimum(d, R - 1)
-        pos = jnp.clip(seqlen - leftpad_ref[b] + t, 0, cos_ref.shape[0] - 1)
-        f = rotary.frequency_index(d_r, R, interleaved)
-        c = plgpu.load(cos_ref.at[pos, f], mask=rot, other=1).astype(jnp.float32)
-        s = plgpu.load(sin_ref.at[pos, f], mask=rot, other=0).astype(jnp.float32)
-        partner = rotary.partner_index(d_r, R, interleaved)
-        kp = k_new_ref[b, t, h, partner].astype(jnp.float32)
-        k = k * c + rotary.sign(d_r, R, interleaved) * kp * s
+        pos = seqlen - leftpad_ref[b] + t  # [block_t, 1] rotary positions
+        partner = lambda p: k_new_ref[b, t, h, p].astype(jnp.float32)  # noqa: E731
+        k = _rotate(k, partner, cos_ref, sin_ref, pos, d, interleaved)
         k = k.astype(k_new_ref.dtype).astype(jnp.float32)  # rotated keys are in k's dtype
 
     if descale_ref is not None:
@@ -86,6 +79,21 @@ def _kernel(
     store_ok = jnp.broadcast_to(store_ok, k.shape)
     plgpu.store(k_out_ref.at[at], k.astype(k_out_ref.dtype), mask=store_ok)
     plgpu.store(v_out_ref.at[at], v.astype(v_out_ref.dtype), mask=store_ok)
+
+
+def _rotate(k, partner, cos_ref, sin_ref, pos, d, interleaved: bool):
+    """:mod:`pallas_attn.rotary` on a [block_t, Dp] tile ``k``: dims ``d < R`` rotated with
+    ``cos``/``sin`` gathered at ``pos`` (clamped to the table, which the API checked when it could);
+    ``partner(dims)`` loads the pair partners."""
+    R = 2 * cos_ref.shape[1]
+    rot = jnp.broadcast_to(d < R, k.shape)
+    d_r = jnp.minimum(d, R - 1)
+    pos = jnp.clip(pos, 0, cos_ref.shape[0] - 1)
+    f = rotary.frequency_index(d_r, R, interleaved)
+    c = plgpu.load(cos_ref.at[pos, f], mask=rot, other=1).astype(jnp.float32)
+    s = plgpu.load(sin_ref.at[pos, f], mask=rot, other=0).astype(jnp.float32)
+    kp = partner(rotary.partner_index(d_r, R, interleaved))
+    return k * c + rotary.sign(d_r, R, interleaved) * kp * s
 
 
 @functools.partial(jax.jit, static_argnames=("interleaved", "interpret"))
