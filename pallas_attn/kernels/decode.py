@@ -134,7 +134,6 @@ def _kernel(
     *,
     cfg: DecodeConfig,
     Tq: int,
-    D: int,
     paged: bool,
 ):
     b, h, mi, split = (pl.program_id(i) for i in range(4))
@@ -209,7 +208,7 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: Decode
     Mp = packed.shape[2]
     grid = (B, Hkv, Mp // cfg.block_m, cfg.num_splits)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    kernel = functools.partial(_kernel, cfg=cfg, Tq=Tq, D=D, paged=index.ndim == 2)
+    kernel = functools.partial(_kernel, cfg=cfg, Tq=Tq, paged=index.ndim == 2)
     n = cfg.num_splits
     out_s, lse_s = pl.pallas_call(
         kernel,

@@ -130,3 +130,18 @@ def test_reference_supports_second_derivatives():
         return jnp.sum(flash_attention(q, k, v, causal=True, impl="reference") ** 3)
 
     assert jnp.all(jnp.isfinite(jax.grad(lambda q: jnp.sum(jax.grad(f)(q)))(q)))
+
+
+def test_docstring_mask_drawing_is_the_mask_rule():
+    """The T = 2, S = 5 drawing in ``flash_attention``'s docstring, row by row, is what
+    ``masks.visible`` computes (query ``i`` at key position ``i + S - T``)."""
+    from pallas_attn import masks
+
+    lines = [ln.split() for ln in flash_attention.__doc__.splitlines()]
+    drawn = [ln for ln in lines if len(ln) == 15 and set("".join(ln)) <= {"0", "1"}]
+    assert len(drawn) == 2
+    q_pos, k_pos = 3 + np.arange(2)[:, None], np.arange(5)[None, :]
+    for col, window in enumerate([(-1, 0), (1, 0), (1, 1)]):
+        want = np.array([[int(x) for x in row[5 * col : 5 * col + 5]] for row in drawn])
+        got = masks.visible(q_pos, k_pos, window=window)
+        np.testing.assert_array_equal(np.asarray(got, int), want)
