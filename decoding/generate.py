@@ -192,7 +192,8 @@ def _run(fn, args: tuple, **static):
 
 
 def compiled_count() -> int:
-    """How many prefill and decode executables were compiled: grows by one per compilation."""
+    """How many prefill and loop executables (of generate and speculative_generate) were
+    compiled: grows by one per compilation."""
     return len(_EXECUTABLES)
 
 
