@@ -11,6 +11,7 @@ from decoding.generate import (
     generate,
     prefill,
 )
+from decoding.medusa import Medusa
 from decoding.paging import BlockTables, OutOfPagesError, PageAllocator
 from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
 from decoding.speculative import speculative_generate
@@ -20,6 +21,7 @@ __all__ = [
     "DecodeState",
     "EarlyExit",
     "GenerateResult",
+    "Medusa",
     "OutOfPagesError",
     "PageAllocator",
     "PromptLookup",

@@ -4,6 +4,7 @@ import/export, training, and the shipped byte-level code models."""
 from models.config import PRESETS, RopeScaling, TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.kv_cache import KVCache
+from models.medusa import MedusaHeads
 from models.nnx_attention import pallas_attention_fn
 from models.pretrained import pretrained
 from models.tokenizer import ByteTokenizer
@@ -13,6 +14,7 @@ __all__ = [
     "PRESETS",
     "ByteTokenizer",
     "KVCache",
+    "MedusaHeads",
     "RopeScaling",
     "Transformer",
     "TransformerConfig",

@@ -190,7 +190,15 @@ class Transformer(nnx.Module):
             else _linear(config.dim, config.vocab_size, bias=False, dtype=dt, rngs=rngs)
         )
 
-    def __call__(self, tokens, positions=None, *, segment_ids=None, cache: KVCache | None = None):
+    def __call__(
+        self,
+        tokens,
+        positions=None,
+        *,
+        segment_ids=None,
+        cache: KVCache | None = None,
+        return_hidden: bool = False,
+    ):
         """Logits [B, T, V] float32 for tokens [B, T] int32.
 
         Args:
@@ -200,6 +208,8 @@ class Transformer(nnx.Module):
           segment_ids: [B, T] int, packed sequences; a token only attends to its own segment.
             Not allowed with ``cache``.
           cache: a :class:`KVCache`; when given the call returns ``(logits, new_cache)``.
+          return_hidden: also return the last hidden state [B, T, dim] (after the final norm,
+            what the LM head reads) as the last element: ``(logits, [new_cache,] hidden)``.
         """
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -227,10 +237,13 @@ class Transformer(nnx.Module):
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
-        logits = self.logits(self.norm(x))
-        if cache is None:
-            return logits
-        return logits, cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T)
+        hidden = self.norm(x)
+        out = (self.logits(hidden),)
+        if cache is not None:
+            out += (cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T),)
+        if return_hidden:
+            out += (hidden,)
+        return out if len(out) > 1 else out[0]
 
     def logits(self, h):
         """LM head on final hidden states h [B, T, dim] -> [B, T, V] float32 (with softcap)."""
