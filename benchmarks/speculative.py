@@ -2,7 +2,8 @@
 
 On the shipped byte-level models (target ``code-target``, float32) and code prompts cut from
 held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy, temperature
-0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``) and k = 1..8:
+0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``, ``medusa``: the shipped
+``code-target-medusa`` heads, k <= 4) and k = 1..8:
 
 * acceptance a (accepted / proposed draft tokens) and tokens per target call, next to the
   theory (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance at rate a (Leviathan et al., eq. 1);
@@ -20,6 +21,7 @@ Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and p
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import statistics
@@ -31,7 +33,8 @@ from tqdm import tqdm
 
 from benchmarks import common
 
-KINDS = ("code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6")
+KINDS = ("code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6", "medusa")
+MEDUSA_HEADS = 4  # the shipped code-target-medusa: k <= 4
 PROMPT_BYTES = 96
 
 
@@ -53,9 +56,19 @@ def code_prompts(count: int) -> list[str]:
     return prompts
 
 
+@functools.cache
+def medusa_heads():
+    """The shipped ``code-target-medusa`` heads (loaded once)."""
+    import models
+
+    return models.pretrained("code-target-medusa")[0]
+
+
 def make_draft(kind: str, draft_model):
     import decoding
 
+    if kind == "medusa":
+        return decoding.Medusa(medusa_heads())
     if kind == "code-draft":
         return draft_model
     if kind == "prompt-lookup":
@@ -113,6 +126,8 @@ def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, runs, hf_plain_s):
     """transformers' assisted generation for the same kind -> dict (or an error string)."""
     import torch
 
+    if kind == "medusa":
+        return dict(hf_error="transformers has no Medusa heads")
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=not greedy, pad_token_id=258)
     if not greedy:
         kwargs.update(temperature=0.8, top_k=0)
@@ -178,6 +193,9 @@ def sweep(models_, ids, modes, kinds, ks, new: int, runs: int) -> list[dict]:
             plain = baselines(target, hf, ids, sampling, new, runs)
             for kind in kinds:
                 for k in ks:
+                    if kind == "medusa" and k > MEDUSA_HEADS:
+                        bar.update()
+                        continue
                     bar.set_postfix(mode=mode, kind=kind, k=k)
                     row = dict(mode=mode, kind=kind, k=k)
                     row.update(ours(target, draft_model, ids, kind, k, sampling, new, runs, plain))
@@ -204,7 +222,9 @@ def main() -> None:
     parser.add_argument("--out", default="speculative_cpu")
     args = parser.parse_args()
     quick = args.quick
-    kinds = args.kinds or (["code-draft", "prompt-lookup", "early-exit:4"] if quick else KINDS)
+    kinds = args.kinds or (
+        ["code-draft", "prompt-lookup", "early-exit:4", "medusa"] if quick else KINDS
+    )
     ks = args.ks or ([2, 4] if quick else list(range(1, 9)))
     n_prompts = args.prompts or (1 if quick else 4)
     new = args.new_tokens or (48 if quick else 128)

@@ -47,6 +47,7 @@ class CacheArgs(NamedTuple):
     rotary_sin: jax.Array | None
     k_descale: jax.Array | None  # [B, Hkv] float32, FP8 caches only
     v_descale: jax.Array | None
+    tree_mask: jax.Array | None = None  # [B, Tq, Tq] bool among the last Tq keys
 
 
 def is_fp8(cache) -> bool:
@@ -153,6 +154,7 @@ def attend_kwargs(static: Static, args: CacheArgs, Tq: int, Tn: int) -> dict:
         softmax_scale=static.softmax_scale,
         window=static.window,
         softcap=static.softcap,
+        tree_mask=args.tree_mask,
         **mask_args(args, Tq, Tn),
     )
 

@@ -57,6 +57,7 @@ def attention(
     q_offset=None,
     kv_start=None,
     kv_len=None,
+    tree_mask=None,
     block_q: int | None = None,
     block_k: int | None = None,
 ):
@@ -83,6 +84,8 @@ def attention(
     if q_segment_ids is not None:
         aux["q_seg"] = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)))
         aux["kv_seg"] = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, Sp - S)))
+    if tree_mask is not None:  # [B, Tp, T]
+        aux["tree"] = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, Tp - T), (0, 0)))
     pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))  # noqa: E731
     static = _Static(float(softmax_scale), tuple(window), float(softcap), bq, bk)
     out, lse = _attend(static, pad(q, Tp), pad(k, Sp), pad(v, Sp), aux)
@@ -94,19 +97,22 @@ def _tile_mask(static: _Static, aux, i, j):
     bq, bk = static.block_q, static.block_k
     q_pos = aux["q_offset"][:, None] + i * bq + jnp.arange(bq, dtype=jnp.int32)[None]  # [B, bq]
     k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
-    seg = {}
+    extra = {}
     if "q_seg" in aux:
-        seg = {
+        extra = {
             "q_segment_ids": lax.dynamic_slice_in_dim(aux["q_seg"], i * bq, bq, 1)[:, :, None],
             "kv_segment_ids": lax.dynamic_slice_in_dim(aux["kv_seg"], j * bk, bk, 1)[:, None, :],
         }
+    if "tree" in aux:
+        extra["tree_rows"] = lax.dynamic_slice_in_dim(aux["tree"], i * bq, bq, 1)  # [B, bq, T]
+        extra["tree_start"] = aux["q_offset"][:, None, None]
     mask = masks.visible(
         q_pos[:, :, None],
         k_pos[None, None, :],
         window=static.window,
         kv_start=aux["kv_start"][:, None, None],
         kv_len=aux["kv_len"][:, None, None],
-        **seg,
+        **extra,
     )
     return mask[:, None, None]
 
