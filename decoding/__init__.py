@@ -15,6 +15,7 @@ from decoding.medusa import Medusa
 from decoding.paging import BlockTables, OutOfPagesError, PageAllocator
 from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
 from decoding.speculative import speculative_generate
+from decoding.tree import TreeSpec
 
 __all__ = [
     "BlockTables",
@@ -26,6 +27,7 @@ __all__ = [
     "PageAllocator",
     "PromptLookup",
     "SamplingConfig",
+    "TreeSpec",
     "compiled_count",
     "decode",
     "decode_step",

@@ -28,8 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from decoding import tree
 from decoding.drafts import Context, Proposal, _check_vocab
 from decoding.sampling import SamplingConfig, probabilities, sample
+from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
 
 
@@ -62,18 +64,22 @@ def verify_chain(target, last, prop: Proposal, sampling: SamplingConfig, key, hi
 class Medusa:
     """A draft kind for ``speculative_generate``: ``Medusa(heads)`` with ``heads`` a
     ``models.MedusaHeads`` trained for the target (its ``num_heads`` is the default and largest
-    ``num_draft_tokens``)."""
+    ``num_draft_tokens``); ``Medusa(heads, tree=TreeSpec.default(4))`` drafts a token tree
+    (``decoding.tree``; greedy only, k = the tree's depth)."""
 
-    def __init__(self, heads: MedusaHeads):
+    def __init__(self, heads: MedusaHeads, tree: TreeSpec | None = None):
         if not isinstance(heads, MedusaHeads):
             raise TypeError(f"heads must be a models.MedusaHeads, got {type(heads).__name__}")
-        self.heads = heads
+        if tree is not None and not isinstance(tree, TreeSpec):
+            raise TypeError(f"tree must be a decoding.TreeSpec or None, got {type(tree).__name__}")
+        self.heads, self.tree = heads, tree
 
     def split(self) -> tuple[MedusaDraft, Any]:
         """(the static draft kind, the heads' params)."""
         graphdef, params = nnx.split(self.heads)
         c = self.heads.config
-        return MedusaDraft(graphdef, self.heads.num_heads, c.dim, c.vocab_size), params
+        kind = MedusaDraft(graphdef, self.heads.num_heads, c.dim, c.vocab_size, self.tree)
+        return kind, params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +93,16 @@ class MedusaDraft:
     num_heads: int
     dim: int
     vocab_size: int
+    tree: TreeSpec | None = None
 
     @property
     def default_num_draft_tokens(self) -> int:
-        return self.num_heads
+        return self.num_heads if self.tree is None else self.tree.depth
+
+    @property
+    def verify_width(self) -> int:
+        """Cache slots a verification writes past the last token."""
+        return 0 if self.tree is None else self.tree.num_nodes
 
     def check(self, target, k: int) -> None:
         _check_vocab("Medusa heads", self.vocab_size, target)
@@ -98,9 +110,18 @@ class MedusaDraft:
             raise ValueError(
                 f"Medusa heads have dim {self.dim}, the target has {target.config.dim}"
             )
+        if self.tree is not None and self.tree.depth > self.num_heads:
+            raise ValueError(
+                f"tree of depth {self.tree.depth} needs that many heads, the Medusa heads have "
+                f"num_heads={self.num_heads}"
+            )
         if k > self.num_heads:
             raise ValueError(
                 f"num_draft_tokens={k} exceeds the Medusa heads' num_heads={self.num_heads}"
+            )
+        if self.tree is not None and k != self.tree.depth:
+            raise ValueError(
+                f"num_draft_tokens={k} must be None or the tree's depth {self.tree.depth}"
             )
 
     def make_state(self, target, cache_kind, batch, page_size, num_pages):
@@ -121,12 +142,39 @@ class MedusaDraft:
         return nnx.merge(self.graphdef, params)(h[:, None])[:, 0, :k]
 
     def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
+        if self.tree is not None:
+            if not sampling.greedy:
+                raise ValueError(
+                    f"Medusa with a tree is greedy only: sampling must be greedy, got {sampling}"
+                )
+            logits = self.head_logits(ctx.params, ctx.state, self.tree.depth)
+            last = jnp.take_along_axis(ctx.seq, ctx.cache.lengths[:, None], axis=1)[:, 0]
+            nodes = tree.node_tokens(self.tree, logits, last)[:, 1:]  # [B, N]
+            return Proposal(nodes, None, ctx.state, ctx.cache, 1)
         logits = self.head_logits(ctx.params, ctx.state, k)  # [B, k, V]
         B, _, V = logits.shape
         tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
         return Proposal(tokens, probabilities(logits, sampling), ctx.state, ctx.cache, 1)
 
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
+        rows = jnp.arange(last.shape[0])
+        if self.tree is not None:
+            return self.verify_tree(target, last, prop)
         n, nxt, cache, hidden = verify_chain(target, last, prop, sampling, key, hidden=True)
-        h = hidden[jnp.arange(hidden.shape[0]), n]  # at the last accepted input
-        return Verified(prop.tokens, n, nxt, cache, h)
+        return Verified(prop.tokens, n, nxt, cache, hidden[rows, n])  # h at the last accepted
+
+    def verify_tree(self, target, last, prop: Proposal) -> Verified:
+        """All nodes in one target call with the tree mask; greedy acceptance; the accepted
+        path's K/V compacted to the slots after the root."""
+        spec, t = self.tree, self.tree.tables
+        tokens = jnp.concatenate([last, prop.tokens], 1)  # [B, N+1]
+        B, T = tokens.shape
+        start = prop.cache.lengths
+        positions = start[:, None] + jnp.asarray(t["depth"])[None]
+        mask = jnp.broadcast_to(jnp.asarray(t["mask"]), (B, T, T))
+        logits, cache, hidden = target(
+            tokens, positions, cache=prop.cache, return_hidden=True, tree_mask=mask
+        )
+        best, n, path, nxt = tree.greedy_accept(spec, tokens, logits)
+        cache = tree.compact_path(spec, cache, start, best)
+        return Verified(path, n, nxt, cache, hidden[jnp.arange(B), best])

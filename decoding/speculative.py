@@ -271,7 +271,8 @@ def speculative_generate(
     Args:
       target: the ``models.Transformer`` whose distribution is sampled.
       draft: a ``models.Transformer`` with the target's vocabulary (its own cache),
-        ``PromptLookup(...)`` or ``EarlyExit(num_layers=L)`` with L < the target's layers.
+        ``PromptLookup(...)``, ``EarlyExit(num_layers=L)`` with L < the target's layers, or
+        ``Medusa(heads[, tree=TreeSpec])`` (heads trained on the target's hidden states).
       num_draft_tokens: k >= 1 tokens drafted per step; None = the draft kind's default
         (``drafts.DEFAULT_K``, the best measured by ``benchmarks/speculative.py``).
       The other arguments are ``generate``'s (``num_pages`` sizes each model's page pool).
@@ -286,11 +287,12 @@ def speculative_generate(
     kind, params = draft_kind(draft)
     k = _check_k(num_draft_tokens, kind.default_num_draft_tokens)
     kind.check(target, k)
+    extra = max(k, getattr(kind, "verify_width", 0))  # slots a step writes past the last token
     sampling, rows = _check_arguments(
         target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-        cache=cache, page_size=page_size, extra=k,
+        cache=cache, page_size=page_size, extra=extra,
     )  # fmt: skip
-    batch = _bucket(rows, max_new_tokens, extra=k)
+    batch = _bucket(rows, max_new_tokens, extra=extra)
     B, n_pad = batch.num_rows, len(batch.done) - batch.num_rows
     kv, tables = _cache_for(
         target.config, cache, batch.need, n_pad, batch.capacity, page_size, num_pages

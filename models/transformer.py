@@ -91,9 +91,10 @@ class Attention(nnx.Module):
         self.v_proj = _linear(config.dim, config.num_kv_heads * D, bias=bias, dtype=dt, rngs=rngs)
         self.o_proj = _linear(config.num_heads * D, config.dim, bias=False, dtype=dt, rngs=rngs)
 
-    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None):
+    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
         """x: [B, T, dim]. ``kv`` is ``(k_cache, v_cache, lengths, block_table)`` for a cached
-        call; returns ``(y, (k_cache, v_cache))`` then, else ``y`` [B, T, dim]."""
+        call; returns ``(y, (k_cache, v_cache))`` then, else ``y`` [B, T, dim]. ``tree_mask``
+        [B, T, T] bool (cached calls): ``attention_with_kvcache``'s tree attention."""
         c = self.config
         B, T, _ = x.shape
         D = c.resolved_head_dim
@@ -122,6 +123,7 @@ class Attention(nnx.Module):
             cache_seqlens=lengths,
             block_table=block_table,
             impl=c.attn_impl,
+            tree_mask=tree_mask,
             **common,
         )
         return self.o_proj(res.out.reshape(B, T, c.num_heads * D)), (res.k_cache, res.v_cache)
@@ -150,8 +152,10 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dt)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None):
-        h = self.attn(self.input_norm(x), cos, sin, segment_ids=segment_ids, kv=kv)
+    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
+        h = self.attn(
+            self.input_norm(x), cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask
+        )
         h, new_kv = h if kv is not None else (h, None)
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
@@ -198,6 +202,7 @@ class Transformer(nnx.Module):
         segment_ids=None,
         cache: KVCache | None = None,
         return_hidden: bool = False,
+        tree_mask=None,
     ):
         """Logits [B, T, V] float32 for tokens [B, T] int32.
 
@@ -210,6 +215,9 @@ class Transformer(nnx.Module):
           cache: a :class:`KVCache`; when given the call returns ``(logits, new_cache)``.
           return_hidden: also return the last hidden state [B, T, dim] (after the final norm,
             what the LM head reads) as the last element: ``(logits, [new_cache,] hidden)``.
+          tree_mask: [B, T, T] bool, with ``cache``: token i attends to the cache and to the new
+            tokens j with ``tree_mask[b, i, j]`` (a speculative token tree: itself and its
+            ancestors; pass their depths in ``positions``).
         """
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -233,7 +241,7 @@ class Transformer(nnx.Module):
             kv = None
             if cache is not None:
                 kv = (cache.k[i], cache.v[i], cache.lengths, cache.block_table)
-            x, layer_kv = layer(x, cos, sin, segment_ids=segment_ids, kv=kv)
+            x, layer_kv = layer(x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask)
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])

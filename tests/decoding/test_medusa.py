@@ -4,14 +4,17 @@ sampling exactly the target's distribution (chi-square), usage errors."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import random_transformer
 from flax import nnx
 from test_speculative import NEW, PROMPTS, reference  # noqa: F401 (a fixture)
 from test_speculative_exact import SMALL, T07_TOPK, T1, _check
 
-from decoding import Medusa, speculative_generate
-from models import MedusaHeads
+from decoding import Medusa, SamplingConfig, TreeSpec, speculative_generate
+from decoding.tree import _slots, compact_path
+from models import KVCache, MedusaHeads
 
 
 def random_heads(target, num_heads=4, seed=0, scale=0.3):
@@ -59,3 +62,77 @@ def test_bad_arguments(tiny_model):
         Medusa(tiny_model)
     with pytest.raises(ValueError, match="num_heads"):
         MedusaHeads(tiny_model.config, 0, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_tree_greedy_equals_generate(tiny_model, reference, cache):  # noqa: F811
+    eos, want = reference
+    heads = random_heads(tiny_model, 3, scale=0.05)
+    draft = Medusa(heads, tree=TreeSpec.default(3))
+    res = speculative_generate(tiny_model, draft, PROMPTS, max_new_tokens=NEW, eos_id=eos,
+                               cache=cache)  # fmt: skip
+    assert res.tokens == want
+    assert res.stats["num_draft_tokens"] == 3
+    assert res.stats["tokens_per_target_call"] > 1.0, res.stats  # some nodes were accepted
+
+
+@pytest.mark.parametrize(
+    "paths, needle",
+    [((), "non-empty"), (((0, 0),), "no parent"), (((0,), (0,)), "duplicates"),
+     (((0,), (-1,)), "ints >= 0"), (((),), "non-empty tuple of ints")],
+)  # fmt: skip
+def test_bad_tree_spec(paths, needle):
+    with pytest.raises(ValueError, match=needle):
+        TreeSpec(paths)
+
+
+def test_tree_spec_tables():
+    spec = TreeSpec(((1,), (0,), (0, 0), (1, 0), (0, 0, 0)))
+    assert spec.paths == ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))
+    t = spec.tables
+    assert t["parent"].tolist() == [-1, 0, 0, 1, 2, 3]
+    assert t["depth"].tolist() == [0, 1, 1, 2, 2, 3]
+    assert t["path"][5].tolist() == [1, 3, 5] and t["path"][4].tolist() == [2, 4, 4]
+    assert t["mask"][5].tolist() == [True, True, False, True, False, True]
+    assert TreeSpec.default(4).num_nodes == 18 and TreeSpec.default(4).depth == 4
+
+
+def test_tree_usage_errors(tiny_model):
+    heads = random_heads(tiny_model, 2)
+    with pytest.raises(ValueError, match="tree of depth 3"):
+        speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(3)), PROMPTS,
+                             max_new_tokens=2)  # fmt: skip
+    with pytest.raises(ValueError, match="greedy"):
+        speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(2)), PROMPTS,
+                             max_new_tokens=2, sampling=SamplingConfig(temperature=1.0))  # fmt: skip
+    with pytest.raises(ValueError, match="tree's depth 2"):
+        speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(2)), PROMPTS,
+                             num_draft_tokens=1, max_new_tokens=2)  # fmt: skip
+    with pytest.raises(TypeError, match="tree"):
+        Medusa(heads, tree=((0,),))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_compact_path_moves_the_accepted_path(tiny_model, paged):
+    """Slot s of every layer holds the value s; after compaction slots start + 1 .. start + d
+    hold the accepted path's nodes' slots, the rest is untouched."""
+    spec = TreeSpec(((0,), (1,), (0, 0), (1, 0), (1, 1), (1, 0, 0)))
+    B, S, P = 2, 16, 4
+    c = tiny_model.config
+    if paged:
+        table = jnp.asarray(np.random.default_rng(0).permutation(B * S // P).reshape(B, S // P))
+        cache = KVCache.paged(c, B * S // P, P, table)
+    else:
+        cache = KVCache.contiguous(c, B, S)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.float32), (B, S))
+    i0, i1 = _slots(cache, jnp.broadcast_to(jnp.arange(S), (B, S)))
+    fill = lambda x: x.at[i0, i1].set(pos[..., None, None] + 0 * x[i0, i1])  # noqa: E731
+    cache = cache.replace(k=tuple(map(fill, cache.k)), v=tuple(map(fill, cache.v)))
+    start, best = jnp.asarray([3, 7]), jnp.asarray([6, 4])  # node 6 = (1, 0, 0), 4 = (1, 0)
+    out = compact_path(spec, cache, start, best)
+    got = np.asarray(out.k[-1][i0, i1][..., 0, 0])
+    want = np.tile(np.arange(S, dtype=np.float32), (B, 1))
+    want[0, 4:7] = [3 + 2, 3 + 4, 3 + 6]  # nodes 2, 4, 6 of row 0 moved after the root
+    want[1, 8:10] = [7 + 2, 7 + 4]
+    want[1, 10] = 7 + 4  # past the path's depth: node 4 again (rolled back later)
+    np.testing.assert_array_equal(got, want)
