@@ -3,7 +3,8 @@
 On the shipped byte-level models (target ``code-target``, float32) and code prompts cut from
 held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy, temperature
 0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``, ``medusa``: the shipped
-``code-target-medusa`` heads, k <= 4) and k = 1..8:
+``code-target-medusa`` heads as a chain, k <= 4, and ``medusa-tree``: the same heads with
+``TreeSpec.default(4)``, greedy, k = 4) and k = 1..8:
 
 * acceptance a (accepted / proposed draft tokens) and tokens per target call, next to the
   theory (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance at rate a (Leviathan et al., eq. 1);
@@ -33,8 +34,20 @@ from tqdm import tqdm
 
 from benchmarks import common
 
-KINDS = ("code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6", "medusa")
+KINDS = (
+    "code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6", "medusa",
+    "medusa-tree",
+)  # fmt: skip
 MEDUSA_HEADS = 4  # the shipped code-target-medusa: k <= 4
+
+
+def skipped(kind: str, k: int, mode: str) -> bool:
+    """Medusa chains need k <= its heads; the tree (``TreeSpec.default(4)``) is greedy, k = 4."""
+    if kind == "medusa-tree":
+        return k != MEDUSA_HEADS or mode != "greedy"
+    return kind == "medusa" and k > MEDUSA_HEADS
+
+
 PROMPT_BYTES = 96
 
 
@@ -69,6 +82,8 @@ def make_draft(kind: str, draft_model):
 
     if kind == "medusa":
         return decoding.Medusa(medusa_heads())
+    if kind == "medusa-tree":
+        return decoding.Medusa(medusa_heads(), tree=decoding.TreeSpec.default(MEDUSA_HEADS))
     if kind == "code-draft":
         return draft_model
     if kind == "prompt-lookup":
@@ -126,7 +141,7 @@ def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, runs, hf_plain_s):
     """transformers' assisted generation for the same kind -> dict (or an error string)."""
     import torch
 
-    if kind == "medusa":
+    if kind.startswith("medusa"):
         return dict(hf_error="transformers has no Medusa heads")
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=not greedy, pad_token_id=258)
     if not greedy:
@@ -193,7 +208,7 @@ def sweep(models_, ids, modes, kinds, ks, new: int, runs: int) -> list[dict]:
             plain = baselines(target, hf, ids, sampling, new, runs)
             for kind in kinds:
                 for k in ks:
-                    if kind == "medusa" and k > MEDUSA_HEADS:
+                    if skipped(kind, k, mode):
                         bar.update()
                         continue
                     bar.set_postfix(mode=mode, kind=kind, k=k)
@@ -223,7 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     quick = args.quick
     kinds = args.kinds or (
-        ["code-draft", "prompt-lookup", "early-exit:4", "medusa"] if quick else KINDS
+        ["code-draft", "prompt-lookup", "early-exit:4", "medusa", "medusa-tree"] if quick else KINDS
     )
     ks = args.ks or ([2, 4] if quick else list(range(1, 9)))
     n_prompts = args.prompts or (1 if quick else 4)
