@@ -17,6 +17,7 @@ held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy
 
 Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and prints a table.
 ``--quick``: one prompt, greedy, k in {2, 4}, 48 new tokens, one timed run.
+``--acceptance-of CHECKPOINT ...``: only the acceptance of draft checkpoints (k = 3, 4 prompts).
 """
 
 from __future__ import annotations
@@ -224,6 +225,27 @@ def sweep(models_, ids, modes, kinds, ks, new: int, runs: int) -> list[dict]:
     return rows
 
 
+def acceptance_of(checkpoints: list[str], n_prompts: int) -> None:
+    """Acceptance of draft checkpoints with code-target: all prompts in one batch, k = 3,
+    64 tokens, greedy and T = 0.8 (writes ``speculative_acceptance.json``)."""
+    import models
+    from decoding import SamplingConfig, speculative_generate
+
+    target, tok = models.pretrained("code-target")
+    ids = [[tok.bos_id] + tok.encode(t) for t in code_prompts(n_prompts)]
+    rows = []
+    for path in checkpoints:
+        draft = models.load_hf_checkpoint(path)
+        for mode, temperature in (("greedy", 0.0), ("t0.8", 0.8)):
+            s = SamplingConfig(temperature=temperature)
+            st = speculative_generate(target, draft, ids, num_draft_tokens=3, max_new_tokens=64,
+                                      sampling=s).stats  # fmt: skip
+            rows.append(dict(draft=path, mode=mode, acceptance=st["acceptance_rate"],
+                             tokens_per_call=st["tokens_per_target_call"]))  # fmt: skip
+    common.print_table(rows, ["draft", "mode", "acceptance", "tokens_per_call"])
+    common.write_results("speculative_acceptance", rows, loadavg=os.getloadavg(), prompts=len(ids))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -235,7 +257,15 @@ def main() -> None:
     parser.add_argument("--draft-checkpoint", default=None, help="a draft other than code-draft")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--out", default="speculative_cpu")
+    parser.add_argument(
+        "--acceptance-of",
+        nargs="+",
+        metavar="CHECKPOINT",
+        help="only measure these drafts' acceptance",
+    )
     args = parser.parse_args()
+    if args.acceptance_of:
+        return acceptance_of(args.acceptance_of, args.prompts or 4)
     quick = args.quick
     kinds = args.kinds or (
         ["code-draft", "prompt-lookup", "early-exit:4", "medusa", "medusa-tree"] if quick else KINDS

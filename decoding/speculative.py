@@ -75,8 +75,9 @@ def accept(p, q, draft_tokens, key):
     """The speculative sampling rule: p [B, k+1, V] (target), q [B, k, V] (draft), draft_tokens
     [B, k] drawn from q -> (n [B], the number of draft tokens kept, and next [B], one more token).
 
-    The output d_1..d_n, next is distributed exactly as k+1 ... tokens from p; greedy (one-hot p
-    and q) accepts while the draft equals the target's argmax and then takes the argmax.
+    ``d_1 .. d_n, next`` is distributed exactly as n + 1 tokens sampled one by one from the
+    target (p_i is the target's distribution after d_1 .. d_{i-1}), whatever q is. Greedy (one-hot
+    p and q) accepts while the draft equals the target's argmax, then takes the argmax.
     """
     B, k, V = q.shape
     key_u, key_r = jax.random.split(key)

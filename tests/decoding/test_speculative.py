@@ -140,3 +140,19 @@ def test_bad_arguments_raise(tiny_model):
         speculative_generate(tiny_model, "code-draft", PROMPTS, max_new_tokens=2)
     with pytest.raises(ValueError, match="max_new_tokens"):
         speculative_generate(tiny_model, PromptLookup(), PROMPTS, max_new_tokens=0)
+
+
+def test_early_exit_equals_the_target_when_the_skipped_layer_is_a_no_op():
+    """With the last block's output projections zeroed the first L - 1 blocks compute the same
+    hidden state as all L: the early-exit draft, reading and writing the shared cache, must then
+    agree with the target on every token (acceptance 1), which wrong cache positions would break.
+    """
+    target = random_transformer(3)
+    last = target.layers[target.config.num_layers - 1]
+    for p in (last.attn.o_proj.kernel, last.mlp.down_proj.kernel):
+        p[...] = jnp.zeros_like(p[...])
+    res = speculative_generate(
+        target, EarlyExit(1), PROMPTS, num_draft_tokens=3, max_new_tokens=NEW, cache="contiguous"
+    )
+    assert res.stats["acceptance_rate"] == 1.0
+    assert len({tuple(t) for t in res.tokens}) == len(PROMPTS)  # not degenerate
