@@ -12,7 +12,7 @@ from flax import nnx
 from test_speculative import NEW, PROMPTS, reference  # noqa: F401 (a fixture)
 from test_speculative_exact import SMALL, T07_TOPK, T1, _check
 
-from decoding import Medusa, SamplingConfig, TreeSpec, speculative_generate
+from decoding import Medusa, SamplingConfig, TreeSpec, generate, speculative_generate
 from decoding.tree import _slots, compact_path
 from models import KVCache, MedusaHeads
 
@@ -136,3 +136,19 @@ def test_compact_path_moves_the_accepted_path(tiny_model, paged):
     want[1, 8:10] = [7 + 2, 7 + 4]
     want[1, 10] = 7 + 4  # past the path's depth: node 4 again (rolled back later)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [None, TreeSpec.default(4)], ids=["chain", "tree"])
+def test_shipped_heads_greedy_equals_generate(tree):
+    """The shipped heads on the shipped target accept real runs (so the tree's compaction is
+    exercised on long accepted paths), and the output is still exactly greedy's."""
+    from models import pretrained
+
+    target, tok = pretrained("code-target")
+    heads, _ = pretrained("code-target-medusa")
+    prompts = [[tok.bos_id] + tok.encode(t) for t in ("    def __init__(self, name):\n", "import")]
+    want = generate(target, prompts, max_new_tokens=40).tokens
+    res = speculative_generate(target, Medusa(heads, tree=tree), prompts, max_new_tokens=40)
+    assert res.tokens == want
+    assert res.stats["tokens_per_target_call"] > 1.5, res.stats
