@@ -26,7 +26,9 @@ def random_heads(target, num_heads=4, seed=0, scale=0.3):
     return heads
 
 
-@pytest.mark.parametrize("k, cache", [(4, "paged"), (2, "contiguous")])
+@pytest.mark.parametrize(
+    "k, cache", [(4, "paged"), pytest.param(2, "contiguous", marks=pytest.mark.slow)]
+)
 def test_chain_greedy_equals_generate(tiny_model, reference, k, cache):  # noqa: F811
     eos, want = reference
     draft = Medusa(random_heads(tiny_model))
@@ -64,7 +66,7 @@ def test_bad_arguments(tiny_model):
         MedusaHeads(tiny_model.config, 0, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+@pytest.mark.parametrize("cache", ["paged", pytest.param("contiguous", marks=pytest.mark.slow)])
 def test_tree_greedy_equals_generate(tiny_model, reference, cache):  # noqa: F811
     eos, want = reference
     heads = random_heads(tiny_model, 3, scale=0.05)
