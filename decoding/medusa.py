@@ -65,7 +65,7 @@ class Medusa:
     """A draft kind for ``speculative_generate``: ``Medusa(heads)`` with ``heads`` a
     ``models.MedusaHeads`` trained for the target (its ``num_heads`` is the default and largest
     ``num_draft_tokens``); ``Medusa(heads, tree=TreeSpec.default(4))`` drafts a token tree
-    (``decoding.tree``; greedy only, k = the tree's depth)."""
+    (``decoding.tree``; k = the tree's depth)."""
 
     def __init__(self, heads: MedusaHeads, tree: TreeSpec | None = None):
         if not isinstance(heads, MedusaHeads):
@@ -143,10 +143,6 @@ class MedusaDraft:
 
     def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
         if self.tree is not None:
-            if not sampling.greedy:
-                raise ValueError(
-                    f"Medusa with a tree is greedy only: sampling must be greedy, got {sampling}"
-                )
             logits = self.head_logits(ctx.params, ctx.state, self.tree.depth)
             last = jnp.take_along_axis(ctx.seq, ctx.cache.lengths[:, None], axis=1)[:, 0]
             nodes = tree.node_tokens(self.tree, logits, last)[:, 1:]  # [B, N]
@@ -159,12 +155,12 @@ class MedusaDraft:
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
         rows = jnp.arange(last.shape[0])
         if self.tree is not None:
-            return self.verify_tree(target, last, prop)
+            return self.verify_tree(target, last, prop, sampling, key)
         n, nxt, cache, hidden = verify_chain(target, last, prop, sampling, key, hidden=True)
         return Verified(prop.tokens, n, nxt, cache, hidden[rows, n])  # h at the last accepted
 
-    def verify_tree(self, target, last, prop: Proposal) -> Verified:
-        """All nodes in one target call with the tree mask; greedy acceptance; the accepted
+    def verify_tree(self, target, last, prop: Proposal, sampling, key) -> Verified:
+        """All nodes in one target call with the tree mask; ``tree.accept_tree``; the accepted
         path's K/V compacted to the slots after the root."""
         spec, t = self.tree, self.tree.tables
         tokens = jnp.concatenate([last, prop.tokens], 1)  # [B, N+1]
@@ -175,6 +171,7 @@ class MedusaDraft:
         logits, cache, hidden = target(
             tokens, positions, cache=prop.cache, return_hidden=True, tree_mask=mask
         )
-        best, n, path, nxt = tree.greedy_accept(spec, tokens, logits)
+        p = probabilities(logits, sampling)
+        best, n, path, nxt = tree.accept_tree(spec, tokens, p, key)
         cache = tree.compact_path(spec, cache, start, best)
         return Verified(path, n, nxt, cache, hidden[jnp.arange(B), best])

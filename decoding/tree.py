@@ -9,8 +9,8 @@ not yet fed token), at positions ``lengths + depth``, written in cache slots
 ancestors only. After acceptance the accepted path's K/V move from their slots to
 ``lengths + 1 .. lengths + n`` and everything past is rolled back by the length.
 
-Acceptance is greedy only (exact: a node is kept when its token is the target's argmax after its
-parent, and the deepest kept node ends the path); trees with sampling raise ``ValueError``.
+Acceptance (:func:`accept_tree`) is recursive rejection sampling over each node's children, so
+sampling stays exactly the target's distribution; greedy keeps the path of argmax tokens.
 """
 
 from __future__ import annotations
@@ -86,21 +86,30 @@ class TreeSpec:
         """Static index tables over the N + 1 nodes (0 = root): ``parent`` [N+1] (-1 for the
         root), ``depth`` [N+1], ``head``/``choice`` [N+1] (node i>0 is ``choice``-th best of
         ``head``), ``mask`` [N+1, N+1] bool (j is i or an ancestor), ``path`` [N+1, depth]
-        (the ancestor of i at depth d + 1, or i past its own depth)."""
+        (the ancestor of i at depth d + 1, or i past its own depth), ``children`` [N+1, M]
+        (in choice order, -1 padded)."""
         index = {p: i + 1 for i, p in enumerate(self.paths)}
         n = len(self.paths) + 1
         parent, depth = np.full(n, -1, np.int32), np.zeros(n, np.int32)
         head, choice = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        kids: list[list[int]] = [[] for _ in range(n)]
         mask = np.eye(n, dtype=bool)
         mask[:, 0] = True
         path = np.zeros((n, self.depth), np.int32)
         for p, i in index.items():
             parent[i] = index.get(p[:-1], 0)
+            kids[parent[i]].append(i)
             depth[i], head[i], choice[i] = len(p), len(p) - 1, p[-1]
             for d in range(1, len(p) + 1):
                 mask[i, index[p[:d]]] = True
             path[i] = [index[p[: d + 1]] if d < len(p) else i for d in range(self.depth)]
-        return dict(parent=parent, depth=depth, head=head, choice=choice, mask=mask, path=path)
+        children = np.full((n, max(map(len, kids))), -1, np.int32)
+        for i, k in enumerate(kids):
+            children[i, : len(k)] = k
+        return dict(
+            parent=parent, depth=depth, head=head, choice=choice, mask=mask, path=path,
+            children=children,
+        )  # fmt: skip
 
 
 def node_tokens(spec: TreeSpec, head_logits, last):
@@ -112,20 +121,44 @@ def node_tokens(spec: TreeSpec, head_logits, last):
     return jnp.concatenate([last[:, None], nodes.astype(jnp.int32)], axis=1)
 
 
-def greedy_accept(spec: TreeSpec, tokens, logits):
-    """tokens [B, N+1] (root first), the target's logits [B, N+1, V] at every node ->
-    (best [B], the deepest accepted node; n [B] its depth; path [B, depth] its path's tokens;
-    nxt [B], the target's argmax after it)."""
+def accept_tree(spec: TreeSpec, tokens, p, key):
+    """Recursive rejection sampling down the tree (SpecInfer's rule for deterministic drafts).
+
+    tokens [B, N+1] (root first), p [B, N+1, V] the target's distributions after each node ->
+    (best [B], the last accepted node; n [B] its depth; path [B, depth] its path's tokens;
+    nxt [B], one more token). At node u with r = p_u, its children c_1, c_2, .. (distinct
+    tokens, q one-hot) are tried in order: accept c_j with probability r(c_j), else
+    r <- normalize(r without c_j) and try the next; an accepted child continues from its own p;
+    when every child is rejected (or u is a leaf) next ~ r. Each emitted token is distributed
+    exactly as the target's; greedy (one-hot p) keeps the child equal to the argmax.
+    """
     t = spec.tables
-    g = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # the target's choice after each node
-    ok = tokens == g[:, np.maximum(t["parent"], 0)]
-    ok = ok.at[:, 0].set(True)
-    accepted = ~jnp.any(jnp.asarray(t["mask"])[None] & ~ok[:, None, :], axis=-1)  # [B, N+1]
-    best = jnp.argmax(jnp.where(accepted, jnp.asarray(t["depth"]), -1), axis=1)
-    path_nodes = jnp.asarray(t["path"])[best]  # [B, depth]
-    path = jnp.take_along_axis(tokens, path_nodes, axis=1)
-    nxt = jnp.take_along_axis(g, best[:, None], axis=1)[:, 0]
-    return best, jnp.asarray(t["depth"])[best], path, nxt
+    B = tokens.shape[0]
+    rows = jnp.arange(B)
+    children = jnp.asarray(t["children"])  # [N+1, M], -1 padded
+    M = children.shape[1]
+    keys = jax.random.split(key, spec.depth * M + 1)
+    cur = jnp.zeros((B,), jnp.int32)
+    alive = jnp.ones((B,), bool)
+    r = p[:, 0]
+    for d in range(spec.depth):
+        moved, nxt_node = jnp.zeros((B,), bool), cur
+        for j in range(M):
+            child = children[cur, j]
+            tok = tokens[rows, jnp.maximum(child, 0)]
+            r_tok = r[rows, tok] / jnp.maximum(jnp.sum(r, -1), 1e-30)
+            tried = alive & ~moved & (child >= 0)
+            ok = tried & (jax.random.uniform(keys[d * M + j], (B,)) < r_tok)
+            removed = r.at[rows, tok].set(0.0)
+            r = jnp.where((tried & ~ok)[:, None], removed, r)  # rejected: drop the token
+            moved, nxt_node = moved | ok, jnp.where(ok, child, nxt_node)
+        cur = jnp.where(moved, nxt_node, cur)
+        r = jnp.where(moved[:, None], p[rows, cur], r)
+        alive = moved
+    r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, p[rows, cur])
+    nxt = jax.random.categorical(keys[-1], jnp.log(r), axis=-1).astype(jnp.int32)
+    path = jnp.take_along_axis(tokens, jnp.asarray(t["path"])[cur], axis=1)
+    return cur, jnp.asarray(t["depth"])[cur], path, nxt
 
 
 def compact_path(spec: TreeSpec, cache: KVCache, start, best):

@@ -12,7 +12,7 @@ from flax import nnx
 from test_speculative import NEW, PROMPTS, reference  # noqa: F401 (a fixture)
 from test_speculative_exact import SMALL, T07_TOPK, T1, _check
 
-from decoding import Medusa, SamplingConfig, TreeSpec, generate, speculative_generate
+from decoding import Medusa, TreeSpec, generate, speculative_generate
 from decoding.tree import _slots, compact_path
 from models import KVCache, MedusaHeads
 
@@ -48,6 +48,21 @@ def small_target():
 
 def test_chain_sampling_is_exact_t1(small_target):
     _check(small_target, Medusa(random_heads(small_target, 3, seed=5, scale=1.0)), 3, T1)
+
+
+SMALL_TREE = TreeSpec(((0,), (1,), (0, 0), (0, 1), (1, 0)))
+
+
+def test_tree_sampling_is_exact_t1(small_target):
+    heads = random_heads(small_target, 2, seed=7, scale=1.0)
+    # k = the node count: sizes the test's cache for the tree's verification (5 + 1 slots).
+    _check(small_target, Medusa(heads, tree=SMALL_TREE), SMALL_TREE.num_nodes, T1)
+
+
+@pytest.mark.slow
+def test_tree_sampling_is_exact_t07_top_k(small_target):
+    heads = random_heads(small_target, 2, seed=8, scale=1.0)
+    _check(small_target, Medusa(heads, tree=SMALL_TREE), SMALL_TREE.num_nodes, T07_TOPK)
 
 
 @pytest.mark.slow
@@ -104,9 +119,6 @@ def test_tree_usage_errors(tiny_model):
     with pytest.raises(ValueError, match="tree of depth 3"):
         speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(3)), PROMPTS,
                              max_new_tokens=2)  # fmt: skip
-    with pytest.raises(ValueError, match="greedy"):
-        speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(2)), PROMPTS,
-                             max_new_tokens=2, sampling=SamplingConfig(temperature=1.0))  # fmt: skip
     with pytest.raises(ValueError, match="tree's depth 2"):
         speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(2)), PROMPTS,
                              num_draft_tokens=1, max_new_tokens=2)  # fmt: skip
