@@ -4,7 +4,7 @@ On the shipped byte-level models (target ``code-target``, float32) and code prom
 held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy, temperature
 0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``, ``medusa``: the shipped
 ``code-target-medusa`` heads as a chain, k <= 4, and ``medusa-tree``: the same heads with
-``TreeSpec.default(4)``, greedy, k = 4) and k = 1..8:
+``TreeSpec.default(4)``, k = 4) and k = 1..8:
 
 * acceptance a (accepted / proposed draft tokens) and tokens per target call, next to the
   theory (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance at rate a (Leviathan et al., eq. 1);
@@ -42,10 +42,10 @@ KINDS = (
 MEDUSA_HEADS = 4  # the shipped code-target-medusa: k <= 4
 
 
-def skipped(kind: str, k: int, mode: str) -> bool:
-    """Medusa chains need k <= its heads; the tree (``TreeSpec.default(4)``) is greedy, k = 4."""
+def skipped(kind: str, k: int) -> bool:
+    """Medusa chains need k <= its heads; the tree (``TreeSpec.default(4)``) has k = 4."""
     if kind == "medusa-tree":
-        return k != MEDUSA_HEADS or mode != "greedy"
+        return k != MEDUSA_HEADS
     return kind == "medusa" and k > MEDUSA_HEADS
 
 
@@ -209,7 +209,7 @@ def sweep(models_, ids, modes, kinds, ks, new: int, runs: int) -> list[dict]:
             plain = baselines(target, hf, ids, sampling, new, runs)
             for kind in kinds:
                 for k in ks:
-                    if skipped(kind, k, mode):
+                    if skipped(kind, k):
                         bar.update()
                         continue
                     bar.set_postfix(mode=mode, kind=kind, k=k)
