@@ -16,13 +16,12 @@ held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy
   its speed-up over its own plain ``generate`` and its tokens/s.
 
 Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and prints a table.
-``--quick``: one prompt, greedy, k in {2, 4}, 48 new tokens, one timed run.
+``--quick``: one prompt, greedy, k in {2, 4}, 48 new tokens (results in ``*_quick.json``).
 ``--acceptance-of CHECKPOINT ...``: only the acceptance of draft checkpoints (k = 3, 4 prompts).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import pathlib
@@ -92,9 +91,12 @@ def make_draft(kind: str, draft_model):
     return decoding.EarlyExit(num_layers=int(kind.partition(":")[2]))
 
 
-def timed(fn, runs: int):
-    """(median seconds of ``runs`` calls after one warm-up call, the last result)."""
-    fn()
+def timed(fn, timing: tuple[int, int]):
+    """(median seconds of ``runs`` calls after ``warmup`` calls, the last result);
+    ``timing = (runs, warmup)``."""
+    runs, warmup = timing
+    for _ in range(warmup):
+        fn()
     times, res = [], None
     for _ in range(runs):
         start = time.perf_counter()
@@ -108,7 +110,7 @@ def theory(a: float, k: int) -> float:
     return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
 
-def ours(target, draft_model, ids, kind, k, sampling, new, runs, plain):
+def ours(target, draft_model, ids, kind, k, sampling, new, timing, plain):
     """One row for our speculative decoding over all prompts ``ids``."""
     from decoding import speculative_generate
 
@@ -119,7 +121,7 @@ def ours(target, draft_model, ids, kind, k, sampling, new, runs, plain):
                 target, make_draft(kind, draft_model), [row], num_draft_tokens=k,
                 max_new_tokens=new, sampling=sampling,
             ),
-            runs,
+            timing,
         )  # fmt: skip
         total += s
         st = res.stats
@@ -138,7 +140,7 @@ def ours(target, draft_model, ids, kind, k, sampling, new, runs, plain):
     )
 
 
-def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, runs, hf_plain_s):
+def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, timing, hf_plain_s):
     """transformers' assisted generation for the same kind -> dict (or an error string)."""
     import torch
 
@@ -162,7 +164,7 @@ def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, runs, hf_plain_s):
             for row in ids:
                 x = torch.tensor([row])
                 s, _ = timed(
-                    lambda x=x: hf.generate(x, attention_mask=torch.ones_like(x), **kwargs), runs
+                    lambda x=x: hf.generate(x, attention_mask=torch.ones_like(x), **kwargs), timing
                 )
                 total += s
     except Exception as e:  # an unsupported combination is reported, not fatal
@@ -170,7 +172,7 @@ def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, runs, hf_plain_s):
     return dict(hf_tok_s=len(ids) * new / total, hf_speedup=hf_plain_s / total)
 
 
-def baselines(target, hf, ids, sampling, new, runs):
+def baselines(target, hf, ids, sampling, new, timing):
     """Plain ``generate`` and plain transformers ``generate`` over all prompts."""
     import torch
 
@@ -179,7 +181,7 @@ def baselines(target, hf, ids, sampling, new, runs):
     ours_s, tokens = 0.0, []
     for row in ids:
         s, res = timed(
-            lambda row=row: generate(target, [row], max_new_tokens=new, sampling=sampling), runs
+            lambda row=row: generate(target, [row], max_new_tokens=new, sampling=sampling), timing
         )
         ours_s, tokens = ours_s + s, tokens + [res.tokens]
     kwargs = dict(
@@ -192,12 +194,12 @@ def baselines(target, hf, ids, sampling, new, runs):
         for row in ids:
             x = torch.tensor([row])
             hf_s += timed(
-                lambda x=x: hf.generate(x, attention_mask=torch.ones_like(x), **kwargs), runs
+                lambda x=x: hf.generate(x, attention_mask=torch.ones_like(x), **kwargs), timing
             )[0]
     return dict(seconds=ours_s, tokens=tokens, hf_seconds=hf_s)
 
 
-def sweep(models_, ids, modes, kinds, ks, new: int, runs: int) -> list[dict]:
+def sweep(models_, ids, modes, kinds, ks, new: int, timing) -> list[dict]:
     """One row per (mode, kind, k); ``models_`` = (target, draft, hf, hf_draft or None)."""
     from decoding import SamplingConfig
 
@@ -206,7 +208,7 @@ def sweep(models_, ids, modes, kinds, ks, new: int, runs: int) -> list[dict]:
     with tqdm(total=len(modes) * len(kinds) * len(ks), desc="speculative") as bar:
         for mode in modes:
             sampling = SamplingConfig() if mode == "greedy" else SamplingConfig(temperature=0.8)
-            plain = baselines(target, hf, ids, sampling, new, runs)
+            plain = baselines(target, hf, ids, sampling, new, timing)
             for kind in kinds:
                 for k in ks:
                     if skipped(kind, k):
@@ -214,9 +216,11 @@ def sweep(models_, ids, modes, kinds, ks, new: int, runs: int) -> list[dict]:
                         continue
                     bar.set_postfix(mode=mode, kind=kind, k=k)
                     row = dict(mode=mode, kind=kind, k=k)
-                    row.update(ours(target, draft_model, ids, kind, k, sampling, new, runs, plain))
+                    row.update(
+                        ours(target, draft_model, ids, kind, k, sampling, new, timing, plain)
+                    )
                     if hf_draft is not None:
-                        args = (hf, hf_draft, ids, kind, k, sampling.greedy, new, runs)
+                        args = (hf, hf_draft, ids, kind, k, sampling.greedy, new, timing)
                         row.update(hf_assisted(*args, plain["hf_seconds"]))
                     row.update(plain_tok_s=len(ids) * new / plain["seconds"],
                                hf_plain_tok_s=len(ids) * new / plain["hf_seconds"])  # fmt: skip
@@ -247,21 +251,16 @@ def acceptance_of(checkpoints: list[str], n_prompts: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--kinds", nargs="+", default=None)
-    parser.add_argument("--ks", nargs="+", type=int, default=None)
-    parser.add_argument("--prompts", type=int, default=None)
-    parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--runs", type=int, default=None)
+    parser = common.parser(__doc__, runs=3, quick="one prompt, greedy, k in {2, 4}, 48 tokens")
+    parser.add_argument("--kinds", nargs="+", default=None, help=f"default: {' '.join(KINDS)}")
+    parser.add_argument("--ks", nargs="+", type=int, default=None, help="default: 1 .. 8")
+    parser.add_argument("--prompts", type=int, default=None, help="default: 4")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: 128")
     parser.add_argument("--draft-checkpoint", default=None, help="a draft other than code-draft")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
-    parser.add_argument("--out", default="speculative_cpu")
+    parser.add_argument("--name", default="speculative_cpu", help="results name")
     parser.add_argument(
-        "--acceptance-of",
-        nargs="+",
-        metavar="CHECKPOINT",
-        help="only measure these drafts' acceptance",
+        "--acceptance-of", nargs="+", metavar="CHECKPOINT", help="only these drafts' acceptance"
     )
     args = parser.parse_args()
     if args.acceptance_of:
@@ -271,9 +270,7 @@ def main() -> None:
         ["code-draft", "prompt-lookup", "early-exit:4", "medusa", "medusa-tree"] if quick else KINDS
     )
     ks = args.ks or ([2, 4] if quick else list(range(1, 9)))
-    n_prompts = args.prompts or (1 if quick else 4)
     new = args.new_tokens or (48 if quick else 128)
-    runs = args.runs or (1 if quick else 3)
     modes = ["greedy"] if quick else ["greedy", "t0.8"]
 
     import torch
@@ -285,42 +282,24 @@ def main() -> None:
     target, tok = models.pretrained("code-target")
     draft_dir = args.draft_checkpoint or str(shipped_path("code-draft"))
     draft_model = models.load_hf_checkpoint(draft_dir)
-    texts = code_prompts(n_prompts)
+    texts = code_prompts(args.prompts or (1 if quick else 4))
     ids = [[tok.bos_id] + tok.encode(t) for t in texts]
-    hf = (
-        transformers.AutoModelForCausalLM.from_pretrained(str(shipped_path("code-target")))
-        .float()
-        .eval()
-    )
-    hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir).float().eval()
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    hf = load(str(shipped_path("code-target"))).float().eval()
+    hf_draft = None if args.no_hf else load(draft_dir).float().eval()
     load_start = os.getloadavg()
-    models_ = (target, draft_model, hf, None if args.no_hf else hf_draft)
-    rows = sweep(models_, ids, modes, kinds, ks, new, runs)
+    rows = sweep((target, draft_model, hf, hf_draft), ids, modes, kinds, ks, new,
+                 (args.runs, args.warmup))  # fmt: skip
     columns = ["mode", "kind", "k", "acceptance", "tokens_per_call", "theory", "tok_s",
                "plain_tok_s", "speedup", "match", "hf_tok_s", "hf_speedup"]  # fmt: skip
-    common.print_table(rows, columns)
-    path = common.write_results(
-        args.out,
-        rows,
-        settings=dict(
-            prompts=texts,
-            new_tokens=new,
-            runs=runs,
-            batch=1,
-            dtype="float32",
-            draft=draft_dir,
-            quick=quick,
-            torch=torch.__version__,
-            torch_threads=torch.get_num_threads(),
-            loadavg_start=load_start,
-            loadavg_end=os.getloadavg(),
-        ),  # fmt: skip
-        note=(
-            "Shared 2-core CPU: wall times are noisy; acceptance and tokens per call are not. "
-            "Speed-ups are against plain generate measured in the same run."
-        ),
+    settings = dict(prompts=texts, new_tokens=new, batch=1, dtype="float32", draft=draft_dir,
+                    torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                    loadavg_start=load_start)  # fmt: skip
+    note = (
+        "Shared 2-core CPU: wall times are noisy; acceptance and tokens per call are not. "
+        "Speed-ups are against plain generate measured in the same run."
     )
-    print(f"wrote {path}")
+    common.finish(args, args.name, rows, columns, settings=settings, note=note)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Jitted KV-cache generation, speculative decoding, sampling, and the paged cache's page
-allocator."""
+"""Jitted KV-cache generation, speculative decoding, sampling, the paged cache's page allocator
+and the continuous-batching engine."""
 
 from decoding.drafts import EarlyExit, PromptLookup
+from decoding.engine import Engine
 from decoding.generate import (
     DecodeState,
     GenerateResult,
@@ -21,6 +22,7 @@ __all__ = [
     "BlockTables",
     "DecodeState",
     "EarlyExit",
+    "Engine",
     "GenerateResult",
     "Medusa",
     "OutOfPagesError",

@@ -11,7 +11,12 @@ import argparse
 import os
 import sys
 
-SHIPPED = ("code-target", "code-draft")
+import models
+from decoding.drafts import EarlyExit, PromptLookup
+from decoding.generate import generate
+from decoding.sampling import SamplingConfig, check_seed
+from decoding.speculative import speculative_generate
+from models.pretrained import SHIPPED, checkpoint_arg
 
 
 def _positive_int(text: str) -> int:
@@ -24,19 +29,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        return check_seed(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 2**32), got {text!r}") from None
+
+
 def _float(text: str) -> float:
     try:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-
-def _model(text: str) -> str:
-    if text in SHIPPED or os.path.isdir(text):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"expected one of {', '.join(SHIPPED)} or a checkpoint directory, got {text!r}"
-    )
 
 
 def _speculative(text: str) -> str:
@@ -52,14 +56,11 @@ def _speculative(text: str) -> str:
 
 def _draft(spec: str):
     """The ``speculative_generate`` draft for a ``--speculative`` value."""
-    import decoding
-    import models
-
     if spec == "code-draft":
         return models.pretrained("code-draft")[0]
     if spec == "prompt-lookup":
-        return decoding.PromptLookup()
-    return decoding.EarlyExit(num_layers=int(spec.partition(":")[2]))
+        return PromptLookup()
+    return EarlyExit(num_layers=int(spec.partition(":")[2]))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,15 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=_float, default=1.0, help="1.0 = off")
     parser.add_argument("--min-p", type=_float, default=0.0, help="0.0 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_seed, default=0, help="an int in [0, 2**32)")
     parser.add_argument(
         "--model",
-        type=_model,
-        default="code-target",
-        help="a shipped model (code-target, code-draft) or a Hugging Face checkpoint directory",
+        type=checkpoint_arg,
+        default=SHIPPED[0],
+        help=f"a shipped model ({', '.join(SHIPPED)}) or a Hugging Face checkpoint directory",
     )
     parser.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
-    parser.add_argument("--page-size", type=_positive_int, default=16, metavar="P")
+    parser.add_argument(
+        "--page-size",
+        type=_positive_int,
+        default=16,
+        metavar="P",
+        help="positions per page (capped at what the request can use)",
+    )
     parser.add_argument(
         "--speculative",
         type=_speculative,
@@ -100,27 +107,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load(name: str):
-    """(model, tokenizer) for a shipped model name or a checkpoint directory."""
-    import models
+    """(model, tokenizer) for a shipped model name or a checkpoint directory: the directory's
+    own tokenizer when it has ``tokenizer_config.json``, else ``models.ByteTokenizer``.
 
-    if name in SHIPPED:
-        return models.pretrained(name)
-    from models.hf import load_hf_checkpoint
-
-    model = load_hf_checkpoint(name)
-    if os.path.exists(os.path.join(name, "tokenizer_config.json")):
+    Raises OSError or ValueError for a checkpoint that cannot be loaded.
+    """
+    model = models.load_model(name)
+    if name not in SHIPPED and os.path.exists(os.path.join(name, "tokenizer_config.json")):
         import transformers
 
         return model, transformers.AutoTokenizer.from_pretrained(name)
     return model, models.ByteTokenizer()
 
 
+def encode_prompt(prompt: str, tokenizer, config) -> tuple[list[int], int | None]:
+    """(token ids of ``prompt``, the id to stop at) for a model with ``config``.
+
+    The checkpoint's own ``bos_id`` / ``eos_id`` come first; a ``ByteTokenizer``'s are used only
+    where the checkpoint names none and they fit its vocabulary. ValueError when the byte
+    tokenizer does not fit the checkpoint (V < 256). A Hugging Face tokenizer adds its own
+    special tokens.
+    """
+    V = config.vocab_size
+    if not isinstance(tokenizer, models.ByteTokenizer):
+        eos_id = config.eos_id if config.eos_id is not None else tokenizer.eos_token_id
+        return tokenizer.encode(prompt), eos_id
+    if V < 256:
+        raise ValueError(
+            f"the byte tokenizer (ids 0-255) does not fit this checkpoint (vocab_size {V}) and "
+            "the directory has no tokenizer_config.json"
+        )
+
+    def special(checkpoint_id, byte_id):
+        if checkpoint_id is not None:
+            return checkpoint_id
+        return byte_id if byte_id < V else None
+
+    bos_id = special(config.bos_id, tokenizer.bos_id)
+    ids = tokenizer.encode(prompt)
+    return ([bos_id] + ids if bos_id is not None else ids), special(config.eos_id, tokenizer.eos_id)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from decoding.generate import generate
-    from decoding.sampling import SamplingConfig
-
     try:
         sampling = SamplingConfig(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p
@@ -129,11 +159,11 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if not args.prompt:
         parser.error("prompt must not be empty")
-    model, tokenizer = load(args.model)
-    ids = tokenizer.encode(args.prompt)
-    if getattr(tokenizer, "bos_id", None) is not None:
-        ids = [tokenizer.bos_id] + ids
-    eos_id = getattr(tokenizer, "eos_id", getattr(tokenizer, "eos_token_id", None))
+    try:
+        model, tokenizer = load(args.model)
+        ids, eos_id = encode_prompt(args.prompt, tokenizer, model.config)
+    except (OSError, ValueError) as e:
+        parser.error(f"--model {args.model}: {e}")
     common = dict(
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
@@ -148,8 +178,6 @@ def main(argv=None) -> int:
         if args.speculative is None:
             res = generate(model, [ids], **common)
         else:
-            from decoding.speculative import speculative_generate
-
             draft = _draft(args.speculative)
             k = args.num_draft_tokens
             res = speculative_generate(model, draft, [ids], num_draft_tokens=k, **common)

@@ -5,8 +5,8 @@ A draft kind is a frozen, hashable object (a static argument of the jitted loop)
 * ``check(target, k)``: ``ValueError`` naming the argument when it cannot draft for ``target``;
 * ``default_num_draft_tokens``: the k used when ``num_draft_tokens=None`` (from
   ``benchmarks/speculative.py``);
-* ``make_state(target, cache_kind, batch, page_size, num_pages)``: host side, the draft's own
-  pytree state (e.g. a KV cache) and its page tables (or None);
+* ``make_state(target, params, cache_kind, batch, page_size, num_pages)``: host side, the
+  draft's own pytree state (e.g. a KV cache) and its page tables (or None);
 * ``prefill(params, state, tokens, prompt_lengths)``: traced, after the target's prefill;
 * ``propose(ctx, k, sampling, key)``: traced, returns a :class:`Proposal`: k tokens [B, k], the
   distributions q [B, k, V] they were drawn from (shaped by the same ``SamplingConfig`` as the
@@ -45,12 +45,13 @@ from models import KVCache
 from models.transformer import rope_tables
 
 # k used when ``num_draft_tokens=None``, per kind: the k maximising the expected speed-up
-# tokens_per_call(k) / (t_verify(k + 1) + k * t_draft) / t_verify(1), with the tokens per target
-# call measured by ``benchmarks/speculative.py`` on the shipped code-target (distilled code-draft:
-# 2.04 at k = 2, 2.35 at k = 4; prompt lookup 1.74 / 2.14) and step costs measured on CPU
-# (target 2.0 ms + 0.26 ms per extra verified token, code-draft 0.3 ms, early exit at 4 of 8
-# layers ~1 ms). See the README's Speculative decoding section.
-DEFAULT_K = {"model": 2, "prompt-lookup": 3, "early-exit": 2}
+# tokens_per_call(k) * t_verify(1) / (t_verify(k + 1) + k * t_draft), with the tokens per target
+# call measured by ``benchmarks/speculative.py`` (greedy, shipped code-target, k = 1, 2, 3, 4:
+# distilled code-draft 1.68, 2.22, 2.39, 2.52; prompt lookup 1.49, 1.71, 1.88, 2.04; early exit
+# after 4 layers 1.47, 1.73, 1.80, 1.88) and step costs on CPU (target 2.0 ms + 0.26 ms per extra
+# verified token, code-draft 0.3 ms, early exit after 4 of 8 layers ~1 ms). Wall times on the
+# shared CPU were too noisy to pick k directly; see the README's Speculative decoding section.
+DEFAULT_K = {"model": 2, "prompt-lookup": 2, "early-exit": 1}
 
 
 class Proposal(NamedTuple):
@@ -154,10 +155,10 @@ class ModelDraft:
     def check(self, target, k: int) -> None:
         _check_vocab("draft", self.config.vocab_size, target)
 
-    def make_state(self, target, cache_kind: str, batch, page_size: int, num_pages):
-        n_pad = len(batch.done) - batch.num_rows
+    def make_state(self, target, params, cache_kind: str, batch, page_size: int, num_pages):
+        model, n_pad = nnx.merge(self.graphdef, params), len(batch.done) - batch.num_rows
         cap = batch.capacity
-        return _cache_for(self.config, cache_kind, batch.need, n_pad, cap, page_size, num_pages)
+        return _cache_for(model, cache_kind, batch.need, n_pad, cap, page_size, num_pages)
 
     def prefill(self, params, cache, tokens, prompt_lengths):
         _, cache = nnx.merge(self.graphdef, params)(tokens, cache=cache)
@@ -205,7 +206,7 @@ class EarlyExit:
                 f"num_layers={target.config.num_layers}"
             )
 
-    def make_state(self, target, cache_kind, batch, page_size, num_pages):
+    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
         return None, None
 
     def prefill(self, params, state, tokens, prompt_lengths):
@@ -250,7 +251,7 @@ class PromptLookup:
     def check(self, target, k: int) -> None:
         pass
 
-    def make_state(self, target, cache_kind, batch, page_size, num_pages):
+    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
         return None, None
 
     def prefill(self, params, state, tokens, prompt_lengths):

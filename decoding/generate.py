@@ -29,8 +29,9 @@ import numpy as np
 from flax import nnx, struct
 
 from decoding import paging
-from decoding.sampling import SamplingConfig, sample
+from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
+from models.shard import mesh_of, replicated
 
 PROMPT_BUCKET = 64
 NEW_TOKENS_BUCKET = 64
@@ -206,8 +207,10 @@ def _next_pow2(n: int) -> int:
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     if hasattr(prompts, "shape") and hasattr(prompts, "dtype"):
         arr = np.asarray(prompts)
-        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompts must be a [B, T] int array, got {arr.shape} {arr.dtype}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"prompts must be an int array, got dtype {arr.dtype}")
+        if arr.ndim != 2:
+            raise ValueError(f"prompts must be a [B, T] int array, got shape {arr.shape}")
         prompts = arr.tolist()
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts must be a non-empty list of token lists or a [B, T] int array")
@@ -215,6 +218,9 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     for b, p in enumerate(prompts):
         if not isinstance(p, list | tuple) or not p:
             raise ValueError(f"prompt {b} must be a non-empty list of ints, got {p!r}")
+        floats = [t for t in p if isinstance(t, bool) or not isinstance(t, int | np.integer)]
+        if floats:
+            raise TypeError(f"prompt {b} has token ids that are not ints: {floats[:5]!r}")
         row = [int(t) for t in p]
         bad = [t for t in row if not 0 <= t < vocab_size]
         if bad:
@@ -223,26 +229,28 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     return rows
 
 
-def _cache_for(config, kind: str, need, n_pad: int, capacity: int, page_size: int, num_pages):
+def _cache_for(model, kind: str, need, n_pad: int, capacity: int, page_size: int, num_pages):
     """An empty cache for ``len(need)`` real rows, row b writing ``need[b]`` positions, and
     ``n_pad`` batch-padding rows; for a paged cache also its ``BlockTables`` (else None).
 
     Padding rows all share one row's worth of pages: they write there but nobody reads it.
     """
+    config, mesh = model.config, mesh_of(model)
     batch = len(need) + n_pad
     if kind == "contiguous":
-        return KVCache.contiguous(config, batch, capacity), None
+        return KVCache.contiguous(config, batch, capacity, mesh=mesh), None
+    page_size = min(page_size, capacity)  # a larger page would only hold unused positions
     max_pages = paging.pages_for(capacity, page_size)
     pool = batch * max_pages if num_pages is None else num_pages
     tables = paging.BlockTables(paging.PageAllocator(pool, page_size), batch, max_pages)
     tables.reserve(list(need) + ([capacity] if n_pad else []) + [0] * max(n_pad - 1, 0))
     for b in range(len(need) + 1, batch):
         tables.share_prefix(len(need), b, max_pages)
-    return KVCache.paged(config, pool, page_size, jax.device_put(tables.table())), tables
+    return KVCache.paged(config, pool, page_size, tables.table(), mesh=mesh), tables
 
 
 def _check_arguments(
-    model, prompts, *, max_new_tokens, sampling, eos_id, cache, page_size, extra: int = 0
+    model, prompts, *, max_new_tokens, sampling, eos_id, seed, cache, page_size, extra: int = 0
 ) -> tuple[SamplingConfig, list[list[int]]]:
     """Validates what ``generate`` and ``speculative_generate`` share -> (sampling, rows).
 
@@ -261,9 +269,15 @@ def _check_arguments(
         raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    check_seed(seed)
     config = model.config
-    if eos_id is not None and not 0 <= int(eos_id) < config.vocab_size:
-        raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id!r}")
+    if eos_id is not None:
+        if isinstance(eos_id, bool) or not isinstance(eos_id, int | np.integer):
+            raise TypeError(
+                f"eos_id must be an int or None, got {type(eos_id).__name__} {eos_id!r}"
+            )
+        if not 0 <= eos_id < config.vocab_size:
+            raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id!r}")
     rows = _check_prompts(prompts, config.vocab_size)
     longest = max(len(r) for r in rows)
     if longest + max_new_tokens + extra > config.max_position:
@@ -370,9 +384,11 @@ def generate(
       max_new_tokens: >= 1; each row stops earlier after producing ``eos_id``.
       sampling: a ``SamplingConfig``; default greedy.
       eos_id: the stop token (kept in the output), or None.
-      seed: PRNG seed; same seed, same tokens.
+      seed: PRNG seed, an int in [0, 2**32); same seed, same tokens.
       cache: "paged" (pages from a ``paging.PageAllocator``) or "contiguous".
-      page_size: P, positions per page (paged only).
+      page_size: P, positions per page (paged only); capped at the positions the request can
+        use (bucketed prompt + new tokens), so a huge P allocates no more than a contiguous
+        cache.
       num_pages: size of the page pool (a static shape: keep it fixed across calls to avoid
         recompiling); default ``B_pad * pages_for(Tp + N)``, the contiguous cache's size. Too
         small a pool raises ``paging.OutOfPagesError`` before any work.
@@ -386,22 +402,24 @@ def generate(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         eos_id=eos_id,
+        seed=seed,
         cache=cache,
         page_size=page_size,
     )
     batch = _bucket(rows, max_new_tokens)
     B = batch.num_rows
     n_pad = len(batch.done) - B
-    kv, tables = _cache_for(
-        model.config, cache, batch.need, n_pad, batch.capacity, page_size, num_pages
-    )
+    kv, tables = _cache_for(model, cache, batch.need, n_pad, batch.capacity, page_size, num_pages)
     try:
         graphdef, params = nnx.split(model)
         static = dict(graphdef=graphdef, sampling=sampling)
-        eos = jax.device_put(np.int32(-1 if eos_id is None else eos_id))
-        max_new = jax.device_put(np.int32(max_new_tokens))
-        args = (params, *jax.device_put((batch.tokens, batch.prompt_lengths)), kv)
-        args += (jax.random.key(jax.device_put(np.uint32(seed))), jax.device_put(batch.done), eos)
+        put = functools.partial(jax.device_put, device=replicated(model))  # a sharded model's mesh
+        eos, max_new = (
+            put(np.int32(-1 if eos_id is None else eos_id)),
+            put(np.int32(max_new_tokens)),
+        )
+        args = (params, put(batch.tokens), put(batch.prompt_lengths), kv)
+        args += (jax.random.key(put(np.uint32(seed))), put(batch.done), eos)
         del kv  # donated
         (out, num_new, steps), prefill_s, decode_s, compile_s = _timed_phases(
             lambda: _run(_prefill_jit, args, num_new_max=batch.num_new_max, **static),

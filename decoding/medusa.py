@@ -124,7 +124,7 @@ class MedusaDraft:
                 f"num_draft_tokens={k} must be None or the tree's depth {self.tree.depth}"
             )
 
-    def make_state(self, target, cache_kind, batch, page_size, num_pages):
+    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
         return None, None
 
     def prefill(self, params, state, tokens, prompt_lengths):

@@ -39,6 +39,7 @@ from decoding.generate import (
 from decoding.medusa import Medusa
 from decoding.sampling import SamplingConfig, probabilities
 from models import KVCache, Transformer
+from models.shard import replicated
 
 
 @struct.dataclass
@@ -291,23 +292,32 @@ def speculative_generate(
     extra = max(k, getattr(kind, "verify_width", 0))  # slots a step writes past the last token
     sampling, rows = _check_arguments(
         target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-        cache=cache, page_size=page_size, extra=extra,
+        seed=seed, cache=cache, page_size=page_size, extra=extra,
     )  # fmt: skip
     batch = _bucket(rows, max_new_tokens, extra=extra)
     B, n_pad = batch.num_rows, len(batch.done) - batch.num_rows
-    kv, tables = _cache_for(
-        target.config, cache, batch.need, n_pad, batch.capacity, page_size, num_pages
-    )
+    kv, tables = _cache_for(target, cache, batch.need, n_pad, batch.capacity, page_size, num_pages)
     draft_tables = None
     try:
-        draft_state, draft_tables = kind.make_state(target, cache, batch, page_size, num_pages)
+        draft_state, draft_tables = kind.make_state(
+            target, params, cache, batch, page_size, num_pages
+        )
         graphdef, target_params = nnx.split(target)
         static = dict(graphdef=graphdef, draft=kind, sampling=sampling)
-        eos = jax.device_put(np.int32(-1 if eos_id is None else eos_id))
-        max_new = jax.device_put(np.int32(max_new_tokens))
-        args = (target_params, params, *jax.device_put((batch.tokens, batch.prompt_lengths)))
-        args += (kv, draft_state, jax.random.key(jax.device_put(np.uint32(seed))))
-        args += (jax.device_put(batch.done), eos, max_new)
+        put = functools.partial(jax.device_put, device=replicated(target))  # a sharded model's mesh
+        eos, max_new = (
+            put(np.int32(-1 if eos_id is None else eos_id)),
+            put(np.int32(max_new_tokens)),
+        )
+        args = (target_params, params, put(batch.tokens), put(batch.prompt_lengths))
+        args += (
+            kv,
+            draft_state,
+            jax.random.key(put(np.uint32(seed))),
+            put(batch.done),
+            eos,
+            max_new,
+        )
         del kv, draft_state  # donated
         seq_len = batch.tokens.shape[1] + batch.num_new_max
         out, prefill_s, decode_s, compile_s = _timed_phases(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import pathlib
 
 import jax.numpy as jnp
@@ -24,6 +26,34 @@ def shipped_path(name: str) -> pathlib.Path:
         choices = SHIPPED + tuple(SHIPPED_MEDUSA)
         raise ValueError(f"unknown shipped model {name!r}; choose from {choices}")
     return SHIPPED_DIR / name
+
+
+def checkpoint_dir(name: str) -> pathlib.Path:
+    """A shipped model's directory for its name, else ``name`` itself when it is a directory;
+    ValueError naming the choices when it is neither."""
+    if name in SHIPPED:
+        return SHIPPED_DIR / name
+    if os.path.isdir(name):
+        return pathlib.Path(name)
+    raise ValueError(
+        f"expected one of {', '.join(SHIPPED)} or a checkpoint directory, got {name!r}"
+    )
+
+
+def checkpoint_arg(text: str) -> str:
+    """An ``argparse`` type: ``text`` when :func:`checkpoint_dir` accepts it (a usage error
+    otherwise). Shared by the command lines that take a model."""
+    try:
+        checkpoint_dir(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def load_model(name: str, *, dtype=jnp.float32, attn_impl: str = "auto") -> Transformer:
+    """A shipped model by name or a Hugging Face checkpoint directory (see
+    :func:`models.load_hf_checkpoint` for the errors)."""
+    return load_hf_checkpoint(str(checkpoint_dir(name)), dtype=dtype, attn_impl=attn_impl)
 
 
 def pretrained(

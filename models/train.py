@@ -28,7 +28,7 @@ from tqdm import tqdm
 from models import data
 from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
-from models.pretrained import SHIPPED, shipped_path
+from models.pretrained import checkpoint_arg, load_model
 from models.tokenizer import ByteTokenizer
 from models.transformer import Transformer
 
@@ -202,16 +202,14 @@ def _starting_models(args, config: TransformerConfig):
     """(``--init`` model or None, ``--distill-from`` teacher or None), checked against config."""
     init = teacher = None
     if args.init is not None:
-        init = load_hf_checkpoint(args.init, attn_impl=args.attn_impl)
+        init = load_model(args.init, attn_impl=args.attn_impl)
         if init.config.replace(attn_impl=config.attn_impl) != config:
             raise ValueError(f"--init {args.init} does not match preset {args.preset!r}")
     if args.distill_from is not None:
-        name = args.distill_from  # a shipped model or a checkpoint directory
-        path = str(shipped_path(name)) if name in SHIPPED else name
-        teacher = load_hf_checkpoint(path, attn_impl=args.attn_impl)
+        teacher = load_model(args.distill_from, attn_impl=args.attn_impl)
         if teacher.config.vocab_size != config.vocab_size:
             raise ValueError(
-                f"--distill-from {name} has vocab_size {teacher.config.vocab_size}, "
+                f"--distill-from {args.distill_from} has vocab_size {teacher.config.vocab_size}, "
                 f"preset {args.preset!r} has {config.vocab_size}"
             )
     return init, teacher
@@ -228,11 +226,17 @@ def main(argv=None) -> None:
             flag = "--" + field.name.replace("_", "-")
             p.add_argument(flag, type=type(getattr(defaults, field.name)), default=None)
     p.add_argument("--attn-impl", default="auto")
-    p.add_argument("--init", default=None, help="start from this HF checkpoint (same preset)")
+    p.add_argument(
+        "--init",
+        default=None,
+        type=checkpoint_arg,
+        help="start from this shipped model or HF checkpoint directory (same preset)",
+    )
     p.add_argument(
         "--distill-from",
         default=None,
-        help="a shipped model name or HF checkpoint: train on the KL to its distributions",
+        type=checkpoint_arg,
+        help="a shipped model or HF checkpoint: train on the KL to its distributions",
     )
     p.add_argument(
         "--medusa-heads",

@@ -15,6 +15,8 @@ Two call forms:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,6 +25,7 @@ from jax import lax
 import pallas_attn
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
+from models.shard import constrain_batch, local_heads
 
 _INIT = nnx.initializers.normal(stddev=0.02)
 
@@ -90,6 +93,7 @@ class Attention(nnx.Module):
         self.k_proj = _linear(config.dim, config.num_kv_heads * D, bias=bias, dtype=dt, rngs=rngs)
         self.v_proj = _linear(config.dim, config.num_kv_heads * D, bias=bias, dtype=dt, rngs=rngs)
         self.o_proj = _linear(config.num_heads * D, config.dim, bias=False, dtype=dt, rngs=rngs)
+        self.mesh = None  # set by models.shard
 
     def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
         """x: [B, T, dim]. ``kv`` is ``(k_cache, v_cache, lengths, block_table)`` for a cached
@@ -101,9 +105,26 @@ class Attention(nnx.Module):
         q = apply_rope(self.q_proj(x).reshape(B, T, c.num_heads, D), cos, sin)
         k = apply_rope(self.k_proj(x).reshape(B, T, c.num_kv_heads, D), cos, sin)
         v = self.v_proj(x).reshape(B, T, c.num_kv_heads, D)
+        attend = self._attend
+        if tree_mask is not None:
+            if self.mesh is not None:
+                raise ValueError("tree_mask is not supported on a sharded model (mesh)")
+            attend = functools.partial(self._attend, tree_mask=tree_mask)
+        if self.mesh is not None:  # models.shard: per device, on its local heads
+            paged = kv is not None and kv[3] is not None
+            attend = local_heads(attend, self.mesh, batch=B, cached=kv is not None, paged=paged)
+        res = attend(q, k, v, segment_ids, kv)
+        out, new_kv = res if kv is not None else (res, None)
+        y = self.o_proj(out.reshape(B, T, c.num_heads * D))
+        return y if kv is None else (y, new_kv)
+
+    def _attend(self, q, k, v, segment_ids, kv, tree_mask=None):
+        """``pallas_attn`` on q [B, T, Hq, D], k/v [B, T, Hkv, D] -> out [B, T, Hq, D], or
+        ``(out, (k_cache, v_cache))`` for a cached call."""
+        c = self.config
         common = dict(causal=True, window_size=c.window_size, softcap=c.attn_softcap)
         if kv is None:
-            out = pallas_attn.flash_attention(
+            return pallas_attn.flash_attention(
                 q,
                 k,
                 v,
@@ -112,7 +133,6 @@ class Attention(nnx.Module):
                 impl=c.attn_impl,
                 **common,
             )
-            return self.o_proj(out.reshape(B, T, c.num_heads * D))
         k_cache, v_cache, lengths, block_table = kv
         res = pallas_attn.attention_with_kvcache(
             q,
@@ -126,7 +146,7 @@ class Attention(nnx.Module):
             tree_mask=tree_mask,
             **common,
         )
-        return self.o_proj(res.out.reshape(B, T, c.num_heads * D)), (res.k_cache, res.v_cache)
+        return res.out, (res.k_cache, res.v_cache)
 
 
 class MLP(nnx.Module):
@@ -193,6 +213,7 @@ class Transformer(nnx.Module):
             if config.tie_embeddings
             else _linear(config.dim, config.vocab_size, bias=False, dtype=dt, rngs=rngs)
         )
+        self.mesh = None  # set by models.shard (jax.sharding.Mesh)
 
     def __call__(
         self,
@@ -235,7 +256,7 @@ class Transformer(nnx.Module):
             else:
                 positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cos, sin = rope_tables(self.config, jnp.broadcast_to(positions, (B, T)))
-        x = self.embed(tokens)
+        x = constrain_batch(self.embed(tokens), self.mesh)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None
