@@ -64,10 +64,7 @@ def visible(
         ok = ok & (k_pos >= q_pos - left)
     if right >= 0:
         ok = ok & (k_pos <= q_pos + right)
-    if kv_start is not None:
-        ok = ok & (k_pos >= kv_start)
-    if kv_len is not None:
-        ok = ok & (k_pos < kv_len)
+    ok = ok & key_owned(k_pos, kv_start, kv_len)
     if q_segment_ids is not None:
         ok = ok & (q_segment_ids == kv_segment_ids)
     if tree_rows is not None:
@@ -92,6 +89,27 @@ def tree_visible(tree_rows, k_pos, tree_start):
     onehot = c[..., None] == jnp.arange(Tt, dtype=jnp.int32)  # [..., 1, K, Tt]
     hit = jnp.sum(jnp.where(onehot, tree_rows[..., :, None, :].astype(jnp.int32), 0), -1) > 0
     return hit | (c < 0) | (c >= Tt)
+
+
+def key_owned(k_pos, kv_start=None, kv_len=None):
+    """True where key ``k_pos`` lies in its row's ``[kv_start, kv_len)`` (None = unbounded).
+
+    Keys outside that range are memory the row does not own (leftpad slots, slots past the length,
+    pages that only pad a block table, varlen padding) and may hold anything, NaN and inf included.
+    A masked probability of 0 times NaN is still NaN, so every impl also zeroes the K and V rows of
+    the keys a row does not own (:func:`zero_unowned`) before they enter a matmul.
+    """
+    ok = jnp.ones(jnp.shape(k_pos), dtype=bool)
+    if kv_start is not None:
+        ok = ok & (k_pos >= kv_start)
+    if kv_len is not None:
+        ok = ok & (k_pos < kv_len)
+    return ok
+
+
+def zero_unowned(owned, *xs):
+    """``where(owned, x, 0)`` for each ``x`` (``owned`` broadcast against them)."""
+    return tuple(jnp.where(owned, x, jnp.zeros((), x.dtype)) for x in xs)
 
 
 def key_range(q_first, q_last, *, window: tuple[int, int], kv_start, kv_len):
