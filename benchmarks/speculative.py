@@ -2,7 +2,9 @@
 
 On the shipped byte-level models (target ``code-target``, float32) and code prompts cut from
 held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy, temperature
-0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``) and k = 1..8:
+0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``, ``medusa``: the shipped
+``code-target-medusa`` heads as a chain, k <= 4, and ``medusa-tree``: the same heads with
+``TreeSpec.default(4)``, k = 4) and k = 1..8:
 
 * acceptance a (accepted / proposed draft tokens) and tokens per target call, next to the
   theory (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance at rate a (Leviathan et al., eq. 1);
@@ -20,6 +22,7 @@ Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and p
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import statistics
@@ -31,7 +34,20 @@ from tqdm import tqdm
 
 from benchmarks import common
 
-KINDS = ("code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6")
+KINDS = (
+    "code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6", "medusa",
+    "medusa-tree",
+)  # fmt: skip
+MEDUSA_HEADS = 4  # the shipped code-target-medusa: k <= 4
+
+
+def skipped(kind: str, k: int) -> bool:
+    """Medusa chains need k <= its heads; the tree (``TreeSpec.default(4)``) has k = 4."""
+    if kind == "medusa-tree":
+        return k != MEDUSA_HEADS
+    return kind == "medusa" and k > MEDUSA_HEADS
+
+
 PROMPT_BYTES = 96
 
 
@@ -53,9 +69,21 @@ def code_prompts(count: int) -> list[str]:
     return prompts
 
 
+@functools.cache
+def medusa_heads():
+    """The shipped ``code-target-medusa`` heads (loaded once)."""
+    import models
+
+    return models.pretrained("code-target-medusa")[0]
+
+
 def make_draft(kind: str, draft_model):
     import decoding
 
+    if kind == "medusa":
+        return decoding.Medusa(medusa_heads())
+    if kind == "medusa-tree":
+        return decoding.Medusa(medusa_heads(), tree=decoding.TreeSpec.default(MEDUSA_HEADS))
     if kind == "code-draft":
         return draft_model
     if kind == "prompt-lookup":
@@ -116,6 +144,8 @@ def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, timing, hf_plain_s):
     """transformers' assisted generation for the same kind -> dict (or an error string)."""
     import torch
 
+    if kind.startswith("medusa"):
+        return dict(hf_error="transformers has no Medusa heads")
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=not greedy, pad_token_id=258)
     if not greedy:
         kwargs.update(temperature=0.8, top_k=0)
@@ -181,6 +211,9 @@ def sweep(models_, ids, modes, kinds, ks, new: int, timing) -> list[dict]:
             plain = baselines(target, hf, ids, sampling, new, timing)
             for kind in kinds:
                 for k in ks:
+                    if skipped(kind, k):
+                        bar.update()
+                        continue
                     bar.set_postfix(mode=mode, kind=kind, k=k)
                     row = dict(mode=mode, kind=kind, k=k)
                     row.update(
@@ -233,7 +266,9 @@ def main() -> None:
     if args.acceptance_of:
         return acceptance_of(args.acceptance_of, args.prompts or 4)
     quick = args.quick
-    kinds = args.kinds or (["code-draft", "prompt-lookup", "early-exit:4"] if quick else KINDS)
+    kinds = args.kinds or (
+        ["code-draft", "prompt-lookup", "early-exit:4", "medusa", "medusa-tree"] if quick else KINDS
+    )
     ks = args.ks or ([2, 4] if quick else list(range(1, 9)))
     new = args.new_tokens or (48 if quick else 128)
     modes = ["greedy"] if quick else ["greedy", "t0.8"]

@@ -12,9 +12,11 @@ from decoding.generate import (
     generate,
     prefill,
 )
+from decoding.medusa import Medusa
 from decoding.paging import BlockTables, OutOfPagesError, PageAllocator
 from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
 from decoding.speculative import speculative_generate
+from decoding.tree import TreeSpec
 
 __all__ = [
     "BlockTables",
@@ -22,10 +24,12 @@ __all__ = [
     "EarlyExit",
     "Engine",
     "GenerateResult",
+    "Medusa",
     "OutOfPagesError",
     "PageAllocator",
     "PromptLookup",
     "SamplingConfig",
+    "TreeSpec",
     "compiled_count",
     "decode",
     "decode_step",

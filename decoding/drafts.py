@@ -21,7 +21,9 @@ state holds the target's hidden state at the last accepted position, and its ``p
 no forward call of the target. What it adds to the loop is one hand-off: the verification
 forward (``speculative_step``) must also return the final hidden states [B, k+1, dim]
 (:func:`forward` runs the blocks explicitly, so it is the place to return them) for the kind to
-keep the one at each row's last accepted token.
+keep the one at each row's last accepted token. ``decoding/medusa.py`` does so through two optional
+kind hooks the loop calls when present: ``start`` (the state after the target's prefill) and
+``verify`` (its own verification forward, with ``Transformer(..., return_hidden=True)``).
 
 Kinds here: :class:`ModelDraft` (a smaller ``models.Transformer`` with its own cache),
 :class:`PromptLookup` (n-gram lookup in the prompt and generated text) and :class:`EarlyExit`

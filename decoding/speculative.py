@@ -36,6 +36,7 @@ from decoding.generate import (
     _timed_phases,
     prefill,
 )
+from decoding.medusa import Medusa
 from decoding.sampling import SamplingConfig, probabilities
 from models import KVCache, Transformer
 from models.shard import replicated
@@ -125,11 +126,17 @@ def speculative_step(
     ctx = Context(target, state.cache, state.seq, params, state.draft)
     prop = draft.propose(ctx, k, sampling, key_draft)
     last = jnp.take_along_axis(state.seq, start[:, None], axis=1)
-    logits, cache = target(jnp.concatenate([last, prop.tokens], 1), cache=prop.cache)
-    n, nxt = accept(probabilities(logits, sampling), prop.q, prop.tokens, key_accept)
+    if hasattr(draft, "verify"):  # kinds that verify their own way (Medusa: hidden states, trees)
+        v = draft.verify(target, params, last, prop, sampling, key_accept)
+        drafted, n, nxt, cache, draft_state = v
+    else:
+        logits, cache = target(jnp.concatenate([last, prop.tokens], 1), cache=prop.cache)
+        n, nxt = accept(probabilities(logits, sampling), prop.q, prop.tokens, key_accept)
+        drafted, draft_state = prop.tokens, prop.state
+    k = drafted.shape[1]
     live = ~state.done
     tokens, count, hit_eos = _emitted(
-        prop.tokens, n, nxt, state.num_new, state.done, eos_id, max_new_tokens
+        drafted, n, nxt, state.num_new, state.done, eos_id, max_new_tokens
     )
     B, L = state.seq.shape
     j = jnp.arange(k + 1)
@@ -140,7 +147,7 @@ def speculative_step(
         num_new=num_new,
         done=state.done | hit_eos | (num_new >= max_new_tokens),
         cache=cache.replace(lengths=start + count),  # roll back the rejected positions
-        draft=prop.state,
+        draft=draft_state,
         step=state.step + 1,
         accepted=state.accepted + jnp.where(live, n, 0),
         proposed=state.proposed + jnp.where(live, k, 0),
@@ -180,13 +187,16 @@ def speculative_prefill(
     seq = jnp.zeros((B, seq_len), jnp.int32).at[:, :Tp].set(tokens)
     seq = seq.at[jnp.arange(B), prompt_lengths].set(st.tokens[:, 0])
     zeros = jnp.zeros((B,), jnp.int32)
+    draft_state = draft.prefill(params, draft_state, tokens, prompt_lengths)
+    if hasattr(draft, "start"):  # kinds whose state comes from the target (Medusa: h)
+        draft_state = draft.start(target, st.cache, seq, params)
     return SpecState(
         seq=seq,
         prompt_lengths=prompt_lengths.astype(jnp.int32),
         num_new=st.num_new,
         done=st.done | (st.num_new >= max_new_tokens),
         cache=st.cache,
-        draft=draft.prefill(params, draft_state, tokens, prompt_lengths),
+        draft=draft_state,
         key=key,
         step=st.step,
         accepted=zeros,
@@ -229,9 +239,11 @@ def draft_kind(draft):
         return ModelDraft.split(draft)
     if isinstance(draft, PromptLookup | EarlyExit):
         return draft, None
+    if isinstance(draft, Medusa):
+        return draft.split()
     raise TypeError(
-        "draft must be a models.Transformer, decoding.PromptLookup or decoding.EarlyExit, "
-        f"got {type(draft).__name__}"
+        "draft must be a models.Transformer, decoding.PromptLookup, decoding.EarlyExit or "
+        f"decoding.Medusa, got {type(draft).__name__}"
     )
 
 
@@ -261,7 +273,8 @@ def speculative_generate(
     Args:
       target: the ``models.Transformer`` whose distribution is sampled.
       draft: a ``models.Transformer`` with the target's vocabulary (its own cache),
-        ``PromptLookup(...)`` or ``EarlyExit(num_layers=L)`` with L < the target's layers.
+        ``PromptLookup(...)``, ``EarlyExit(num_layers=L)`` with L < the target's layers, or
+        ``Medusa(heads[, tree=TreeSpec])`` (heads trained on the target's hidden states).
       num_draft_tokens: k >= 1 tokens drafted per step; None = the draft kind's default
         (``drafts.DEFAULT_K``, the best measured by ``benchmarks/speculative.py``).
       The other arguments are ``generate``'s (``num_pages`` sizes each model's page pool).
@@ -276,11 +289,12 @@ def speculative_generate(
     kind, params = draft_kind(draft)
     k = _check_k(num_draft_tokens, kind.default_num_draft_tokens)
     kind.check(target, k)
+    extra = max(k, getattr(kind, "verify_width", 0))  # slots a step writes past the last token
     sampling, rows = _check_arguments(
         target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-        seed=seed, cache=cache, page_size=page_size, extra=k,
+        seed=seed, cache=cache, page_size=page_size, extra=extra,
     )  # fmt: skip
-    batch = _bucket(rows, max_new_tokens, extra=k)
+    batch = _bucket(rows, max_new_tokens, extra=extra)
     B, n_pad = batch.num_rows, len(batch.done) - batch.num_rows
     kv, tables = _cache_for(target, cache, batch.need, n_pad, batch.capacity, page_size, num_pages)
     draft_tables = None

@@ -217,7 +217,7 @@ def _starting_models(args, config: TransformerConfig):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", required=True, help="TransformerConfig preset name")
+    p.add_argument("--preset", default=None, help="TransformerConfig preset name (required)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--out", required=True, help="output directory (Hugging Face format)")
     defaults = TrainConfig()
@@ -238,6 +238,13 @@ def main(argv=None) -> None:
         type=checkpoint_arg,
         help="a shipped model or HF checkpoint: train on the KL to its distributions",
     )
+    p.add_argument(
+        "--medusa-heads",
+        type=int,
+        default=None,
+        help="train this many Medusa heads on the frozen --init model (a shipped name or HF "
+        "checkpoint) instead of a model; --preset not needed",
+    )
     p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--max-corpus-bytes", type=int, default=None)
     args = p.parse_args(argv)
@@ -247,6 +254,12 @@ def main(argv=None) -> None:
         if getattr(args, f.name, None) is not None
     }
     tc = TrainConfig(**overrides)
+    if args.medusa_heads is not None:
+        from models.medusa_train import main_medusa
+
+        return main_medusa(args, tc, argv)
+    if args.preset is None:
+        p.error("--preset is required (unless --medusa-heads)")
     config = TransformerConfig.preset(args.preset, attn_impl=args.attn_impl)
     corpus = data.Corpus.from_stdlib(max_bytes=args.max_corpus_bytes)
     print(
