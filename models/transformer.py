@@ -239,7 +239,15 @@ class Transformer(nnx.Module):
         )
         self.mesh = None  # set by models.shard (jax.sharding.Mesh)
 
-    def __call__(self, tokens, positions=None, *, segment_ids=None, cache: KVCache | None = None):
+    def __call__(
+        self,
+        tokens,
+        positions=None,
+        *,
+        segment_ids=None,
+        cache: KVCache | None = None,
+        logits_at=None,
+    ):
         """Logits [B, T, V] float32 for tokens [B, T] int32.
 
         Args:
@@ -249,6 +257,9 @@ class Transformer(nnx.Module):
           segment_ids: [B, T] int, packed sequences; a token only attends to its own segment.
             Not allowed with ``cache``.
           cache: a :class:`KVCache`; when given the call returns ``(logits, new_cache)``.
+          logits_at: [B] int, compute the LM head only at position ``logits_at[b]`` of each row
+            (e.g. a prompt's last token): logits are then [B, 1, V], and a prefill does no
+            vocabulary-sized work for the other T - 1 positions.
         """
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -276,6 +287,14 @@ class Transformer(nnx.Module):
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
+        if logits_at is not None:
+            logits_at = jnp.asarray(logits_at)
+            if logits_at.shape != (B,) or not jnp.issubdtype(logits_at.dtype, jnp.integer):
+                raise ValueError(
+                    f"logits_at must be a [B] = [{B}] int array, got {logits_at.shape} "
+                    f"{logits_at.dtype}"
+                )
+            x = x[jnp.arange(B), logits_at][:, None]  # [B, 1, dim]
         logits = self.logits(self.norm(x))
         if cache is None:
             return logits
