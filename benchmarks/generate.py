@@ -83,6 +83,36 @@ def step_bytes(config, batch: int, kv_len: float) -> float:
     return itemsize * (weights + batch * kv)
 
 
+def step_ops(model, batch: int, capacity: int = 256, page_size: int = 16) -> dict:
+    """Load-independent evidence: op counts of one compiled decode forward (T = 1, paged cache)
+    of ``batch`` rows: ``dots`` (matrix products), ``fusions`` (XLA kernels) and ``ops`` (all
+    instructions), from the optimised HLO text."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models import KVCache
+
+    graphdef, params = nnx.split(model)
+    pages = capacity // page_size
+    table = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+    cache = KVCache.paged(model.config, batch * pages, page_size, table)
+
+    def step(params, tokens, cache):
+        return nnx.merge(graphdef, params)(tokens, cache=cache)
+
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    text = jax.jit(step).lower(params, tokens, cache).compile().as_text()
+    lines = [
+        ln for ln in text.splitlines() if " = " in ln and not ln.lstrip().startswith("ROOT %p")
+    ]
+    return dict(
+        dots=sum(" dot(" in ln for ln in lines),
+        fusions=sum(" fusion(" in ln for ln in lines),
+        ops=len(lines),
+    )
+
+
 def time_hf(hf, prompts: np.ndarray, runs: int, warmup: int = 1):
     import torch
 
@@ -145,6 +175,7 @@ def _row(name: str, batch: int, hf_s: float, hf_tokens, ours, prompts, args, ban
         config=name,
         batch=batch,
         dtype=ours.config.dtype,
+        **step_ops(ours, batch),
         ours_tok_s=new / our_s,
         hf_tok_s=new / hf_s,
         speedup=hf_s / our_s,
@@ -213,7 +244,8 @@ def main(argv=None) -> None:
                                      bandwidth))  # fmt: skip
                     bar.update()
     columns = ["config", "batch", "dtype", "ours_tok_s", "hf_tok_s", "speedup", "prefill_ms",
-               "decode_tok_s", "step_ms", "roofline_ms", "roofline", "compile_s", "match"]  # fmt: skip
+               "decode_tok_s", "step_ms", "roofline_ms", "roofline", "dots", "fusions", "compile_s",
+               "match"]  # fmt: skip
     settings = dict(
         prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, vocab=VOCAB, greedy=True, cache=args.cache,
         torch_threads=torch.get_num_threads(), matvec_gb_s=bandwidth / 1e9,
