@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
+
+from pallas_attn import shapes
 
 # Streaming multiprocessors of the GPU the heuristics assume when none is visible (H100/H200 SXM).
 DEFAULT_NUM_SMS = 132
@@ -80,3 +83,41 @@ def num_splits_heuristic(
             efficiency[n] = waves / math.ceil(waves)
     best = max(efficiency.values())
     return next(n for n, eff in efficiency.items() if eff >= 0.85 * best)
+
+
+def xla_blocks(T: int, S: int) -> tuple[int, int]:
+    """``(block_q, block_k)`` of the "xla" path: big enough to keep XLA's matmuls efficient on CPU,
+    small enough for O(T) memory."""
+    return min(512, shapes.round_up(T, 8)), min(512, shapes.round_up(S, 8))
+
+
+def xla_cache_block(S: int, cap: int = 512) -> int | None:
+    """Largest multiple of 8 <= cap dividing S (so the XLA path never pads a copy of a cache), or
+    None (the default of :func:`xla_blocks`)."""
+    for bk in range(min(cap, S) // 8 * 8, 7, -8):
+        if S % bk == 0:
+            return bk
+    return None
+
+
+def decode_blocks(rows: int, D: int, dtype) -> tuple[int, int, int]:
+    """``(block_m, block_n, num_warps)`` of the decode kernel for ``rows = G * Tq`` packed query rows
+    and head dim D."""
+    block_m = min(shapes.next_pow2(rows, floor=16), 64)
+    wide = jnp.dtype(dtype).itemsize >= 4 or D > 128
+    block_n = 32 if wide else 64
+    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first GPU, or ``DEFAULT_NUM_SMS`` off GPU."""
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) or DEFAULT_NUM_SMS
+
+
+def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int) -> int:
+    """``num_splits`` as asked, or :func:`num_splits_heuristic` for 0, capped by the key blocks."""
+    n_blocks = -(-capacity // block_n)
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(programs, num_sms(), n_blocks)
+    return max(1, min(num_splits, n_blocks))

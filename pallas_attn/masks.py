@@ -58,13 +58,31 @@ def visible(
         ok = ok & (k_pos >= q_pos - left)
     if right >= 0:
         ok = ok & (k_pos <= q_pos + right)
+    ok = ok & key_owned(k_pos, kv_start, kv_len)
+    if q_segment_ids is not None:
+        ok = ok & (q_segment_ids == kv_segment_ids)
+    return ok
+
+
+def key_owned(k_pos, kv_start=None, kv_len=None):
+    """True where key ``k_pos`` lies in its row's ``[kv_start, kv_len)`` (None = unbounded).
+
+    Keys outside that range are memory the row does not own (leftpad slots, slots past the length,
+    pages that only pad a block table, varlen padding) and may hold anything, NaN and inf included.
+    A masked probability of 0 times NaN is still NaN, so every impl also zeroes the K and V rows of
+    the keys a row does not own (:func:`zero_unowned`) before they enter a matmul.
+    """
+    ok = jnp.ones(jnp.shape(k_pos), dtype=bool)
     if kv_start is not None:
         ok = ok & (k_pos >= kv_start)
     if kv_len is not None:
         ok = ok & (k_pos < kv_len)
-    if q_segment_ids is not None:
-        ok = ok & (q_segment_ids == kv_segment_ids)
     return ok
+
+
+def zero_unowned(owned, *xs):
+    """``where(owned, x, 0)`` for each ``x`` (``owned`` broadcast against them)."""
+    return tuple(jnp.where(owned, x, jnp.zeros((), x.dtype)) for x in xs)
 
 
 def key_range(q_first, q_last, *, window: tuple[int, int], kv_start, kv_len):
