@@ -12,7 +12,7 @@ tokens of all rows. ``match`` is the fraction of rows whose greedy tokens agree 
 Roofline: a decode step must read every weight once (the embedding table excepted: it is
 gathered, unless tied to the LM head) plus each row's cached keys and values. The same run
 measures the machine's matrix-vector read bandwidth (:func:`matvec_bandwidth`, a jitted
-``x @ W`` over a float32 matrix far larger than the caches), so ``roofline`` = (bytes read per
+``x @ W`` over a float32 matrix far larger than the caches, just before each row), so ``roofline`` = (bytes read per
 step / bandwidth) / measured seconds per decode step: 1.0 is the memory limit. ``--dtypes``
 adds rows with bfloat16 weights (float32 stays the reference; transformers runs float32).
 Writes ``benchmarks/results/generate_cpu.json``, prints a table and the issue's goal ratios.
@@ -62,7 +62,7 @@ def build(name: str, directory: str):
     return hf, path
 
 
-def matvec_bandwidth(rows: int = 8192, cols: int = 8192, runs: int = 5) -> float:
+def matvec_bandwidth(rows: int = 8192, cols: int = 8192, runs: int = 3) -> float:
     """Bytes/s that a jitted float32 ``x [1, rows] @ W [rows, cols]`` reads (W: 256 MiB default)."""
     import jax
     import jax.numpy as jnp
@@ -159,13 +159,16 @@ def time_ours(model, prompts: np.ndarray, runs: int, cache: str):
 PLOTS = {
     "generate_cpu": (
         Plot("tokens_per_s", x=("config", "batch"), y=("ours_tok_s", "hf_tok_s"), kind="bar",
-             overlay=True, logy=True),
+             overlay=True, logy=True, where=(("dtype", "float32"),)),
+        Plot("roofline", x=("config", "batch"), y=("roofline",), series=("dtype",), kind="bar"),
     ),
 }  # fmt: skip
 
 
-def _row(name: str, batch: int, hf_s: float, hf_tokens, ours, prompts, args, bandwidth) -> dict:
-    """Times our side on ``prompts`` and sets it against transformers' time and the roofline."""
+def _row(name: str, batch: int, hf_s: float, hf_tokens, ours, prompts, args) -> dict:
+    """Times our side on ``prompts`` and sets it against transformers' time and the roofline
+    (bandwidth measured just before, so a changing load skews both alike)."""
+    bandwidth = matvec_bandwidth()
     our_s, our_tokens, extra = time_ours(ours, prompts, args.runs, args.cache)
     new = batch * NEW_TOKENS
     match = np.mean([a == b for a, b in zip(our_tokens, hf_tokens, strict=True)])
@@ -185,6 +188,7 @@ def _row(name: str, batch: int, hf_s: float, hf_tokens, ours, prompts, args, ban
         step_ms=1e3 * step_s,
         roofline_ms=1e3 * ideal_s,
         roofline=ideal_s / step_s,
+        matvec_gb_s=bandwidth / 1e9,
         match=float(match),
     )
 
@@ -226,8 +230,6 @@ def main(argv=None) -> None:
 
     from models.hf import load_hf_checkpoint
 
-    bandwidth = matvec_bandwidth(runs=max(args.runs, 3))
-    print(f"matvec read bandwidth: {bandwidth / 1e9:.1f} GB/s")
     rows = []
     total = len(configs) * len(batches) * len(dtypes)
     with tempfile.TemporaryDirectory() as tmp, tqdm(total=total) as bar:
@@ -240,15 +242,14 @@ def main(argv=None) -> None:
                 hf_s, hf_tokens = time_hf(hf, prompts, args.runs, args.warmup)
                 for d in dtypes:
                     bar.set_postfix(config=name, batch=batch, dtype=d)
-                    rows.append(_row(name, batch, hf_s, hf_tokens, models[d], prompts, args,
-                                     bandwidth))  # fmt: skip
+                    rows.append(_row(name, batch, hf_s, hf_tokens, models[d], prompts, args))
                     bar.update()
     columns = ["config", "batch", "dtype", "ours_tok_s", "hf_tok_s", "speedup", "prefill_ms",
-               "decode_tok_s", "step_ms", "roofline_ms", "roofline", "dots", "fusions", "compile_s",
-               "match"]  # fmt: skip
+               "decode_tok_s", "step_ms", "roofline_ms", "roofline", "matvec_gb_s", "dots", "fusions",
+               "compile_s", "match"]  # fmt: skip
     settings = dict(
         prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, vocab=VOCAB, greedy=True, cache=args.cache,
-        torch_threads=torch.get_num_threads(), matvec_gb_s=bandwidth / 1e9,
+        torch_threads=torch.get_num_threads(),
     )  # fmt: skip
     met = goals(rows)
     note = (
@@ -257,7 +258,7 @@ def main(argv=None) -> None:
         "(bytes read per decode step / matvec bandwidth) / measured step time."
     )
     common.finish(args, "generate_cpu", rows, columns, settings=settings, goals=met, note=note)
-    print(f"matvec read bandwidth {bandwidth / 1e9:.1f} GB/s, load average {common.load_average()}")
+    print(f"load average {common.load_average()}")
     for g in met:
         print(f"goal {g['config']} B={g['batch']} {g['metric']} >= {g['goal']}: "
               f"{g['value']:.2f} {'MET' if g['met'] else 'NOT MET'}")  # fmt: skip
