@@ -1,6 +1,7 @@
-"""Jitted KV-cache generation, sampling, the paged cache's page allocator and the continuous-
-batching engine."""
+"""Jitted KV-cache generation, speculative decoding, sampling, the paged cache's page allocator
+and the continuous-batching engine."""
 
+from decoding.drafts import EarlyExit, PromptLookup
 from decoding.engine import Engine
 from decoding.generate import (
     DecodeState,
@@ -11,17 +12,24 @@ from decoding.generate import (
     generate,
     prefill,
 )
+from decoding.medusa import Medusa
 from decoding.paging import BlockTables, OutOfPagesError, PageAllocator
 from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
+from decoding.speculative import speculative_generate
+from decoding.tree import TreeSpec
 
 __all__ = [
     "BlockTables",
     "DecodeState",
+    "EarlyExit",
     "Engine",
     "GenerateResult",
+    "Medusa",
     "OutOfPagesError",
     "PageAllocator",
+    "PromptLookup",
     "SamplingConfig",
+    "TreeSpec",
     "compiled_count",
     "decode",
     "decode_step",
@@ -30,4 +38,5 @@ __all__ = [
     "prefill",
     "probabilities",
     "sample",
+    "speculative_generate",
 ]

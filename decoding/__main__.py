@@ -1,4 +1,5 @@
-"""Command line: ``python -m decoding "def fibonacci(n):" --max-new-tokens 200``.
+"""Command line: ``python -m decoding "def fibonacci(n):" --max-new-tokens 200``
+(``--speculative code-draft|prompt-lookup|early-exit:L [--num-draft-tokens K]``).
 
 Prints the prompt with its continuation, then one stats line (prefill ms, decode tokens/s).
 Bad arguments give an argparse usage error (exit status 2), never a traceback.
@@ -11,8 +12,10 @@ import os
 import sys
 
 import models
+from decoding.drafts import EarlyExit, PromptLookup
 from decoding.generate import generate
 from decoding.sampling import SamplingConfig, check_seed
+from decoding.speculative import speculative_generate
 from models.pretrained import SHIPPED, checkpoint_arg
 
 
@@ -40,6 +43,26 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _speculative(text: str) -> str:
+    """``code-draft``, ``prompt-lookup`` or ``early-exit:L`` (L >= 1)."""
+    kind, _, layers = text.partition(":")
+    if text in ("code-draft", "prompt-lookup") or (kind == "early-exit" and layers.isdigit()):
+        if kind != "early-exit" or int(layers) >= 1:
+            return text
+    raise argparse.ArgumentTypeError(
+        f"expected code-draft, prompt-lookup or early-exit:L with L >= 1, got {text!r}"
+    )
+
+
+def _draft(spec: str):
+    """The ``speculative_generate`` draft for a ``--speculative`` value."""
+    if spec == "code-draft":
+        return models.pretrained("code-draft")[0]
+    if spec == "prompt-lookup":
+        return PromptLookup()
+    return EarlyExit(num_layers=int(spec.partition(":")[2]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m decoding",
@@ -65,6 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         metavar="P",
         help="positions per page (capped at what the request can use)",
+    )
+    parser.add_argument(
+        "--speculative",
+        type=_speculative,
+        default=None,
+        metavar="{code-draft,prompt-lookup,early-exit:L}",
+        help="speculative decoding with this draft (same output distribution, fewer target calls)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="tokens drafted per step (default: the draft kind's best measured)",
     )
     return parser
 
@@ -127,26 +164,38 @@ def main(argv=None) -> int:
         ids, eos_id = encode_prompt(args.prompt, tokenizer, model.config)
     except (OSError, ValueError) as e:
         parser.error(f"--model {args.model}: {e}")
+    common = dict(
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        eos_id=eos_id,
+        seed=args.seed,
+        cache=args.cache,
+        page_size=args.page_size,
+    )
+    if args.num_draft_tokens is not None and args.speculative is None:
+        parser.error("--num-draft-tokens needs --speculative")
     try:
-        res = generate(
-            model,
-            [ids],
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            eos_id=eos_id,
-            seed=args.seed,
-            cache=args.cache,
-            page_size=args.page_size,
-        )
+        if args.speculative is None:
+            res = generate(model, [ids], **common)
+        else:
+            draft = _draft(args.speculative)
+            k = args.num_draft_tokens
+            res = speculative_generate(model, draft, [ids], num_draft_tokens=k, **common)
     except ValueError as e:
         parser.error(str(e))
     new = res.tokens[0]
     text = tokenizer.decode([t for t in new if t != eos_id])
     print(args.prompt + text)
     s = res.stats
+    spec = ""
+    if args.speculative is not None:
+        spec = (
+            f" | {args.speculative}, k={s['num_draft_tokens']}: acceptance "
+            f"{s['acceptance_rate']:.2f}, {s['tokens_per_target_call']:.2f} tokens/target call"
+        )
     print(
         f"[{len(new)} tokens | prefill {1e3 * s['prefill_s']:.1f} ms | decode "
-        f"{s['decode_tokens_per_s']:.1f} tok/s | {s['tokens_per_s']:.1f} tok/s overall | "
+        f"{s['decode_tokens_per_s']:.1f} tok/s | {s['tokens_per_s']:.1f} tok/s overall{spec} | "
         f"{args.cache} cache]",
         file=sys.stderr,
     )

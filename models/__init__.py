@@ -4,6 +4,7 @@ import/export, training, tensor/data parallel sharding (``models.shard``), and t
 from models.config import PRESETS, RopeScaling, TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.kv_cache import KVCache
+from models.medusa import MedusaHeads
 from models.nnx_attention import pallas_attention_fn
 from models.pretrained import load_model, pretrained
 from models.shard import make_train_step as make_sharded_train_step
@@ -15,6 +16,7 @@ __all__ = [
     "PRESETS",
     "ByteTokenizer",
     "KVCache",
+    "MedusaHeads",
     "RopeScaling",
     "Transformer",
     "TransformerConfig",

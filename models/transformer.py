@@ -24,6 +24,8 @@ Two call forms:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -126,9 +128,10 @@ class Attention(nnx.Module):
         self.o_proj = _linear(config.num_heads * D, config.dim, bias=False, dtype=dt, rngs=rngs)
         self.mesh = None  # set by models.shard
 
-    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None):
+    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
         """x: [B, T, dim]. ``kv`` is ``(k_cache, v_cache, lengths, block_table)`` for a cached
-        call; returns ``(y, (k_cache, v_cache))`` then, else ``y`` [B, T, dim]."""
+        call; returns ``(y, (k_cache, v_cache))`` then, else ``y`` [B, T, dim]. ``tree_mask``
+        [B, T, T] bool (cached calls): ``attention_with_kvcache``'s tree attention."""
         c = self.config
         B, T, _ = x.shape
         D = c.resolved_head_dim
@@ -137,6 +140,10 @@ class Attention(nnx.Module):
         k = apply_rope(qkv[:, :, :, -2], cos, sin)
         v = qkv[:, :, :, -1]
         attend = self._attend
+        if tree_mask is not None:
+            if self.mesh is not None:
+                raise ValueError("tree_mask is not supported on a sharded model (mesh)")
+            attend = functools.partial(self._attend, tree_mask=tree_mask)
         if self.mesh is not None:  # models.shard: per device, on its local heads
             paged = kv is not None and kv[3] is not None
             attend = local_heads(attend, self.mesh, batch=B, cached=kv is not None, paged=paged)
@@ -145,7 +152,7 @@ class Attention(nnx.Module):
         y = self.o_proj(out.reshape(B, T, c.num_heads * D))
         return y if kv is None else (y, new_kv)
 
-    def _attend(self, q, k, v, segment_ids, kv):
+    def _attend(self, q, k, v, segment_ids, kv, tree_mask=None):
         """``pallas_attn`` on q [B, T, Hq, D], k/v [B, T, Hkv, D] -> out [B, T, Hq, D], or
         ``(out, (k_cache, v_cache))`` for a cached call."""
         c = self.config
@@ -170,6 +177,7 @@ class Attention(nnx.Module):
             cache_seqlens=lengths,
             block_table=block_table,
             impl=c.attn_impl,
+            tree_mask=tree_mask,
             **common,
         )
         return res.out, (res.k_cache, res.v_cache)
@@ -198,8 +206,10 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dt)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None):
-        h = self.attn(self.input_norm(x), cos, sin, segment_ids=segment_ids, kv=kv)
+    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
+        h = self.attn(
+            self.input_norm(x), cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask
+        )
         h, new_kv = h if kv is not None else (h, None)
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
@@ -214,6 +224,17 @@ def positions_from_segments(segment_ids):
         [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
     )
     return idx - lax.cummax(jnp.where(start, idx, 0), axis=1)
+
+
+def _rows_at(x, index):
+    """x [B, T, dim] at position ``index[b]`` of each row -> [B, 1, dim]; ``index`` [B] int."""
+    B = x.shape[0]
+    index = jnp.asarray(index)
+    if index.shape != (B,) or not jnp.issubdtype(index.dtype, jnp.integer):
+        raise ValueError(
+            f"logits_at must be a [B] = [{B}] int array, got {index.shape} {index.dtype}"
+        )
+    return x[jnp.arange(B), index][:, None]
 
 
 class Transformer(nnx.Module):
@@ -246,6 +267,8 @@ class Transformer(nnx.Module):
         *,
         segment_ids=None,
         cache: KVCache | None = None,
+        return_hidden: bool = False,
+        tree_mask=None,
         logits_at=None,
     ):
         """Logits [B, T, V] float32 for tokens [B, T] int32.
@@ -257,9 +280,14 @@ class Transformer(nnx.Module):
           segment_ids: [B, T] int, packed sequences; a token only attends to its own segment.
             Not allowed with ``cache``.
           cache: a :class:`KVCache`; when given the call returns ``(logits, new_cache)``.
+          return_hidden: also return the last hidden state [B, T, dim] (after the final norm,
+            what the LM head reads) as the last element: ``(logits, [new_cache,] hidden)``.
+          tree_mask: [B, T, T] bool, with ``cache``: token i attends to the cache and to the new
+            tokens j with ``tree_mask[b, i, j]`` (a speculative token tree: itself and its
+            ancestors; pass their depths in ``positions``).
           logits_at: [B] int, compute the LM head only at position ``logits_at[b]`` of each row
-            (e.g. a prompt's last token): logits are then [B, 1, V], and a prefill does no
-            vocabulary-sized work for the other T - 1 positions.
+            (e.g. a prompt's last token): logits (and the hidden state) are then [B, 1, ...], and
+            a prefill does no vocabulary-sized work for the other T - 1 positions.
         """
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -283,22 +311,19 @@ class Transformer(nnx.Module):
             kv = None
             if cache is not None:
                 kv = (cache.k[i], cache.v[i], cache.lengths, cache.block_table)
-            x, layer_kv = layer(x, cos, sin, segment_ids=segment_ids, kv=kv)
+            x, layer_kv = layer(x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask)
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
         if logits_at is not None:
-            logits_at = jnp.asarray(logits_at)
-            if logits_at.shape != (B,) or not jnp.issubdtype(logits_at.dtype, jnp.integer):
-                raise ValueError(
-                    f"logits_at must be a [B] = [{B}] int array, got {logits_at.shape} "
-                    f"{logits_at.dtype}"
-                )
-            x = x[jnp.arange(B), logits_at][:, None]  # [B, 1, dim]
-        logits = self.logits(self.norm(x))
-        if cache is None:
-            return logits
-        return logits, cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T)
+            x = _rows_at(x, logits_at)
+        hidden = self.norm(x)
+        out = (self.logits(hidden),)
+        if cache is not None:
+            out += (cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T),)
+        if return_hidden:
+            out += (hidden,)
+        return out if len(out) > 1 else out[0]
 
     def logits(self, h):
         """LM head on final hidden states h [B, T, dim] -> [B, T, V] float32 (with softcap)."""

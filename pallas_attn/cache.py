@@ -42,6 +42,7 @@ class CacheArgs(NamedTuple):
     rotary_sin: jax.Array | None
     k_descale: jax.Array | None  # [B, Hkv] float32, FP8 caches only
     v_descale: jax.Array | None
+    tree_mask: jax.Array | None = None  # [B, Tq, Tq] bool among the last Tq keys
 
 
 class KeyRange(NamedTuple):

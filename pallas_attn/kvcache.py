@@ -46,6 +46,7 @@ def attention_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     impl: str = "auto",
+    tree_mask=None,
 ) -> KVCacheResult:
     """Attention of new queries over a KV cache, after appending new keys/values to it.
 
@@ -77,6 +78,16 @@ def attention_with_kvcache(
       num_splits: KV splits of the decode kernel; 0 = heuristic. Results agree within rounding.
       return_lse: also return the float32 natural-log lse [B, Hq, Tq].
       impl: "reference", "xla", "pallas", "interpret" or "auto".
+      tree_mask: [Tq, Tq] or [B, Tq, Tq] bool, tree attention (speculative token trees): among
+        the last ``Tq`` keys (the queries' own positions ``cache_seqlens + Tn - Tq + j``) query
+        ``i`` sees key ``j`` only where ``tree_mask[i, j]``; keys before them follow the other
+        masks. With ``causal``, a tree whose parents precede their children, each node sees the
+        cache and its ancestors (``tree_mask[i, j]`` = j is i or an ancestor of i)::
+
+            tree 0 -> {1, 2}, 1 -> {3}     tree_mask   1 0 0 0
+                                                       1 1 0 0
+                                                       1 0 1 0
+                                                       1 1 0 1
 
     Returns:
       :class:`KVCacheResult` ``(out, lse, k_cache, v_cache)``. Under ``jax.jit`` with the caches
@@ -112,6 +123,7 @@ def attention_with_kvcache(
         seqlens, leftpad, cache_batch_idx, block_table, cos, sin,
         _descale("k_descale", k_descale, fp8, descale_shape),
         _descale("v_descale", v_descale, fp8, descale_shape),
+        _check_tree_mask(tree_mask, B, Tq),
     )  # fmt: skip
     new = (k, v) if Tn else (None, None)
     if impl in ("reference", "xla"):
@@ -136,7 +148,7 @@ def _jnp(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_c
         k_cache, v_cache = cache.write(static, args, k_cache, v_cache, k, v)
     k_rows, v_rows = cache.attention_inputs(args, k_cache, v_cache)
     kw = dict(softmax_scale=static.softmax_scale, window=static.window, softcap=static.softcap)
-    kw.update(cache.key_range(args, q.shape[1], Tn)._asdict())
+    kw.update(cache.key_range(args, q.shape[1], Tn)._asdict(), tree_mask=args.tree_mask)
     if impl == "reference":
         out, lse = reference.attention(q, k_rows, v_rows, **kw)
     else:
@@ -171,10 +183,23 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
     )  # fmt: skip
     ranges = cache.key_range(args, q.shape[1], Tn)
     out, lse = decode.decode(
-        q, k_cache, v_cache, ranges.kv_len, ranges.kv_start, index, descale,
+        q, k_cache, v_cache, ranges.kv_len, ranges.kv_start, index, descale, args.tree_mask,
         cfg=cfg, interpret=interpret,
     )  # fmt: skip
     return out, lse, k_cache, v_cache
+
+
+def _check_tree_mask(tree_mask, B: int, Tq: int):
+    """None, or ``tree_mask`` as a [B, Tq, Tq] bool array (ValueError naming it otherwise)."""
+    if tree_mask is None:
+        return None
+    shape = getattr(tree_mask, "shape", None)
+    if shape not in ((Tq, Tq), (B, Tq, Tq)) or jnp.dtype(tree_mask.dtype) != jnp.bool_:
+        raise ValueError(
+            f"tree_mask must be a bool [Tq, Tq] or [B, Tq, Tq] array with Tq = {Tq}, B = {B}, "
+            f"got {_shape(tree_mask)} {getattr(tree_mask, 'dtype', type(tree_mask).__name__)}"
+        )
+    return jnp.broadcast_to(jnp.asarray(tree_mask), (B, Tq, Tq))
 
 
 def _shape(x):

@@ -24,6 +24,7 @@ def attention(
     q_offset=None,
     kv_start=None,
     kv_len=None,
+    tree_mask=None,
     upcast: bool = True,
 ):
     """Reference attention with the semantics of :mod:`pallas_attn.masks`.
@@ -36,6 +37,8 @@ def attention(
       q_segment_ids: [B, T] int, kv_segment_ids: [B, S] int (both or neither).
       q_offset: key position of query row 0, an int or [B]; default ``S - T``.
       kv_start, kv_len: int or [B]; keys outside ``[kv_start, kv_len)`` are hidden.
+      tree_mask: [B, T, T] bool: among keys ``q_offset .. q_offset + T - 1`` query ``i`` sees key
+        ``q_offset + j`` only if ``tree_mask[b, i, j]`` (see :func:`pallas_attn.masks.visible`).
       upcast: compute in float32 (the oracle); False computes in the input dtype, which is the
         "same-precision reference" used to set test tolerances.
 
@@ -71,6 +74,8 @@ def attention(
         kv_len=kv_len,
         q_segment_ids=q_seg,
         kv_segment_ids=kv_seg,
+        tree_rows=None if tree_mask is None else tree_mask[:, None],
+        tree_start=q_pos[..., :1, :] if tree_mask is not None else None,
     )[:, :, None]  # [B, 1, 1, T, S] broadcast over (Hkv, G)
 
     # The whole row in one online-softmax step, with -inf (not MASK_VALUE) for masked scores: exact

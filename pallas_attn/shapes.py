@@ -48,6 +48,7 @@ class RowRanges(NamedTuple):
     kv_len: jax.Array  # [B] int32, keys [kv_start, kv_len) are valid; <= S
     q_seg: jax.Array | None  # [B, Tp] int32, or None without segments
     kv_seg: jax.Array | None  # [B, Sp] int32
+    tree: jax.Array | None = None  # [B, Tp, T] int32 tree mask among keys q_offset + [0, T)
 
 
 def row_ranges(q_shape, S: int, Tp: int, Sp: int, *, q_offset, kv_start, kv_len, q_segment_ids,

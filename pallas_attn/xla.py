@@ -49,6 +49,7 @@ def attention(
     q_offset=None,
     kv_start=None,
     kv_len=None,
+    tree_mask=None,
     block_q: int | None = None,
     block_k: int | None = None,
 ):
@@ -65,6 +66,8 @@ def attention(
         q.shape, S, Tp, Sp, q_offset=q_offset, kv_start=kv_start, kv_len=kv_len,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
     )  # fmt: skip
+    if tree_mask is not None:
+        ranges = ranges._replace(tree=shapes.pad_axis(tree_mask.astype(jnp.int32), 1, Tp))
     static = _Static(float(softmax_scale), tuple(window), float(softcap), bq, bk)
     pad_q, pad_k = (functools.partial(shapes.pad_axis, axis=1, n=n) for n in (Tp, Sp))
     out, lse = _attend(static, pad_q(q), pad_k(k), pad_k(v), ranges)
@@ -80,6 +83,12 @@ def _tile_mask(static: _Static, ranges: shapes.RowRanges, i, j):
     if ranges.q_seg is not None:
         q_seg = lax.dynamic_slice_in_dim(ranges.q_seg, i * bq, bq, 1)[:, :, None]
         kv_seg = lax.dynamic_slice_in_dim(ranges.kv_seg, j * bk, bk, 1)[:, None, :]
+    tree = {}
+    if ranges.tree is not None:
+        tree = dict(
+            tree_rows=lax.dynamic_slice_in_dim(ranges.tree, i * bq, bq, 1),  # [B, bq, T]
+            tree_start=ranges.q_offset[:, None, None],
+        )
     mask = masks.visible(
         q_pos[:, :, None],
         k_pos[None, None, :],
@@ -88,6 +97,7 @@ def _tile_mask(static: _Static, ranges: shapes.RowRanges, i, j):
         kv_len=ranges.kv_len[:, None, None],
         q_segment_ids=q_seg,
         kv_segment_ids=kv_seg,
+        **tree,
     )
     return mask[:, None, None]
 

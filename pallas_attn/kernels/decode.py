@@ -127,6 +127,7 @@ def _kernel(
     kv_start_ref,  # [B] first valid key (leftpad)
     index_ref,  # contiguous: [B] cache row; paged: [B, max_blocks] block table
     descale_ref,  # [2, B, Hkv] float32 (k, v), FP8 caches only, else None
+    tree_ref,  # [block_m, Tqp] int32 tree-mask row of each packed row, or None
     k_ref,  # [Bc, S, Hkv, D] or [num_pages, P, Hkv, D]: the whole cache
     v_ref,  # same as k_ref
     o_ref,  # [block_m, Dp] float32 partial output of this split
@@ -150,8 +151,9 @@ def _kernel(
         k, v = _load_keys(k_ref, v_ref, index_ref, b, h, pos, kv_start, kv_len, Dp, q.dtype, paged)
         s2, _ = softmax.scale_scores(flash_common.dot_nt(q, k), scale, cfg.softcap)
         mask = masks.visible(
-            q_pos[:, None], pos[None, :], window=cfg.window, kv_start=kv_start, kv_len=kv_len
-        )
+            q_pos[:, None], pos[None, :], window=cfg.window, kv_start=kv_start, kv_len=kv_len,
+            tree_rows=None if tree_ref is None else tree_ref[...], tree_start=kv_len - Tq,
+        )  # fmt: skip
         return softmax.step(carry, s2, v, flash_common.pv, mask)
 
     init = softmax.init((cfg.block_m,), q.shape[-1])
@@ -186,8 +188,20 @@ def unpack(out, lse, Tq: int, G: int, D: int):
     return out.reshape(B, Tq, Hkv * G, D), lse.reshape(B, Hkv * G, Tq)
 
 
+def pack_tree(tree, G: int, Mp: int):
+    """tree [B, Tq, Tq] bool -> [B, Mp, Tqp] int32: packed row ``t * G + g`` gets tree row ``t``
+    (padding rows repeat the last), columns zero padded to a power of two."""
+    B, Tq, _ = tree.shape
+    t = jnp.minimum(jnp.arange(Mp) // G, Tq - 1)
+    Tqp = shapes.next_pow2(Tq, floor=16)
+    return jnp.pad(tree[:, t].astype(jnp.int32), ((0, 0), (0, 0), (0, Tqp - Tq)))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: DecodeConfig, interpret):
+def decode(
+    q, k_cache, v_cache, kv_len, kv_start, index, descale, tree=None, *, cfg: DecodeConfig,
+    interpret,
+):  # fmt: skip
     """Split-KV attention of q over a cache whose rows already hold every key.
 
     Args:
@@ -197,6 +211,7 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: Decode
       kv_len, kv_start: [B] int32, keys ``[kv_start, kv_len)`` are valid; query ``t`` sits at
         position ``kv_len - Tq + t``.
       descale: [2, B, Hkv] float32 (k, v) for FP8 caches, else None.
+      tree: [B, Tq, Tq] bool tree mask among the last Tq keys (``masks.tree_visible``), or None.
 
     Returns:
       out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32.
@@ -209,6 +224,10 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: Decode
     grid = (B, Hkv, Mp // cfg.block_m, cfg.num_splits)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     kernel = functools.partial(_kernel, cfg=cfg, Tq=Tq, paged=index.ndim == 2)
+    tree_spec = None
+    if tree is not None:
+        tree = pack_tree(tree, cfg.group, Mp)
+        tree_spec = pl.BlockSpec((None, cfg.block_m, tree.shape[2]), lambda b, h, i, s: (b, i, 0))
     n = cfg.num_splits
     out_s, lse_s = pl.pallas_call(
         kernel,
@@ -219,6 +238,7 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: Decode
             whole(kv_start),
             whole(index),
             None if descale is None else whole(descale),
+            tree_spec,
             whole(k_cache),
             whole(v_cache),
         ],
@@ -233,7 +253,7 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: Decode
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name="kvcache_decode",
-    )(packed, kv_len, kv_start, index, descale, k_cache, v_cache)
+    )(packed, kv_len, kv_start, index, descale, tree, k_cache, v_cache)
     out, lse = combine(out_s, lse_s)
     out, lse = unpack(out, lse, Tq, cfg.group, D)
     return out.astype(q.dtype), lse

@@ -29,7 +29,7 @@ from models.hf import save_hf_checkpoint
         (["hi", "--seed", "-1"], "argument --seed: expected an int in [0, 2**32)"),
         (["hi", "--seed", "99999999999"], "argument --seed: expected an int in [0, 2**32)"),
         (["hi", "--seed", "1.5"], "argument --seed: expected an int in [0, 2**32)"),
-        (["hi", "--speculative"], "unrecognized"),
+        (["hi", "--speculative"], "speculative"),
         ([], "prompt"),
         ([""], "prompt must not be empty"),
     ],

@@ -163,7 +163,7 @@ def test_page_size_is_capped_at_what_the_request_uses(tiny_model, monkeypatch):
     """A page of 1e6 positions for 12 new tokens allocated [B, 1e6, Hkv, D] per layer."""
     sizes = []
 
-    def spy(config, num_pages, page_size, block_table):
+    def spy(config, num_pages, page_size, block_table, **placement):
         sizes.append((num_pages, page_size))
         raise _Allocated  # stop before allocating or compiling anything
 
