@@ -100,7 +100,7 @@ def engine_rows(model, requests, max_len: int, useful: int):
 def run_static(model, requests):
     """One pass of static batches -> (wall seconds, mean KV utilization of their caches)."""
     from decoding import generate
-    from decoding.generate import NEW_TOKENS_BUCKET, PROMPT_BUCKET
+    from decoding.generate import NEW_TOKENS_BUCKET, prompt_bucket
 
     t0, utils = time.perf_counter(), []
     for i in range(0, len(requests), BATCH):
@@ -109,7 +109,7 @@ def run_static(model, requests):
         steps = max(n for _, n in group)
         generate(model, prompts, max_new_tokens=steps, cache="contiguous")
         # generate's cache: rows padded to a power of two, each Tp + N slots (bucketed).
-        tp = -(-max(len(p) for p in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
+        tp = prompt_bucket(max(len(p) for p in prompts))
         nn = -(-steps // NEW_TOKENS_BUCKET) * NEW_TOKENS_BUCKET
         slots = (1 << (len(group) - 1).bit_length()) * (tp + nn)
         for t in range(steps):

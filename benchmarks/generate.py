@@ -8,7 +8,14 @@ EOS, configs "tiny" (hidden 256, 4 layers, 8 heads, 2 KV heads) and "small" (hid
 Each side is warmed up once (our compilation is reported apart as ``compile_s``) and timed as
 the median of ``--runs`` calls, wall clock from prompt to tokens on the host. tokens/s counts new
 tokens of all rows. ``match`` is the fraction of rows whose greedy tokens agree exactly.
-Writes ``benchmarks/results/generate_cpu.json`` and prints a table.
+
+Roofline: a decode step must read every weight once (the embedding table excepted: it is
+gathered, unless tied to the LM head) plus each row's cached keys and values. The same run
+measures the machine's matrix-vector read bandwidth (:func:`matvec_bandwidth`, a jitted
+``x @ W`` over a float32 matrix far larger than the caches, just before each row), so ``roofline`` = (bytes read per
+step / bandwidth) / measured seconds per decode step: 1.0 is the memory limit. ``--dtypes``
+adds rows with bfloat16 weights (float32 stays the reference; transformers runs float32).
+Writes ``benchmarks/results/generate_cpu.json``, prints a table and the issue's goal ratios.
 """
 
 from __future__ import annotations
@@ -35,11 +42,9 @@ NEW_TOKENS = 128
 
 
 def build(name: str, directory: str):
-    """A random HF Llama (torch, eval) and the same weights as a ``models.Transformer``."""
+    """A random HF Llama (torch, eval), saved as a checkpoint under ``directory``: (hf, path)."""
     import torch
     import transformers
-
-    from models.hf import load_hf_checkpoint
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -54,7 +59,58 @@ def build(name: str, directory: str):
     hf = transformers.LlamaForCausalLM(config).eval().float()
     path = os.path.join(directory, name)
     hf.save_pretrained(path, safe_serialization=True)
-    return hf, load_hf_checkpoint(path)
+    return hf, path
+
+
+def matvec_bandwidth(rows: int = 8192, cols: int = 8192, runs: int = 3) -> float:
+    """Bytes/s that a jitted float32 ``x [1, rows] @ W [rows, cols]`` reads (W: 256 MiB default)."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
+    x = jnp.ones((1, rows), jnp.float32)
+    matvec = jax.jit(lambda x, w: x @ w)
+    seconds = common.time_fn(matvec, x, w, runs=runs, warmup=2)
+    return w.size * w.dtype.itemsize / seconds
+
+
+def step_bytes(config, batch: int, kv_len: float) -> float:
+    """Bytes one decode step must read: the weights (embedding gathered, so not counted unless
+    tied to the head) and ``batch`` rows of ``kv_len`` cached keys and values in every layer."""
+    itemsize = config.jnp_dtype.itemsize
+    weights = config.num_params() - (0 if config.tie_embeddings else config.vocab_size * config.dim)
+    kv = 2 * config.num_layers * config.num_kv_heads * config.resolved_head_dim * kv_len
+    return itemsize * (weights + batch * kv)
+
+
+def step_ops(model, batch: int, capacity: int = 256, page_size: int = 16) -> dict:
+    """Load-independent evidence: op counts of one compiled decode forward (T = 1, paged cache)
+    of ``batch`` rows: ``dots`` (matrix products), ``fusions`` (XLA kernels) and ``ops`` (all
+    instructions), from the optimised HLO text."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models import KVCache
+
+    graphdef, params = nnx.split(model)
+    pages = capacity // page_size
+    table = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+    cache = KVCache.paged(model.config, batch * pages, page_size, table)
+
+    def step(params, tokens, cache):
+        return nnx.merge(graphdef, params)(tokens, cache=cache)
+
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    text = jax.jit(step).lower(params, tokens, cache).compile().as_text()
+    lines = [
+        ln for ln in text.splitlines() if " = " in ln and not ln.lstrip().startswith("ROOT %p")
+    ]
+    return dict(
+        dots=sum(" dot(" in ln for ln in lines),
+        fusions=sum(" fusion(" in ln for ln in lines),
+        ops=len(lines),
+    )
 
 
 def time_hf(hf, prompts: np.ndarray, runs: int, warmup: int = 1):
@@ -103,30 +159,59 @@ def time_ours(model, prompts: np.ndarray, runs: int, cache: str):
 PLOTS = {
     "generate_cpu": (
         Plot("tokens_per_s", x=("config", "batch"), y=("ours_tok_s", "hf_tok_s"), kind="bar",
-             overlay=True, logy=True),
+             overlay=True, logy=True, where=(("dtype", "float32"),)),
+        Plot("roofline", x=("config", "batch"), y=("roofline",), series=("dtype",), kind="bar"),
     ),
 }  # fmt: skip
 
 
-def _row(name: str, batch: int, hf, ours, args) -> dict:
-    """Times both sides on the same random prompts of ``batch`` rows."""
-    rng = np.random.default_rng(batch)
-    prompts = rng.integers(1, VOCAB, (batch, PROMPT_LEN), dtype=np.int32)
-    hf_s, hf_tokens = time_hf(hf, prompts, args.runs, args.warmup)
+def _row(name: str, batch: int, hf_s: float, hf_tokens, ours, prompts, args) -> dict:
+    """Times our side on ``prompts`` and sets it against transformers' time and the roofline
+    (bandwidth measured just before, so a changing load skews both alike)."""
+    bandwidth = matvec_bandwidth()
     our_s, our_tokens, extra = time_ours(ours, prompts, args.runs, args.cache)
     new = batch * NEW_TOKENS
     match = np.mean([a == b for a, b in zip(our_tokens, hf_tokens, strict=True)])
+    step_s = batch / extra["decode_tok_s"]
+    ideal_s = step_bytes(ours.config, batch, PROMPT_LEN + NEW_TOKENS / 2) / bandwidth
     return dict(
         config=name,
         batch=batch,
+        dtype=ours.config.dtype,
+        **step_ops(ours, batch),
         ours_tok_s=new / our_s,
         hf_tok_s=new / hf_s,
         speedup=hf_s / our_s,
         ours_s=our_s,
         hf_s=hf_s,
         **extra,
+        step_ms=1e3 * step_s,
+        roofline_ms=1e3 * ideal_s,
+        roofline=ideal_s / step_s,
+        matvec_gb_s=bandwidth / 1e9,
         match=float(match),
     )
+
+
+# (config, batch, dtype, column, threshold): the goals of issue 12 (float32 rows).
+GOALS = (
+    ("tiny", 1, "float32", "speedup", 4.0),
+    ("small", 1, "float32", "roofline", 0.8),
+    ("tiny", 8, "float32", "speedup", 3.0),
+    ("small", 8, "float32", "speedup", 3.0),
+)
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """Each goal of :data:`GOALS` whose row was measured, with its value and whether it is met."""
+    out = []
+    for name, batch, dtype, column, threshold in GOALS:
+        for r in rows:
+            if (r["config"], r["batch"], r["dtype"]) == (name, batch, dtype):
+                value = r[column]
+                out.append(dict(config=name, batch=batch, dtype=dtype, metric=column,
+                                goal=threshold, value=value, met=bool(value >= threshold)))  # fmt: skip
+    return out
 
 
 def main(argv=None) -> None:
@@ -134,31 +219,49 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS))
     parser.add_argument("--batches", nargs="+", type=int, default=None)
     parser.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
+    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=None)
     args = parser.parse_args(argv)
     configs = args.configs or (["tiny"] if args.quick else list(CONFIGS))
     batches = args.batches or ([1] if args.quick else [1, 8])
+    dtypes = args.dtypes or (["float32"] if args.quick else ["float32", "bfloat16"])
 
+    import jax.numpy as jnp
     import torch
 
+    from models.hf import load_hf_checkpoint
+
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(configs) * len(batches)) as bar:
+    total = len(configs) * len(batches) * len(dtypes)
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=total) as bar:
         for name in configs:
-            hf, ours = build(name, tmp)
+            hf, path = build(name, tmp)
+            models = {d: load_hf_checkpoint(path, dtype=jnp.dtype(d)) for d in dtypes}
             for batch in batches:
-                bar.set_postfix(config=name, batch=batch)
-                rows.append(_row(name, batch, hf, ours, args))
-                bar.update()
-    columns = ["config", "batch", "ours_tok_s", "hf_tok_s", "speedup", "prefill_ms",
-               "decode_tok_s", "compile_s", "match"]  # fmt: skip
+                rng = np.random.default_rng(batch)
+                prompts = rng.integers(1, VOCAB, (batch, PROMPT_LEN), dtype=np.int32)
+                hf_s, hf_tokens = time_hf(hf, prompts, args.runs, args.warmup)
+                for d in dtypes:
+                    bar.set_postfix(config=name, batch=batch, dtype=d)
+                    rows.append(_row(name, batch, hf_s, hf_tokens, models[d], prompts, args))
+                    bar.update()
+    columns = ["config", "batch", "dtype", "ours_tok_s", "hf_tok_s", "speedup", "prefill_ms",
+               "decode_tok_s", "step_ms", "roofline_ms", "roofline", "matvec_gb_s", "dots", "fusions",
+               "compile_s", "match"]  # fmt: skip
     settings = dict(
-        prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, vocab=VOCAB, dtype="float32",
-        greedy=True, cache=args.cache, torch_threads=torch.get_num_threads(),
+        prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, vocab=VOCAB, greedy=True, cache=args.cache,
+        torch_threads=torch.get_num_threads(),
     )  # fmt: skip
+    met = goals(rows)
     note = (
         "Ours: one jitted prefill + one jitted lax.while_loop decode "
-        "(2 dispatches and 2 host syncs per generate call, none per token)."
+        "(2 dispatches and 2 host syncs per generate call, none per token). roofline = "
+        "(bytes read per decode step / matvec bandwidth) / measured step time."
     )
-    common.finish(args, "generate_cpu", rows, columns, settings=settings, note=note)
+    common.finish(args, "generate_cpu", rows, columns, settings=settings, goals=met, note=note)
+    print(f"load average {common.load_average()}")
+    for g in met:
+        print(f"goal {g['config']} B={g['batch']} {g['metric']} >= {g['goal']}: "
+              f"{g['value']:.2f} {'MET' if g['met'] else 'NOT MET'}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ The pieces, gpt-fast style, so that speculative decoding can reuse the same stat
   for every position a row may write are allocated before the loop and freed when it returns),
   times the two phases, strips padding.
 
-Bucketing: batch to a power of two, the prompt length to a multiple of ``PROMPT_BUCKET`` and the
-token buffer to a multiple of ``NEW_TOKENS_BUCKET``; ``max_new_tokens`` and ``eos_id`` are traced
-values. Calls with similar sizes therefore reuse the compiled prefill and loop.
+Bucketing: batch to a power of two, the prompt length by :func:`prompt_bucket` (padding under
+``PROMPT_BUCKET`` tokens or a quarter, so a short prompt's work is never doubled) and the token
+buffer to a multiple of ``NEW_TOKENS_BUCKET``; ``max_new_tokens`` and ``eos_id`` are traced
+values. Calls with similar sizes therefore reuse the compiled prefill and loop. The prefill
+computes logits only at each prompt's last token.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
 from models.shard import mesh_of, replicated
 
-PROMPT_BUCKET = 64
+PROMPT_BUCKET = 16
 NEW_TOKENS_BUCKET = 64
 CACHE_KINDS = ("paged", "contiguous")
 
@@ -107,9 +109,8 @@ def prefill(
     ``num_new_max`` (static) is the width N of the token buffer.
     """
     B = tokens.shape[0]
-    logits, cache = model(tokens, cache=cache)
+    logits, cache = model(tokens, cache=cache, logits_at=prompt_lengths - 1)  # [B, 1, V]
     cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
-    last_logits = logits[jnp.arange(B), prompt_lengths - 1]  # [B, V]
     state = DecodeState(
         tokens=jnp.zeros((B, num_new_max), jnp.int32),
         num_new=jnp.zeros((B,), jnp.int32),
@@ -119,7 +120,7 @@ def prefill(
         key=key,
         step=jnp.zeros((), jnp.int32),
     )
-    return _append(state, last_logits, eos_id, sampling)
+    return _append(state, logits[:, 0], eos_id, sampling)
 
 
 def decode_step(model, state: DecodeState, *, eos_id, sampling: SamplingConfig) -> DecodeState:
@@ -203,6 +204,13 @@ def _round_up(n: int, m: int) -> int:
 
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def prompt_bucket(n: int) -> int:
+    """The padded prompt length for a longest prompt of ``n`` tokens: a multiple of
+    ``max(PROMPT_BUCKET, next_pow2(n) / 8)`` (16, 32, ..., 128, 160, 192, 224, 256, 320, ...):
+    4 buckets per doubling beyond 128, padding under ``PROMPT_BUCKET`` tokens or 25%."""
+    return _round_up(n, max(PROMPT_BUCKET, _next_pow2(n) // 8))
 
 
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
@@ -309,12 +317,12 @@ class _Batch:
 
 
 def _bucket(rows: list[list[int]], max_new_tokens: int, extra: int = 0) -> _Batch:
-    """Pads B rows to B_pad = next power of two, prompts to a multiple of ``PROMPT_BUCKET``, the
+    """Pads B rows to B_pad = next power of two, prompts to :func:`prompt_bucket`, the
     token buffer to a multiple of ``NEW_TOKENS_BUCKET`` covering ``max_new_tokens + extra``."""
     lengths = [len(r) for r in rows]
     B = len(rows)
     B_pad = _next_pow2(B)
-    Tp = _round_up(max(lengths), PROMPT_BUCKET)
+    Tp = prompt_bucket(max(lengths))
     N = _round_up(max_new_tokens + extra, NEW_TOKENS_BUCKET)
     tokens = np.zeros((B_pad, Tp), np.int32)
     for b, r in enumerate(rows):

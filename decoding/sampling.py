@@ -21,6 +21,17 @@ _F32 = np.finfo(np.float32)
 SEED_LIMIT = 2**32
 
 
+def argmax(logits):
+    """logits [..., V] -> [...] int32, ``jnp.argmax`` over the last axis (the first index on ties
+    and of a NaN), as two plain reductions: the max, then the smallest index holding it. XLA's
+    CPU backend runs this several times faster than argmax's paired (value, index) reduction,
+    which is a greedy decode step's largest cost after its matrix products."""
+    V = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where((logits == top) | jnp.isnan(logits), iota, V), axis=-1)
+
+
 def check_seed(seed) -> int:
     """``seed`` as a Python int; TypeError unless an int, ValueError unless in [0, 2**32)."""
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
@@ -90,7 +101,7 @@ def filtered_logits(logits, config: SamplingConfig):
     logits = jnp.asarray(logits, jnp.float32)
     V = logits.shape[-1]
     if config.greedy:
-        best = jnp.argmax(logits, axis=-1)
+        best = argmax(logits)
         keep = jnp.arange(V) == best[..., None]
         return jnp.where(keep, logits, -jnp.inf)
     logits = _temper(logits, config.temperature)
@@ -124,5 +135,5 @@ def probabilities(logits, config: SamplingConfig):
 def sample(logits, key, config: SamplingConfig):
     """logits [B, V] -> token ids [B] int32, drawn with ``key`` (unused when greedy)."""
     if config.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     return jax.random.categorical(key, filtered_logits(logits, config), axis=-1).astype(jnp.int32)

@@ -3,13 +3,17 @@
 ``Qwen2ForCausalLM``, read and written without torch.
 
 Hugging Face stores a linear layer's weight as ``[out, in]``; NNX ``Linear.kernel`` is ``[in, out]``,
-so those tensors are transposed on the way in and out. Everything else maps one to one.
+so those tensors are transposed on the way in and out. The model's fused ``qkv_proj`` and
+``gate_up_proj`` are assembled from (and split back into) HF's separate q/k/v and gate/up
+tensors. Everything else maps one to one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +22,7 @@ import safetensors.flax
 from flax import nnx
 
 from models.config import RopeScaling, TransformerConfig
-from models.transformer import Transformer
+from models.transformer import Transformer, fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPE = {
@@ -190,25 +194,60 @@ def config_to_hf(config: TransformerConfig) -> dict:
     return hf
 
 
-def _named_params(model: Transformer) -> dict[str, tuple[nnx.Param, bool]]:
-    """HF tensor name -> (the model's Param, whether the HF tensor is its transpose)."""
-    named = {
-        "model.embed_tokens.weight": (model.embed.embedding, False),
-        "model.norm.weight": (model.norm.weight, False),
-    }
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One model parameter and the Hugging Face tensors it is made of: ``merge`` maps those
+    tensors (in ``names`` order, HF layout) to the parameter's value, ``split`` maps back."""
+
+    param: nnx.Param
+    names: tuple[str, ...]
+    merge: Callable = lambda t: t
+    split: Callable = lambda x: (x,)
+
+
+def _linear_entries(prefix: str, linear: nnx.Linear, names: list[str], fuse, unfuse):
+    """Entries of a (possibly fused) linear layer whose HF parts are ``prefix + name``."""
+    weights = tuple(f"{prefix}{n}.weight" for n in names)
+    entries = [
+        _Entry(
+            linear.kernel,
+            weights,
+            lambda *t: fuse(*(w.T for w in t)),  # HF [out, in] -> NNX [in, out]
+            lambda x: tuple(w.T for w in unfuse(x)),
+        )
+    ]
+    if linear.bias is not None:
+        entries.append(_Entry(linear.bias, tuple(f"{prefix}{n}.bias" for n in names), fuse, unfuse))
+    return entries
+
+
+def _entries(model: Transformer) -> list[_Entry]:
+    """Every parameter of ``model`` with the HF tensors it is made of (q/k/v and gate/up fused)."""
+    c = model.config
+    qkv = dict(
+        fuse=lambda q, k, v: fuse_qkv(q, k, v, c.num_kv_heads),
+        unfuse=lambda w: split_qkv(w, c.num_kv_heads, c.resolved_head_dim),
+    )
+    one = dict(fuse=lambda w: w, unfuse=lambda w: (w,))
+    entries = [
+        _Entry(model.embed.embedding, ("model.embed_tokens.weight",)),
+        _Entry(model.norm.weight, ("model.norm.weight",)),
+    ]
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        named[p + "input_layernorm.weight"] = (layer.input_norm.weight, False)
-        named[p + "post_attention_layernorm.weight"] = (layer.post_attn_norm.weight, False)
-        for group, module in (("self_attn", layer.attn), ("mlp", layer.mlp)):
-            for attr, linear in vars(module).items():
-                if isinstance(linear, nnx.Linear):
-                    named[f"{p}{group}.{attr}.weight"] = (linear.kernel, True)
-                    if linear.bias is not None:
-                        named[f"{p}{group}.{attr}.bias"] = (linear.bias, False)
+        entries += [
+            _Entry(layer.input_norm.weight, (p + "input_layernorm.weight",)),
+            _Entry(layer.post_attn_norm.weight, (p + "post_attention_layernorm.weight",)),
+            *_linear_entries(p + "self_attn.", layer.attn.qkv_proj, ["q_proj", "k_proj", "v_proj"],
+                             **qkv),
+            *_linear_entries(p + "self_attn.", layer.attn.o_proj, ["o_proj"], **one),
+            *_linear_entries(p + "mlp.", layer.mlp.gate_up_proj, ["gate_proj", "up_proj"],
+                             fuse_gate_up, split_gate_up),
+            *_linear_entries(p + "mlp.", layer.mlp.down_proj, ["down_proj"], **one),
+        ]  # fmt: skip
     if model.lm_head is not None:
-        named["lm_head.weight"] = (model.lm_head.kernel, True)
-    return named
+        entries += _linear_entries("", model.lm_head, ["lm_head"], **one)
+    return entries
 
 
 def _read_json(file: str):
@@ -264,7 +303,8 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto")
     config = config.replace(attn_impl=attn_impl)
     tensors = _read_tensors(path)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    named = _named_params(model)
+    entries = _entries(model)
+    named = {name for e in entries for name in e.names}
     ignored = {k for k in tensors if k.endswith("rotary_emb.inv_freq")}
     if config.tie_embeddings:
         ignored.add("lm_head.weight")
@@ -272,12 +312,17 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto")
     unexpected = sorted(set(tensors) - set(named) - ignored)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path}: missing tensors {missing}, unexpected {unexpected}")
-    for name, (param, transpose) in named.items():
-        value = jnp.asarray(tensors[name], config.jnp_dtype)
-        value = value.T if transpose else value
-        if value.shape != param.shape:
-            raise ValueError(f"tensor {name}: shape {value.shape}, expected {param.shape}")
-        param.set_value(value)
+    for e in entries:
+        try:
+            value = e.merge(*(jnp.asarray(tensors[n], config.jnp_dtype) for n in e.names))
+        except (TypeError, ValueError):  # parts that do not fit together
+            value = None
+        if value is None or value.shape != e.param.shape:
+            shapes = [tuple(tensors[n].shape) for n in e.names]
+            raise ValueError(
+                f"tensors {list(e.names)}: shapes {shapes} do not make the expected {e.param.shape}"
+            )
+        e.param.set_value(value)
     return model
 
 
@@ -289,9 +334,9 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype=None) -> None:
         config = config.replace(dtype=jnp.dtype(dtype).name)
     os.makedirs(path, exist_ok=True)
     tensors = {}
-    for name, (param, transpose) in _named_params(model).items():
-        value = jnp.asarray(param[...], config.jnp_dtype)
-        tensors[name] = jnp.asarray(value.T if transpose else value)
+    for e in _entries(model):
+        parts = e.split(jnp.asarray(e.param[...], config.jnp_dtype))
+        tensors.update({n: jnp.asarray(t) for n, t in zip(e.names, parts, strict=True)})
     safetensors.flax.save_file(
         tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"}
     )

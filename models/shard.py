@@ -7,9 +7,11 @@ its KV cache and its optax train step.
 
 What is sharded how (``tp`` = size of the "model" axis, ``dp`` = size of the "data" axis):
 
-* q/k/v projections, MLP gate/up: column-parallel, the output features (heads, hidden units)
-  split over "model" in contiguous blocks, so device ``j`` holds query heads
-  ``[j Hq/tp, (j+1) Hq/tp)`` and KV heads ``[j Hkv/tp, (j+1) Hkv/tp)``: every GQA group whole.
+* fused q/k/v projection, fused MLP gate/up: column-parallel, the output features (heads, hidden
+  units) split over "model" in contiguous blocks. The fused layouts group features per KV head
+  (``[Hkv, G + 2, D]``) and per hidden unit (``[mlp_dim, 2]``), so device ``j`` holds KV heads
+  ``[j Hkv/tp, (j+1) Hkv/tp)`` with the query heads that read them (every GQA group whole) and
+  the gate and up columns of the same hidden units.
 * o and down projections: row-parallel, input features over "model" (XLA adds the all-reduce).
 * embedding [V, dim] and untied LM head [dim, V]: over the vocabulary; logits come out
   [B, T, V] with V over "model".
@@ -51,8 +53,9 @@ _COL, _ROW = P(None, "model"), P("model", None)
 PARAM_RULES = {
     ("embed", "embedding"): _ROW,
     ("lm_head", "kernel"): _COL,
-    **{(name, "kernel"): _COL for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")},
-    **{(name, "bias"): P("model") for name in ("q_proj", "k_proj", "v_proj")},
+    ("qkv_proj", "kernel"): _COL,  # features [Hkv, G + 2, D]: whole GQA groups per device
+    ("qkv_proj", "bias"): P("model"),
+    ("gate_up_proj", "kernel"): _COL,  # features [mlp_dim, 2]: gate and up of the same units
     ("o_proj", "kernel"): _ROW,
     ("down_proj", "kernel"): _ROW,
 }

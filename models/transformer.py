@@ -4,6 +4,15 @@ Token embedding -> ``num_layers`` x [x + Attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x)
 LM head. Attention is GQA with RoPE (rotate-half / GPT-NeoX pairing, as Hugging Face Llama),
 optional q/k/v bias (Qwen2), sliding window (Mistral) and score softcap (Gemma-2).
 
+Fused projections: each attention layer has one ``qkv_proj`` (dim -> (Hq + 2 Hkv) D) and each MLP
+one ``gate_up_proj`` (dim -> 2 mlp_dim), so a decode step runs 4 matrix-vector products per layer
+instead of 7. Their output features are grouped so that any contiguous split into ``tp`` equal
+blocks (``models.shard``'s column parallelism) gives every device whole units: ``qkv_proj``
+features are ``[Hkv, G + 2, D]`` (per KV head: its G query heads, its key, its value; query head
+``h`` is ``(h // G, h % G)``), ``gate_up_proj`` features are ``[mlp_dim, 2]`` (gate, up of each
+hidden unit). :func:`fuse_qkv` / :func:`split_qkv` and :func:`fuse_gate_up` /
+:func:`split_gate_up` convert to and from the separate Hugging Face tensors.
+
 Two call forms:
 
 * ``logits = model(tokens, positions=None, segment_ids=None)``: full causal forward through
@@ -76,6 +85,32 @@ def apply_rope(x, cos, sin):
     return out.astype(x.dtype)
 
 
+def fuse_qkv(q, k, v, num_kv_heads: int):
+    """Separate q [..., Hq D], k, v [..., Hkv D] features (last axis) -> fused [..., Hkv (G+2) D]."""
+    lead, Hkv = q.shape[:-1], num_kv_heads
+    D = k.shape[-1] // Hkv
+    parts = (q.reshape(*lead, Hkv, -1, D), k.reshape(*lead, Hkv, 1, D), v.reshape(*lead, Hkv, 1, D))
+    return jnp.concatenate(parts, axis=-2).reshape(*lead, -1)
+
+
+def split_qkv(w, num_kv_heads: int, head_dim: int):
+    """Inverse of :func:`fuse_qkv`: fused [..., Hkv (G+2) D] -> (q, k, v) features."""
+    lead = w.shape[:-1]
+    g = w.reshape(*lead, num_kv_heads, -1, head_dim)
+    return tuple(x.reshape(*lead, -1) for x in (g[..., :-2, :], g[..., -2, :], g[..., -1, :]))
+
+
+def fuse_gate_up(gate, up):
+    """gate, up [..., mlp_dim] features (last axis) -> fused [..., mlp_dim * 2], interleaved."""
+    return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+
+
+def split_gate_up(w):
+    """Inverse of :func:`fuse_gate_up`: fused [..., mlp_dim * 2] -> (gate, up)."""
+    g = w.reshape(*w.shape[:-1], -1, 2)
+    return g[..., 0], g[..., 1]
+
+
 def _linear(d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=_INIT, rngs=rngs
@@ -88,10 +123,8 @@ class Attention(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.config = config
         D, dt = config.resolved_head_dim, config.jnp_dtype
-        bias = config.qkv_bias
-        self.q_proj = _linear(config.dim, config.num_heads * D, bias=bias, dtype=dt, rngs=rngs)
-        self.k_proj = _linear(config.dim, config.num_kv_heads * D, bias=bias, dtype=dt, rngs=rngs)
-        self.v_proj = _linear(config.dim, config.num_kv_heads * D, bias=bias, dtype=dt, rngs=rngs)
+        features = (config.num_heads + 2 * config.num_kv_heads) * D
+        self.qkv_proj = _linear(config.dim, features, bias=config.qkv_bias, dtype=dt, rngs=rngs)
         self.o_proj = _linear(config.num_heads * D, config.dim, bias=False, dtype=dt, rngs=rngs)
         self.mesh = None  # set by models.shard
 
@@ -102,9 +135,10 @@ class Attention(nnx.Module):
         c = self.config
         B, T, _ = x.shape
         D = c.resolved_head_dim
-        q = apply_rope(self.q_proj(x).reshape(B, T, c.num_heads, D), cos, sin)
-        k = apply_rope(self.k_proj(x).reshape(B, T, c.num_kv_heads, D), cos, sin)
-        v = self.v_proj(x).reshape(B, T, c.num_kv_heads, D)
+        qkv = self.qkv_proj(x).reshape(B, T, c.num_kv_heads, -1, D)  # [B, T, Hkv, G + 2, D]
+        q = apply_rope(qkv[:, :, :, :-2].reshape(B, T, c.num_heads, D), cos, sin)
+        k = apply_rope(qkv[:, :, :, -2], cos, sin)
+        v = qkv[:, :, :, -1]
         attend = self._attend
         if tree_mask is not None:
             if self.mesh is not None:
@@ -150,16 +184,16 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one fused ``gate_up_proj``."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        dt = config.jnp_dtype
-        self.gate_proj = _linear(config.dim, config.mlp_dim, bias=False, dtype=dt, rngs=rngs)
-        self.up_proj = _linear(config.dim, config.mlp_dim, bias=False, dtype=dt, rngs=rngs)
-        self.down_proj = _linear(config.mlp_dim, config.dim, bias=False, dtype=dt, rngs=rngs)
+        dt, M = config.jnp_dtype, config.mlp_dim
+        self.gate_up_proj = _linear(config.dim, 2 * M, bias=False, dtype=dt, rngs=rngs)
+        self.down_proj = _linear(M, config.dim, bias=False, dtype=dt, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = split_gate_up(self.gate_up_proj(x))
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):
@@ -190,6 +224,17 @@ def positions_from_segments(segment_ids):
         [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
     )
     return idx - lax.cummax(jnp.where(start, idx, 0), axis=1)
+
+
+def _rows_at(x, index):
+    """x [B, T, dim] at position ``index[b]`` of each row -> [B, 1, dim]; ``index`` [B] int."""
+    B = x.shape[0]
+    index = jnp.asarray(index)
+    if index.shape != (B,) or not jnp.issubdtype(index.dtype, jnp.integer):
+        raise ValueError(
+            f"logits_at must be a [B] = [{B}] int array, got {index.shape} {index.dtype}"
+        )
+    return x[jnp.arange(B), index][:, None]
 
 
 class Transformer(nnx.Module):
@@ -224,6 +269,7 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         return_hidden: bool = False,
         tree_mask=None,
+        logits_at=None,
     ):
         """Logits [B, T, V] float32 for tokens [B, T] int32.
 
@@ -239,6 +285,9 @@ class Transformer(nnx.Module):
           tree_mask: [B, T, T] bool, with ``cache``: token i attends to the cache and to the new
             tokens j with ``tree_mask[b, i, j]`` (a speculative token tree: itself and its
             ancestors; pass their depths in ``positions``).
+          logits_at: [B] int, compute the LM head only at position ``logits_at[b]`` of each row
+            (e.g. a prompt's last token): logits (and the hidden state) are then [B, 1, ...], and
+            a prefill does no vocabulary-sized work for the other T - 1 positions.
         """
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -266,6 +315,8 @@ class Transformer(nnx.Module):
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
+        if logits_at is not None:
+            x = _rows_at(x, logits_at)
         hidden = self.norm(x)
         out = (self.logits(hidden),)
         if cache is not None:

@@ -85,10 +85,10 @@ def test_similar_calls_do_not_recompile(tiny_model):
     generate(tiny_model, PROMPTS, max_new_tokens=NEW)  # compiled (or reused) here
     before = compiled_count()
     generate(tiny_model, PROMPTS[:2], max_new_tokens=NEW + 20, eos_id=3)  # batch 2 -> 2
-    res = generate(tiny_model, [[5] * 40, [6], [7, 8], [9]], max_new_tokens=7)  # prompt 40 -> 64
+    res = generate(tiny_model, [[5] * 14, [6], [7, 8], [9]], max_new_tokens=7)  # prompt 14 -> 16
     assert res.stats["compile_s"] == 0.0
     after_similar = compiled_count()
-    res = generate(tiny_model, [[5] * 70, [6], [7]], max_new_tokens=NEW)  # prompt bucket 128
+    res = generate(tiny_model, [[5] * 70, [6], [7]], max_new_tokens=NEW)  # prompt bucket 80
     assert after_similar - before <= 2  # only batch 2 (prefill + loop) may be new
     assert compiled_count() == after_similar + 2
     assert res.stats["compile_s"] > 0
@@ -171,7 +171,7 @@ def test_page_size_is_capped_at_what_the_request_uses(tiny_model, monkeypatch):
     with pytest.raises(_Allocated):
         generate(tiny_model, PROMPTS, max_new_tokens=NEW, page_size=1_000_000)
     [(num_pages, page_size)] = sizes
-    assert page_size == 64 + 64  # bucketed prompt + new tokens
+    assert page_size == 16 + 64  # bucketed prompt (9 -> 16) + new tokens
     assert num_pages == 4  # B = 3 padded to 4, one page each
 
 

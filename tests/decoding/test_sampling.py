@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
+from decoding.sampling import SamplingConfig, argmax, filtered_logits, probabilities, sample
 
 N_DRAWS = 20_000
 LOGITS = np.array([2.0, 1.5, 1.5, 0.3, -0.7, -1.0, -3.0, 0.9], np.float32)  # V = 8, a tie at 1.5
@@ -106,6 +106,16 @@ def test_top_k_keeps_ties_and_top_p_edges():
     for top_p, n_kept in ((p0 * 0.999, 1), (p0 * 1.001, 3)):
         cfg = SamplingConfig(temperature=1.0, top_p=float(top_p))
         assert np.isfinite(np.asarray(filtered_logits(jnp.asarray(LOGITS), cfg))).sum() == n_kept
+
+
+def test_argmax_matches_jnp_argmax_on_ties_infinities_and_nan():
+    x = np.array(
+        [[1.0, 3.0, 3.0, 0.0], [-np.inf] * 4, [2.0, np.nan, 5.0, np.nan], [np.inf, 0, np.inf, 1]],
+        np.float32,
+    )
+    x = np.concatenate([x, np.asarray(jax.random.normal(jax.random.key(2), (8, 4)))])
+    np.testing.assert_array_equal(argmax(jnp.asarray(x)), np.asarray(jnp.argmax(x, axis=-1)))
+    assert argmax(jnp.asarray(x)).dtype == jnp.int32
 
 
 def test_greedy_is_argmax_and_ignores_key():

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import models
 from models import KVCache, Transformer, TransformerConfig, data, train
 from models.shard import mesh_of
+from models.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARD_FILES = ("tests/models/test_shard.py", "tests/decoding/test_shard_generate.py")
@@ -116,12 +117,9 @@ def test_parameters_are_megatron_sharded():
     attn, mlp = model.layers[0].attn, model.layers[0].mlp
     col, row = P(None, "model"), P("model", None)
     for param, spec in [
-        (attn.q_proj.kernel, col),
-        (attn.k_proj.kernel, col),
-        (attn.v_proj.kernel, col),
+        (attn.qkv_proj.kernel, col),
         (attn.o_proj.kernel, row),
-        (mlp.gate_proj.kernel, col),
-        (mlp.up_proj.kernel, col),
+        (mlp.gate_up_proj.kernel, col),
         (mlp.down_proj.kernel, row),
         (model.embed.embedding, row),
         (model.lm_head.kernel, col),
@@ -129,10 +127,27 @@ def test_parameters_are_megatron_sharded():
     ]:
         assert _has_spec(param[...], mesh, spec)
     biased = models.shard(Transformer(CONFIG.replace(qkv_bias=True), rngs=nnx.Rngs(0)), mesh)
-    assert _has_spec(biased.layers[0].attn.v_proj.bias[...], mesh, P("model"))
-    # Device (d, j) holds the KV heads [2j, 2j + 2) and the query heads [4j, 4j + 4) that read them.
-    shards = attn.k_proj.kernel[...].addressable_shards
-    assert {s.data.shape for s in shards} == {(CONFIG.dim, 2 * CONFIG.resolved_head_dim)}
+    assert _has_spec(biased.layers[0].attn.qkv_proj.bias[...], mesh, P("model"))
+    # Device (d, j) holds the KV heads [2j, 2j + 2) and the query heads [4j, 4j + 4) that read
+    # them (its block of the fused kernel is exactly their q, k and v columns), and the gate and
+    # up columns of the same hidden units.
+    D, M = CONFIG.resolved_head_dim, CONFIG.mlp_dim // 4
+    q, k, v = (w.reshape(CONFIG.dim, -1, D) for w in split_qkv(attn.qkv_proj.kernel[...], 8, D))
+    gate, up = split_gate_up(mlp.gate_up_proj.kernel[...])
+    for j in range(4):
+        kv, heads, units = slice(2 * j, 2 * j + 2), slice(4 * j, 4 * j + 4), slice(j * M, j * M + M)
+        want = fuse_qkv(*(x.reshape(CONFIG.dim, -1) for x in (q[:, heads], k[:, kv], v[:, kv])), 2)
+        _assert_block(attn.qkv_proj.kernel[...], j, want)
+        _assert_block(mlp.gate_up_proj.kernel[...], j, fuse_gate_up(gate[:, units], up[:, units]))
+
+
+def _assert_block(x, j: int, want):
+    """The shards of column-parallel x whose column block is the j-th of 4 hold ``want``."""
+    width = x.shape[1] // 4
+    blocks = [s.data for s in x.addressable_shards if (s.index[1].start or 0) == j * width]
+    assert blocks
+    for block in blocks:
+        np.testing.assert_array_equal(block, want)
 
 
 @needs_8

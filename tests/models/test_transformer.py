@@ -107,6 +107,22 @@ def test_ragged_prefill_with_length_reset_and_rollback():
     np.testing.assert_allclose(logits[1, 0], ref_short[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_logits_at_is_the_full_logits_at_one_position_per_row(cached):
+    model = _model()
+    tokens = _tokens(3, 7)
+    full = model(tokens)
+    at = jnp.array([6, 0, 3], jnp.int32)
+    if cached:
+        cache = KVCache.contiguous(model.config, 3, 8)
+        logits, cache = model(tokens, cache=cache, logits_at=at)
+        np.testing.assert_array_equal(cache.lengths, [7, 7, 7])
+    else:
+        logits = model(tokens, logits_at=at)
+    assert logits.shape == (3, 1, model.config.vocab_size)
+    np.testing.assert_allclose(logits[:, 0], full[jnp.arange(3), at], atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_forward_is_close_to_float32():
     model = Transformer(TransformerConfig.preset("tiny", attn_impl="xla"), rngs=nnx.Rngs(0))
     model16 = Transformer(
@@ -126,6 +142,8 @@ def test_bad_input():
     cache = KVCache.contiguous(model.config, 1, 4)
     with pytest.raises(ValueError, match="segment_ids"):
         model(_tokens(1, 2), segment_ids=jnp.zeros((1, 2), jnp.int32), cache=cache)
+    with pytest.raises(ValueError, match="logits_at"):
+        model(_tokens(2, 3), logits_at=jnp.zeros((3,), jnp.int32))
 
 
 @pytest.mark.slow
