@@ -58,7 +58,7 @@ class DecodeConfig:
         """Tiles for q [B, Tq, Hq, D] over ``capacity`` keys per row; ``num_splits`` 0 = heuristic."""
         B, Tq, Hq, D = q_shape
         G = Hq // Hkv
-        block_m, block_n, num_warps = default_blocks(G * Tq, D, dtype)
+        block_m, block_n, num_warps, num_stages = heuristics.decode_blocks(G * Tq, D, dtype)
         programs = B * Hkv * pl.cdiv(G * Tq, block_m)
         return cls(
             softmax_scale=softmax_scale,
@@ -69,20 +69,13 @@ class DecodeConfig:
             block_n=block_n,
             num_splits=choose_splits(num_splits, programs, capacity, block_n),
             num_warps=num_warps,
+            num_stages=num_stages,
         )
 
 
 def next_pow2(x: int, floor: int = 16) -> int:
     """Smallest power of two >= max(x, floor) (Triton block dims; ``dot`` needs >= 16)."""
     return max(floor, 1 << max(0, (x - 1).bit_length()))
-
-
-def default_blocks(rows: int, D: int, dtype) -> tuple[int, int, int]:
-    """``(block_m, block_n, num_warps)`` for ``rows = G * Tq`` packed rows and head dim D."""
-    block_m = min(next_pow2(rows), 64)
-    wide = jnp.dtype(dtype).itemsize >= 4 or D > 128
-    block_n = 32 if wide else 64
-    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8
 
 
 def num_sms() -> int:
