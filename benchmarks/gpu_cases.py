@@ -1,7 +1,7 @@
 """The programs ``make gpu-compile`` compiles for CUDA targets, as JSON-able case dicts.
 
-A case is ``{"id", "family", ...parameters}``; :func:`build` turns it into ``(fn, args,
-pallas_only)`` with ``args`` as ``ShapeDtypeStruct`` placed on a deviceless target
+A case is ``{"id", "family", ...parameters}``; :func:`build` turns it into ``(fn, args)`` with
+``args`` as ``ShapeDtypeStruct`` placed on a deviceless target
 (:mod:`benchmarks.deviceless`). Families:
 
 * ``flash``: ``flash_attention`` forward + backward (``jax.grad``: the forward, dK/dV and dQ
@@ -76,6 +76,20 @@ def ci_cases() -> list[dict]:
     return cases + MODEL_CASES
 
 
+def smoke_cases() -> list[dict]:
+    """A few cases per kernel family, for a target whose code generation another target already
+    covers (H100 beside H200: same sm_90, SM count and shared memory)."""
+    return [
+        flash_case(64, "bfloat16", "causal"),
+        flash_case(256, "bfloat16", "softcap"),
+        flash_case(128, "float32", "segments"),
+        flash_case(40, "float16", "varlen"),
+        kvcache_case(128, "bfloat16", 4, 5, "paged", fp8=True, rotary=True),
+        kvcache_case(256, "float32", 8, 16, "contiguous", num_splits=1),
+        MODEL_CASES[0],
+    ]
+
+
 def full_cases() -> list[dict]:
     """The whole cross: flash D x dtype x mask; kvcache D x dtype x G x Tq x layout, FP8."""
     cases = [flash_case(D, dt, m) for D in HEAD_DIMS for dt in DTYPES for m in MASKS]
@@ -90,21 +104,21 @@ def full_cases() -> list[dict]:
 
 
 def build(case: dict, where):
-    """``(fn, args, pallas_only)`` for a case; ``where`` is the target's sharding."""
+    """``(fn, args)`` for a case; ``where`` is the target's sharding."""
     sds = functools.partial(_sds, where=where)
     family = case["family"]
     if family == "flash":
-        return (*_flash(case, sds), True)
+        return _flash(case, sds)
     if family == "kvcache":
-        return (*_kvcache(case, sds), True)
+        return _kvcache(case, sds)
     if family in ("model_decode", "model_train", "generate"):
         from benchmarks import gpu_models
 
-        return (*getattr(gpu_models, family)(case, sds), True)
+        return getattr(gpu_models, family)(case, sds)
     if family == "suite":
         from benchmarks import gpu_suite
 
-        return (*gpu_suite.program(case["program"], sds), False)
+        return gpu_suite.program(case["program"], sds)
     raise ValueError(f"unknown case family {family!r}")
 
 

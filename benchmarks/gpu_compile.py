@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.gpu_compile [--full] [--devices h200,a100] [--only REGEX] [--jobs N]``
 in a venv with the CUDA plugin and ptxas (see :mod:`benchmarks.deviceless`). Compiles the cases of
-:mod:`benchmarks.gpu_cases` (the CI set, or the whole cross with ``--full``) through XLA's
+:mod:`benchmarks.gpu_cases` (the CI set; for H100, whose code generation is the H200's, a few per
+family; the whole cross for every device with ``--full``) through XLA's
 Triton -> PTX -> ptxas pipeline with register spilling made an error, and writes per device
 ``benchmarks/results/gpu_compile_<device>.json``: per case its status (ok / spill /
 smem_overflow / error / crash) and per Pallas kernel grid, threads, shared memory, registers,
@@ -32,6 +33,14 @@ def supported(case: dict, device: str) -> bool:
 def unsupported(case: dict) -> dict:
     error = "float8_e4m3fn caches need compute capability >= 8.9 (Triton: LLVM fatal error)"
     return {**case, "status": "unsupported", "error": error, "compile_s": None, "kernels": []}
+
+
+def case_set(device: str, full: bool) -> list[dict]:
+    """``--full``: the whole cross; else the CI set, and for H100 (whose code generation H200's
+    covers) a few cases per family."""
+    if full:
+        return gpu_cases.full_cases()
+    return gpu_cases.smoke_cases() if device == "h100" else gpu_cases.ci_cases()
 
 
 def summarize(rows: list[dict], device: str) -> list[dict]:
@@ -67,7 +76,7 @@ def write(device: str, rows: list[dict], summary: list[dict], wall_s: float, ful
         device=deviceless.TARGETS[device],
         jax=jax.__version__,
         ptxas=_ptxas_version(),
-        case_set="full" if full else "ci",
+        case_set="full" if full else ("smoke" if device == "h100" else "ci"),
         wall_s=round(wall_s, 1),
         load_average_1min=os.getloadavg()[0],
         ok=sum(r["status"] == "ok" for r in rows),
@@ -80,21 +89,45 @@ def write(device: str, rows: list[dict], summary: list[dict], wall_s: float, ful
     return str(path)
 
 
+def report(devices: list[str]) -> str:
+    """A Markdown table of the written results: per device and kernel, cases, registers, spills."""
+    lines = [
+        "| device | kernel | cases | max registers | max shared memory KiB | cases spilled |",
+        "|---|---|---|---|---|---|",
+    ]
+    for device in devices:
+        data = json.loads((common.RESULTS_DIR / f"gpu_compile_{device}.json").read_text())
+        for s in data["summary"]:
+            if s["kernel"] != "(cases)":
+                cells = (device, s["kernel"], s["cases"], s["max_regs"], s["max_smem_KiB"])
+                lines.append("| {} | {} | {} | {} | {:.0f} | ".format(*cells) + f"{s['spilled']} |")
+        lines.append(
+            f"| {device} | all ({data['case_set']} set) | {data['total']} | | | "
+            f"{data['total'] - data['ok'] - data['unsupported']} failed, "
+            f"{data['unsupported']} unsupported |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", default="h100,h200,a100", help="comma-separated TARGETS keys")
+    p.add_argument("--devices", default="h200,a100,h100", help="comma-separated TARGETS keys")
     p.add_argument("--full", action="store_true", help="the whole D x dtype x mask cross")
     p.add_argument("--only", default=None, help="regex on case ids")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--no-write", action="store_true", help="print only, keep the JSON files")
+    p.add_argument("--report", action="store_true", help="print the JSON files' summary (Markdown)")
     args = p.parse_args(argv)
-    cases = gpu_cases.full_cases() if args.full else gpu_cases.ci_cases()
-    if args.only:
-        cases = [c for c in cases if re.search(args.only, c["id"])]
+    if args.report:
+        print(report(args.devices.split(",")))
+        return 0
     bad = 0
     for device in args.devices.split(","):
         if device not in deviceless.TARGETS:
             p.error(f"--devices: unknown {device!r}; choose from {sorted(deviceless.TARGETS)}")
+        cases = case_set(device, args.full)
+        if args.only:
+            cases = [c for c in cases if re.search(args.only, c["id"])]
         start = time.perf_counter()
         todo = [c for c in cases if supported(c, device)]
         done = {r["id"]: r for r in deviceless.run_cases(device, todo, jobs=args.jobs)}

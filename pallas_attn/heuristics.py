@@ -58,27 +58,29 @@ class BlockSizes:
         Checked by ``make gpu-compile`` (ptxas on the real kernels, every D and mask; see the
         README's GPU section). The accumulators live in registers, ``[block, Dp]`` float32 per
         program (two of them, dK and dV, in the dK/dV kernel), so the tiles shrink as Dp and the
-        element size grow, and 8 warps share them. 4 warps spilled at D <= 64 (forward) and
-        D > 128 (backward), and so did the former 64-key backward tiles on sm_80. One table
-        serves both architectures.
+        element size grow, and 8 warps share them where 4 spilled (D <= 64 forward and D > 128
+        backward on sm_80; D > 128 backward on sm_90). One table serves both architectures.
 
-        ====================  =============  ====================
-        dtype, Dp             forward q x k  backward q x k
-        ====================  =============  ====================
-        16-bit, Dp <= 128     128 x 64       64 x 32
-        16-bit, Dp = 256      64 x 32        32 x 32
-        float32, Dp <= 128    64 x 32        32 x 32
-        float32, Dp = 256     32 x 32        16 x 16
-        ====================  =============  ====================
+        ====================  =============  ==============  =====
+        dtype, Dp             forward q x k  backward q x k  warps
+        ====================  =============  ==============  =====
+        16-bit, Dp <= 128     128 x 64       64 x 32         8
+        16-bit, Dp = 256      64 x 32        32 x 32         8
+        float32, Dp <= 64     64 x 32        32 x 32         4
+        float32, Dp = 128     32 x 32        32 x 32         8
+        float32, Dp = 256     32 x 32        16 x 16         8
+        ====================  =============  ==============  =====
         """
-        wide = padded_head_dim(_check_head_dim(head_dim)) > 128
+        Dp = padded_head_dim(_check_head_dim(head_dim))
         if jnp.dtype(dtype).itemsize >= 4:
-            if wide:
-                return cls(block_q=32, block_k=32, block_q_bwd=16, block_k_bwd=16, num_warps=8)
-            return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8)
-        if wide:
-            return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8)
-        return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=32, num_warps=8)
+            if Dp <= 64:  # with 8 warps ptxas held sm_80 to 128 registers and the forward spilled
+                return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=4)
+            if Dp <= 128:
+                return cls(block_q=32, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8)
+            return cls(block_q=32, block_k=32, block_q_bwd=16, block_k_bwd=16, num_warps=8)
+        if Dp <= 128:
+            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=32, num_warps=8)
+        return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8)
 
 
 def decode_blocks(rows: int, head_dim: int, dtype) -> tuple[int, int, int, int]:
@@ -86,18 +88,19 @@ def decode_blocks(rows: int, head_dim: int, dtype) -> tuple[int, int, int, int]:
 
     ``rows = G * Tq`` packed query rows; ``block_m`` packed rows and ``block_n`` keys per tile.
     Keys are gathered row by row (a pointer per element), so the K/V tiles cost registers as well
-    as the accumulator: the tiles shrink with Dp and the element size, and at Dp = 256 the loads
-    are not pipelined (``num_stages=1``). 8 warps made ptxas spill heavily on sm_80, so 4.
-    Checked like :meth:`BlockSizes.get_default` on sm_90 and sm_80.
+    as the accumulator: the tiles shrink with Dp and the element size (16 keys at Dp = 256 keep
+    D = 192, whose masked lanes cost most, at 184 registers on sm_80), and for float32 or
+    Dp = 256 the loads are not software-pipelined (``num_stages=1``: half the registers). 8 warps
+    made ptxas spill heavily on sm_80, so 4. Checked like :meth:`BlockSizes.get_default`.
     """
     Dp = padded_head_dim(_check_head_dim(head_dim))
     half = jnp.dtype(dtype).itemsize < 4
     block_m = min(max(16, 1 << max(0, rows - 1).bit_length()), 64 if Dp <= 64 else 32)
     if half:
-        block_n = 32 if Dp > 128 else 64
+        block_n = 64 if Dp <= 128 else 16
     else:
         block_n = 32 if Dp <= 32 else 16
-    return block_m, block_n, 4, 1 if Dp > 128 else 2
+    return block_m, block_n, 4, 2 if half and Dp <= 128 else 1
 
 
 def num_splits_heuristic(

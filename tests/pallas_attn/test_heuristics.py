@@ -109,11 +109,11 @@ def test_defaults_reject_bad_head_dims(head_dim):
         # 128 packed rows: 64-row tiles at Dp <= 64, 32-row tiles above.
         (128, 64, jnp.bfloat16, (64, 64, 4, 2)),
         (128, 80, jnp.float16, (32, 64, 4, 2)),
-        # Dp = 256 (D = 160 pads to 256): 32-key tiles, loads not pipelined.
-        (128, 160, jnp.bfloat16, (32, 32, 4, 1)),
-        # float32: 16-key tiles except at Dp <= 32.
-        (128, 32, jnp.float32, (64, 32, 4, 2)),
-        (40, 64, jnp.float32, (64, 16, 4, 2)),
+        # Dp = 256 (D = 160 pads to 256): 16-key tiles, loads not pipelined.
+        (128, 160, jnp.bfloat16, (32, 16, 4, 1)),
+        # float32: 16-key tiles except at Dp <= 32, never pipelined.
+        (128, 32, jnp.float32, (64, 32, 4, 1)),
+        (40, 64, jnp.float32, (64, 16, 4, 1)),
         (128, 256, jnp.float32, (32, 16, 4, 1)),
     ],
 )
