@@ -15,7 +15,6 @@ FLOPs count the two matmuls of the forward, ``4 * B * Hq * T * S * D`` (halved w
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import jax
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from benchmarks import common
+from benchmarks.plot import Plot
 from pallas_attn import flash_attention
 
 
@@ -59,7 +59,7 @@ def _inputs(B, T, H, D, dtype, seed=0):
     return tuple(jax.random.normal(key, (B, T, H, D), dtype) for key in (kq, kk, kv))
 
 
-def _measure(name, fn, shape, causal, dtype, runs, with_memory):
+def _measure(name, fn, shape, causal, dtype, runs, with_memory, warmup=1):
     """Times (and optionally sizes) forward and forward+backward; returns (row, forward output)."""
     B, T, H, D = shape
     q, k, v = _inputs(B, T, H, D, dtype)
@@ -70,7 +70,9 @@ def _measure(name, fn, shape, causal, dtype, runs, with_memory):
     try:
         for key, jitted in (("fwd", fwd), ("fwd_bwd", bwd)):
             compiled[key] = jitted.trace(q, k, v).lower().compile()
-            row[f"{key}_ms"] = 1e3 * common.time_fn(compiled[key], q, k, v, runs=runs)
+            row[f"{key}_ms"] = 1e3 * common.time_fn(
+                compiled[key], q, k, v, runs=runs, warmup=warmup
+            )
             if with_memory:
                 row[f"{key}_peak_MiB"] = common.peak_memory_bytes(compiled[key]) / 2**20
     except Exception as e:  # noqa: BLE001 - one failing impl (OOM, unsupported) must not stop the run
@@ -90,9 +92,10 @@ GPU_IMPLS = {
 GPU_CONFIGS = [
     (T, D, c) for T in (512, 2048, 8192, 16384) for D in (64, 128) for c in (False, True)
 ]
+GPU_QUICK_CONFIGS = [(T, 128, c) for T in (2048, 8192) for c in (False, True)]
 
 
-def run_gpu(runs: int, impls=None, configs=None, tokens: int = 16384):
+def run_gpu(runs: int, impls=None, configs=None, tokens: int = 16384, warmup: int = 1):
     """(T, D, causal) configs, B = tokens / T, Hq = 2048 / D; ``impls`` must name pallas, cudnn."""
     impls = impls or GPU_IMPLS
     configs = configs or GPU_CONFIGS
@@ -101,7 +104,9 @@ def run_gpu(runs: int, impls=None, configs=None, tokens: int = 16384):
         shape = (tokens // T, T, 2048 // D, D)
         outs = {}
         for name, fn in impls.items():
-            row, out = _measure(name, fn, shape, causal, jnp.bfloat16, runs, with_memory=False)
+            row, out = _measure(
+                name, fn, shape, causal, jnp.bfloat16, runs, with_memory=False, warmup=warmup
+            )
             outs[name] = out
             rows.append(row)
         by_name = {r["impl"]: r for r in rows[-len(impls) :]}
@@ -116,7 +121,7 @@ def run_gpu(runs: int, impls=None, configs=None, tokens: int = 16384):
     return rows, cols
 
 
-def run_cpu(runs: int, quick: bool):
+def run_cpu(runs: int, quick: bool, warmup: int = 1):
     impls = {"xla": _ours("xla"), "jax_nn_xla": _jax_nn("xla")}
     lengths = (256, 2048) if quick else (256, 1024, 2048)
     configs = [(T, c) for T in lengths for c in (False, True)]
@@ -124,28 +129,40 @@ def run_cpu(runs: int, quick: bool):
     for T, causal in tqdm(configs, desc="cpu configs"):
         shape = (2048 // T, T, 4, 64)
         for name, fn in impls.items():
-            rows.append(_measure(name, fn, shape, causal, jnp.float32, runs, with_memory=True)[0])
+            row, _ = _measure(name, fn, shape, causal, jnp.float32, runs, True, warmup)
+            rows.append(row)
     cols = ["impl", "B", "T", "causal", "fwd_ms", "fwd_bwd_ms", "fwd_peak_MiB", "fwd_bwd_peak_MiB"]
     return rows, cols
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median)")
-    parser.add_argument("--quick", action="store_true", help="CPU: only T in {256, 2048}")
-    args = parser.parse_args()
+PLOTS = {
+    "attention_cpu": (
+        Plot("time", x="T", y=("fwd_ms", "fwd_bwd_ms"), series=("impl", "causal"), logx=True),
+        Plot("memory", x="T", y=("fwd_peak_MiB", "fwd_bwd_peak_MiB"), series=("impl",),
+             where=(("causal", True),), logx=True),  # causal or not: the same buffers
+    ),
+    "attention_gpu": (
+        Plot("tflops", x="T", y=("fwd_TFLOPs", "fwd_bwd_TFLOPs"), series=("impl",),
+             facet="D", where=(("causal", True),), logx=True),
+    ),
+}  # fmt: skip
+
+
+def main(argv=None) -> None:
+    args = common.parser(
+        __doc__, runs=3, quick="CPU: only T in {256, 2048}; GPU: only D = 128, T in {2k, 8k}"
+    ).parse_args(argv)
     if jax.default_backend() == "gpu":
-        rows, cols = run_gpu(args.runs)
+        configs = GPU_QUICK_CONFIGS if args.quick else GPU_CONFIGS
+        rows, cols = run_gpu(args.runs, configs=configs, warmup=args.warmup)
         name = "attention_gpu"
     else:
-        rows, cols = run_cpu(args.runs, args.quick)
+        rows, cols = run_cpu(args.runs, args.quick, args.warmup)
         name = "attention_cpu"
-    common.print_table(rows, cols)
+    common.finish(args, name, rows, cols)
     for row in rows:  # the issue's goal: forward bf16 D=128 causal T=8k at >= 0.6x cuDNN
         if (row["impl"], row["T"], row["D"], row["causal"]) == ("pallas", 8192, 128, True):
             print(f"goal (>= 0.6x cuDNN): pallas/cudnn fwd = {row.get('fwd_TFLOPs_vs_cudnn')}")
-    path = common.write_results(name, rows, runs=args.runs)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -15,15 +15,13 @@ Writes ``benchmarks/results/decode_cpu.json``.
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from benchmarks import common
+from benchmarks.plot import Plot
 from pallas_attn import attention_with_kvcache
 
 Hq, Hkv, D = 32, 8, 128
@@ -54,11 +52,11 @@ def _ours(impl, num_splits):
     return fn
 
 
-def _copy_bandwidth(nbytes: int, dtype, runs: int) -> float:
+def _copy_bandwidth(nbytes: int, dtype, runs: int, warmup: int) -> float:
     """Bytes per second of a device-to-device copy (read + write) of ``nbytes``."""
     x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
     copy = jax.jit(lambda a: a + jnp.asarray(0, dtype))  # a fresh output buffer, not an alias
-    return 2 * nbytes / common.time_fn(copy, x, runs=runs)
+    return 2 * nbytes / common.time_fn(copy, x, runs=runs, warmup=warmup)
 
 
 def _bundled(kind):
@@ -80,9 +78,9 @@ def _bundled(kind):
     return fn
 
 
-def _measure(row, fn, args, kv_bytes, copy_bw, runs):
+def _measure(row, fn, args, kv_bytes, copy_bw, runs, warmup):
     try:
-        seconds = common.time_fn(fn, *args, runs=runs)
+        seconds = common.time_fn(fn, *args, runs=runs, warmup=warmup)
     except Exception as e:  # noqa: BLE001 - one failing config (OOM, unsupported) must not stop the run
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return row
@@ -92,19 +90,19 @@ def _measure(row, fn, args, kv_bytes, copy_bw, runs):
     return row
 
 
-def run(configs, impl, dtype, runs, *, bundled: bool):
+def run(configs, impl, dtype, runs, *, bundled: bool, warmup: int = 1):
     rows = []
     for B, S, P in tqdm(configs, desc=f"{impl} configs"):
         q, k_cache, v_cache, table = _inputs(B, S, P, dtype)
         lengths = jnp.full((B,), S, jnp.int32)
         kv_bytes = 2 * B * S * Hkv * D * jnp.dtype(dtype).itemsize
-        copy_bw = _copy_bandwidth(kv_bytes, dtype, runs)
+        copy_bw = _copy_bandwidth(kv_bytes, dtype, runs, warmup)
         base = dict(B=B, S=S, layout="contiguous" if P is None else f"paged P={P}")
         base.update(dtype=jnp.dtype(dtype).name, copy_GB_per_s=copy_bw / 1e9)
         args = (q, k_cache, v_cache, lengths, table)
         for splits in (0, 1) if impl == "pallas" else (0,):  # the xla path does not split
             row = dict(base, impl=impl, num_splits="auto" if splits == 0 else 1)
-            rows.append(_measure(row, _ours(impl, splits), args, kv_bytes, copy_bw, runs))
+            rows.append(_measure(row, _ours(impl, splits), args, kv_bytes, copy_bw, runs, warmup))
         if bundled:
             row = dict(base, impl="jax_bundled", num_splits="")
             if P is None:
@@ -112,42 +110,53 @@ def run(configs, impl, dtype, runs, *, bundled: bool):
             else:  # its layout is [Hkv, pages, P, D]: transposed once, outside the timing
                 pages = [jnp.transpose(c, (2, 0, 1, 3)) for c in (k_cache, v_cache)]
                 bargs = (q, *pages, lengths, table)
-            rows.append(
-                _measure(row, _bundled(base["layout"].split()[0]), bargs, kv_bytes, copy_bw, runs)
-            )
+            fn = _bundled(base["layout"].split()[0])
+            rows.append(_measure(row, fn, bargs, kv_bytes, copy_bw, runs, warmup))
         del q, k_cache, v_cache, table
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5, help="timed runs per measurement (median)")
-    args = parser.parse_args()
-    if jax.default_backend() == "gpu":
-        configs = [
-            (B, S, P)
-            for B in (1, 8, 64)
-            for S in (1024, 8192, 32768, 131072)
-            for P in (None, 16, 64)
-        ]
-        rows = run(configs, "pallas", jnp.bfloat16, args.runs, bundled=True)
-        name = "decode_gpu"
+PLOTS = {
+    "decode_cpu": (
+        Plot("time", x="S", y=("ms",), series=("layout",), facet="B", logx=True, logy=True),
+    ),
+    "decode_gpu": (
+        Plot("bandwidth", x="S", y=("vs_copy",), series=("impl", "layout", "num_splits"),
+             facet="B", logx=True),
+    ),
+}  # fmt: skip
+
+
+def _configs(gpu: bool, quick: bool) -> list[tuple]:
+    """(B, S, P) triples; P None = contiguous."""
+    if not gpu:
+        batches = (1,) if quick else (1, 8)
+        return [(B, S, P) for B in batches for S in (1024, 8192) for P in (None, 16)]
+    if quick:
+        return [(8, S, P) for S in (8192, 32768) for P in (None, 16)]
+    lengths = (1024, 8192, 32768, 131072)
+    return [(B, S, P) for B in (1, 8, 64) for S in lengths for P in (None, 16, 64)]
+
+
+def main(argv=None) -> None:
+    args = common.parser(
+        __doc__, runs=5, quick="CPU: B = 1 only; GPU: B = 8, S in {8k, 32k}, P in {none, 16}"
+    ).parse_args(argv)
+    gpu = jax.default_backend() == "gpu"
+    configs = _configs(gpu, args.quick)
+    if gpu:
+        rows = run(configs, "pallas", jnp.bfloat16, args.runs, bundled=True, warmup=args.warmup)
     else:
-        configs = [(B, S, P) for B in (1, 8) for S in (1024, 8192) for P in (None, 16)]
-        rows = run(configs, "xla", jnp.float32, args.runs, bundled=False)
-        name = "decode_cpu"
+        rows = run(configs, "xla", jnp.float32, args.runs, bundled=False, warmup=args.warmup)
     cols = ["impl", "B", "S", "layout", "num_splits", "ms", "GB_per_s", "vs_copy", "copy_GB_per_s"]
-    common.print_table(rows, cols)
     goal = [
         r for r in rows
         if r.get("impl") == "pallas" and r["B"] == 8 and r["S"] == 32768 and "vs_copy" in r
     ]  # fmt: skip
-    meta = dict(runs=args.runs, shape=dict(Hq=Hq, Hkv=Hkv, D=D, Tq=1))
-    meta["load_average_1min"] = os.getloadavg()[0]  # other processes sharing the machine
+    meta = dict(shape=dict(Hq=Hq, Hkv=Hkv, D=D, Tq=1))
     if goal:
         meta["goal_B8_S32k_best_vs_copy"] = max(r["vs_copy"] for r in goal)
-    path = common.write_results(name, rows, **meta)
-    print(f"wrote {path}")
+    common.finish(args, "decode_gpu" if gpu else "decode_cpu", rows, cols, **meta)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,15 @@ Writes ``benchmarks/results/generate_cpu.json`` and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
-import time
 
 import numpy as np
 from tqdm import tqdm
 
 from benchmarks import common
+from benchmarks.plot import Plot
 
 CONFIGS = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -58,7 +57,7 @@ def build(name: str, directory: str):
     return hf, load_hf_checkpoint(path)
 
 
-def time_hf(hf, prompts: np.ndarray, runs: int):
+def time_hf(hf, prompts: np.ndarray, runs: int, warmup: int = 1):
     import torch
 
     ids = torch.from_numpy(prompts).long()
@@ -69,96 +68,97 @@ def time_hf(hf, prompts: np.ndarray, runs: int):
         do_sample=False,
         pad_token_id=0,
     )
-    times, out = [], None
     with torch.inference_mode():
-        hf.generate(ids, **kwargs)  # warm-up
-        for _ in range(runs):
-            start = time.perf_counter()
-            out = hf.generate(ids, **kwargs)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), out[:, prompts.shape[1] :].tolist()
+        m = common.measure(lambda: hf.generate(ids, **kwargs), runs=runs, warmup=warmup)
+    return m.median, m.result[:, prompts.shape[1] :].tolist()
 
 
 def time_ours(model, prompts: np.ndarray, runs: int, cache: str):
+    """Our median seconds and tokens; the warm-up call is made here, its compile time reported."""
     from decoding import generate
 
-    warm = generate(model, prompts, max_new_tokens=NEW_TOKENS, cache=cache)
-    times, stats, res = [], [], None
-    for _ in range(runs):
-        start = time.perf_counter()
-        res = generate(model, prompts, max_new_tokens=NEW_TOKENS, cache=cache)
-        times.append(time.perf_counter() - start)
+    def call():
+        return generate(model, prompts, max_new_tokens=NEW_TOKENS, cache=cache)
+
+    stats = []
+
+    def timed():
+        res = call()
         stats.append(res.stats)
-    extra = dict(
-        compile_s=warm.stats["compile_s"],
-        prefill_ms=1e3 * statistics.median(s["prefill_s"] for s in stats),
-        decode_tok_s=statistics.median(s["decode_tokens_per_s"] for s in stats),
+        return res.tokens
+
+    warm = call()
+    m = common.measure(timed, runs=runs, warmup=0)
+    return (
+        m.median,
+        m.result,
+        dict(
+            compile_s=warm.stats["compile_s"],
+            prefill_ms=1e3 * statistics.median(s["prefill_s"] for s in stats),
+            decode_tok_s=statistics.median(s["decode_tokens_per_s"] for s in stats),
+        ),
     )
-    return statistics.median(times), res.tokens, extra
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--runs", type=int, default=3)
+PLOTS = {
+    "generate_cpu": (
+        Plot("tokens_per_s", x=("config", "batch"), y=("ours_tok_s", "hf_tok_s"), kind="bar",
+             overlay=True, logy=True),
+    ),
+}  # fmt: skip
+
+
+def _row(name: str, batch: int, hf, ours, args) -> dict:
+    """Times both sides on the same random prompts of ``batch`` rows."""
+    rng = np.random.default_rng(batch)
+    prompts = rng.integers(1, VOCAB, (batch, PROMPT_LEN), dtype=np.int32)
+    hf_s, hf_tokens = time_hf(hf, prompts, args.runs, args.warmup)
+    our_s, our_tokens, extra = time_ours(ours, prompts, args.runs, args.cache)
+    new = batch * NEW_TOKENS
+    match = np.mean([a == b for a, b in zip(our_tokens, hf_tokens, strict=True)])
+    return dict(
+        config=name,
+        batch=batch,
+        ours_tok_s=new / our_s,
+        hf_tok_s=new / hf_s,
+        speedup=hf_s / our_s,
+        ours_s=our_s,
+        hf_s=hf_s,
+        **extra,
+        match=float(match),
+    )
+
+
+def main(argv=None) -> None:
+    parser = common.parser(__doc__, runs=3, quick="config tiny, batch 1 (unless given)")
+    parser.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS))
+    parser.add_argument("--batches", nargs="+", type=int, default=None)
     parser.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    configs = args.configs or (["tiny"] if args.quick else list(CONFIGS))
+    batches = args.batches or ([1] if args.quick else [1, 8])
 
     import torch
 
     rows = []
-    cases = [(c, b) for c in args.configs for b in args.batches]
-    with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(cases), desc="generate") as bar:
-        for name in args.configs:
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(configs) * len(batches)) as bar:
+        for name in configs:
             hf, ours = build(name, tmp)
-            for batch in args.batches:
+            for batch in batches:
                 bar.set_postfix(config=name, batch=batch)
-                rng = np.random.default_rng(batch)
-                prompts = rng.integers(1, VOCAB, (batch, PROMPT_LEN), dtype=np.int32)
-                hf_s, hf_tokens = time_hf(hf, prompts, args.runs)
-                our_s, our_tokens, extra = time_ours(ours, prompts, args.runs, args.cache)
-                new = batch * NEW_TOKENS
-                rows.append(
-                    dict(
-                        config=name,
-                        batch=batch,
-                        ours_tok_s=new / our_s,
-                        hf_tok_s=new / hf_s,
-                        speedup=hf_s / our_s,
-                        ours_s=our_s,
-                        hf_s=hf_s,
-                        **extra,
-                        match=float(
-                            np.mean([a == b for a, b in zip(our_tokens, hf_tokens, strict=True)])
-                        ),
-                    )
-                )
+                rows.append(_row(name, batch, hf, ours, args))
                 bar.update()
     columns = ["config", "batch", "ours_tok_s", "hf_tok_s", "speedup", "prefill_ms",
                "decode_tok_s", "compile_s", "match"]  # fmt: skip
-    common.print_table(rows, columns)
-    path = common.write_results(
-        "generate_cpu",
-        rows,
-        settings=dict(
-            prompt_len=PROMPT_LEN,
-            new_tokens=NEW_TOKENS,
-            vocab=VOCAB,
-            dtype="float32",
-            greedy=True,
-            cache=args.cache,
-            runs=args.runs,
-            torch=torch.__version__,
-            torch_threads=torch.get_num_threads(),
-        ),
-        note=(
-            "CPU shared with other processes during the run (several agents on 2 cores); "
-            "figures are noisy. Ours: one jitted prefill + one jitted lax.while_loop decode "
-            "(2 dispatches and 2 host syncs per generate call, none per token)."
-        ),
+    settings = dict(
+        prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, vocab=VOCAB, dtype="float32",
+        greedy=True, cache=args.cache, torch_threads=torch.get_num_threads(),
+    )  # fmt: skip
+    note = (
+        "Ours: one jitted prefill + one jitted lax.while_loop decode "
+        "(2 dispatches and 2 host syncs per generate call, none per token)."
     )
-    print(f"wrote {path}")
+    common.finish(args, "generate_cpu", rows, columns, settings=settings, note=note)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
-"""Jitted KV-cache generation, sampling, and the paged cache's page allocator."""
+"""Jitted KV-cache generation, speculative decoding, sampling, the paged cache's page allocator
+and the continuous-batching engine."""
 
+from decoding.drafts import EarlyExit, PromptLookup
+from decoding.engine import Engine
 from decoding.generate import (
     DecodeState,
     GenerateResult,
@@ -9,16 +12,24 @@ from decoding.generate import (
     generate,
     prefill,
 )
+from decoding.medusa import Medusa
 from decoding.paging import BlockTables, OutOfPagesError, PageAllocator
 from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
+from decoding.speculative import speculative_generate
+from decoding.tree import TreeSpec
 
 __all__ = [
     "BlockTables",
     "DecodeState",
+    "EarlyExit",
+    "Engine",
     "GenerateResult",
+    "Medusa",
     "OutOfPagesError",
     "PageAllocator",
+    "PromptLookup",
     "SamplingConfig",
+    "TreeSpec",
     "compiled_count",
     "decode",
     "decode_step",
@@ -27,4 +38,5 @@ __all__ = [
     "prefill",
     "probabilities",
     "sample",
+    "speculative_generate",
 ]

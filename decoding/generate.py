@@ -29,8 +29,9 @@ import numpy as np
 from flax import nnx, struct
 
 from decoding import paging
-from decoding.sampling import SamplingConfig, sample
+from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
+from models.shard import mesh_of, replicated
 
 PROMPT_BUCKET = 64
 NEW_TOKENS_BUCKET = 64
@@ -191,7 +192,8 @@ def _run(fn, args: tuple, **static):
 
 
 def compiled_count() -> int:
-    """How many prefill and decode executables were compiled: grows by one per compilation."""
+    """How many prefill and loop executables (of generate and speculative_generate) were
+    compiled: grows by one per compilation."""
     return len(_EXECUTABLES)
 
 
@@ -206,8 +208,10 @@ def _next_pow2(n: int) -> int:
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     if hasattr(prompts, "shape") and hasattr(prompts, "dtype"):
         arr = np.asarray(prompts)
-        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompts must be a [B, T] int array, got {arr.shape} {arr.dtype}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"prompts must be an int array, got dtype {arr.dtype}")
+        if arr.ndim != 2:
+            raise ValueError(f"prompts must be a [B, T] int array, got shape {arr.shape}")
         prompts = arr.tolist()
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts must be a non-empty list of token lists or a [B, T] int array")
@@ -215,6 +219,9 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     for b, p in enumerate(prompts):
         if not isinstance(p, list | tuple) or not p:
             raise ValueError(f"prompt {b} must be a non-empty list of ints, got {p!r}")
+        floats = [t for t in p if isinstance(t, bool) or not isinstance(t, int | np.integer)]
+        if floats:
+            raise TypeError(f"prompt {b} has token ids that are not ints: {floats[:5]!r}")
         row = [int(t) for t in p]
         bad = [t for t in row if not 0 <= t < vocab_size]
         if bad:
@@ -229,17 +236,133 @@ def _cache_for(model, kind: str, need, n_pad: int, capacity: int, page_size: int
 
     Padding rows all share one row's worth of pages: they write there but nobody reads it.
     """
-    config = model.config
+    config, mesh = model.config, mesh_of(model)
     batch = len(need) + n_pad
     if kind == "contiguous":
-        return KVCache.contiguous(config, batch, capacity), None
+        return KVCache.contiguous(config, batch, capacity, mesh=mesh), None
+    page_size = min(page_size, capacity)  # a larger page would only hold unused positions
     max_pages = paging.pages_for(capacity, page_size)
     pool = batch * max_pages if num_pages is None else num_pages
     tables = paging.BlockTables(paging.PageAllocator(pool, page_size), batch, max_pages)
     tables.reserve(list(need) + ([capacity] if n_pad else []) + [0] * max(n_pad - 1, 0))
     for b in range(len(need) + 1, batch):
         tables.share_prefix(len(need), b, max_pages)
-    return KVCache.paged(config, pool, page_size, jax.device_put(tables.table())), tables
+    return KVCache.paged(config, pool, page_size, tables.table(), mesh=mesh), tables
+
+
+def _check_arguments(
+    model, prompts, *, max_new_tokens, sampling, eos_id, seed, cache, page_size, extra: int = 0
+) -> tuple[SamplingConfig, list[list[int]]]:
+    """Validates what ``generate`` and ``speculative_generate`` share -> (sampling, rows).
+
+    ``extra``: positions a row may write past its last token (speculative: the draft length).
+    """
+    sampling = SamplingConfig() if sampling is None else sampling
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int | np.integer)
+        or (max_new_tokens < 1)
+    ):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if cache not in CACHE_KINDS:
+        raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    check_seed(seed)
+    config = model.config
+    if eos_id is not None:
+        if isinstance(eos_id, bool) or not isinstance(eos_id, int | np.integer):
+            raise TypeError(
+                f"eos_id must be an int or None, got {type(eos_id).__name__} {eos_id!r}"
+            )
+        if not 0 <= eos_id < config.vocab_size:
+            raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id!r}")
+    rows = _check_prompts(prompts, config.vocab_size)
+    longest = max(len(r) for r in rows)
+    if longest + max_new_tokens + extra > config.max_position:
+        raise ValueError(
+            f"prompt length {longest} + max_new_tokens {max_new_tokens}"
+            + (f" + {extra} draft positions" if extra else "")
+            + f" exceeds the model's max_position {config.max_position}"
+        )
+    return sampling, rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """Prompts padded to bucketed shapes (see the module docstring).
+
+    ``tokens`` [B_pad, Tp] right-padded; ``prompt_lengths`` [B_pad] (1 for padding rows);
+    ``done`` [B_pad] marks the padding rows; ``num_new_max`` N, the token buffer's width;
+    ``need[b]`` positions real row b may write; ``capacity`` of one cache row.
+    """
+
+    tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    done: np.ndarray
+    num_rows: int
+    num_new_max: int
+    need: list[int]
+    capacity: int
+
+
+def _bucket(rows: list[list[int]], max_new_tokens: int, extra: int = 0) -> _Batch:
+    """Pads B rows to B_pad = next power of two, prompts to a multiple of ``PROMPT_BUCKET``, the
+    token buffer to a multiple of ``NEW_TOKENS_BUCKET`` covering ``max_new_tokens + extra``."""
+    lengths = [len(r) for r in rows]
+    B = len(rows)
+    B_pad = _next_pow2(B)
+    Tp = _round_up(max(lengths), PROMPT_BUCKET)
+    N = _round_up(max_new_tokens + extra, NEW_TOKENS_BUCKET)
+    tokens = np.zeros((B_pad, Tp), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = r
+    return _Batch(
+        tokens=tokens,
+        prompt_lengths=np.array(lengths + [1] * (B_pad - B), np.int32),
+        done=np.arange(B_pad) >= B,
+        num_rows=B,
+        num_new_max=N,
+        # Positions a row writes: the padded prompt, then one per fed token (+ extra).
+        need=[max(Tp, n + max_new_tokens + extra) for n in lengths],
+        capacity=Tp + N,
+    )
+
+
+def _timed_phases(run_prefill, run_loop, fetch):
+    """Runs ``run_prefill() -> (state, compile_s)`` then ``run_loop(state) -> (state, compile_s)``
+    with only explicit transfers allowed: two dispatches, one sync after each.
+
+    Returns ``(fetch(state) on the host, prefill_s, decode_s, compile_s)``, compilation excluded
+    from the two phase times.
+    """
+    with jax.transfer_guard("disallow"):
+        t0 = time.perf_counter()
+        state, compile_prefill = run_prefill()
+        jax.block_until_ready(state)
+        t1 = time.perf_counter()
+        state, compile_loop = run_loop(state)
+        out = jax.device_get(fetch(state))
+        t2 = time.perf_counter()
+    return out, t1 - t0 - compile_prefill, t2 - t1 - compile_loop, compile_prefill + compile_loop
+
+
+def _stats(num_new, B: int, prefill_s, decode_s, compile_s, steps, cache: str) -> dict:
+    """The stats dict of ``GenerateResult`` from per-row new-token counts ``num_new`` [B_pad]."""
+    new_tokens = int(sum(num_new[:B]))
+    return dict(
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        new_tokens=new_tokens,
+        tokens_per_s=new_tokens / (prefill_s + decode_s),
+        decode_tokens_per_s=(new_tokens - B) / decode_s if decode_s > 0 else 0.0,
+        compile_s=compile_s,
+        steps=int(steps),
+        batch=B,
+        cache=cache,
+    )
 
 
 def generate(
@@ -262,9 +385,11 @@ def generate(
       max_new_tokens: >= 1; each row stops earlier after producing ``eos_id``.
       sampling: a ``SamplingConfig``; default greedy.
       eos_id: the stop token (kept in the output), or None.
-      seed: PRNG seed; same seed, same tokens.
+      seed: PRNG seed, an int in [0, 2**32); same seed, same tokens.
       cache: "paged" (pages from a ``paging.PageAllocator``) or "contiguous".
-      page_size: P, positions per page (paged only).
+      page_size: P, positions per page (paged only); capped at the positions the request can
+        use (bucketed prompt + new tokens), so a huge P allocates no more than a contiguous
+        cache.
       num_pages: size of the page pool (a static shape: keep it fixed across calls to avoid
         recompiling); default ``B_pad * pages_for(Tp + N)``, the contiguous cache's size. Too
         small a pool raises ``paging.OutOfPagesError`` before any work.
@@ -272,84 +397,39 @@ def generate(
     Returns:
       ``GenerateResult`` with ``tokens`` (list per prompt) and ``stats``.
     """
-    sampling = SamplingConfig() if sampling is None else sampling
-    if not isinstance(sampling, SamplingConfig):
-        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int | np.integer)
-        or (max_new_tokens < 1)
-    ):
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if cache not in CACHE_KINDS:
-        raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-    config = model.config
-    if eos_id is not None and not 0 <= int(eos_id) < config.vocab_size:
-        raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id!r}")
-    rows = _check_prompts(prompts, config.vocab_size)
-    lengths = [len(r) for r in rows]
-    if max(lengths) + max_new_tokens > config.max_position:
-        raise ValueError(
-            f"prompt length {max(lengths)} + max_new_tokens {max_new_tokens} exceeds the model's "
-            f"max_position {config.max_position}"
-        )
-
-    B = len(rows)
-    B_pad = _next_pow2(B)
-    Tp = _round_up(max(lengths), PROMPT_BUCKET)
-    N = _round_up(max_new_tokens, NEW_TOKENS_BUCKET)
-    capacity = Tp + N
-    tokens = np.zeros((B_pad, Tp), np.int32)
-    for b, r in enumerate(rows):
-        tokens[b, : len(r)] = r
-    prompt_lengths = np.array(lengths + [1] * (B_pad - B), np.int32)
-    done = np.arange(B_pad) >= B
-    # Positions a row writes: the padded prompt, then one per fed token.
-    need = [max(Tp, n + max_new_tokens) for n in lengths]
-    kv, tables = _cache_for(model, cache, need, B_pad - B, capacity, page_size, num_pages)
+    sampling, rows = _check_arguments(
+        model,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        eos_id=eos_id,
+        seed=seed,
+        cache=cache,
+        page_size=page_size,
+    )
+    batch = _bucket(rows, max_new_tokens)
+    B = batch.num_rows
+    n_pad = len(batch.done) - B
+    kv, tables = _cache_for(model, cache, batch.need, n_pad, batch.capacity, page_size, num_pages)
     try:
         graphdef, params = nnx.split(model)
-        eos = jax.device_put(np.int32(-1 if eos_id is None else eos_id))
-        max_new = jax.device_put(np.int32(max_new_tokens))
         static = dict(graphdef=graphdef, sampling=sampling)
-        args = (
-            params,
-            jax.device_put(tokens),
-            jax.device_put(prompt_lengths),
-            kv,
-            jax.random.key(jax.device_put(np.uint32(seed))),
-            jax.device_put(done),
-            eos,
+        put = functools.partial(jax.device_put, device=replicated(model))  # a sharded model's mesh
+        eos, max_new = (
+            put(np.int32(-1 if eos_id is None else eos_id)),
+            put(np.int32(max_new_tokens)),
         )
+        args = (params, put(batch.tokens), put(batch.prompt_lengths), kv)
+        args += (jax.random.key(put(np.uint32(seed))), put(batch.done), eos)
         del kv  # donated
-        # Only explicit transfers from here on: two dispatches, one sync after each.
-        with jax.transfer_guard("disallow"):
-            t0 = time.perf_counter()
-            state, compile_prefill = _run(_prefill_jit, args, num_new_max=N, **static)
-            jax.block_until_ready(state)
-            t1 = time.perf_counter()
-            args = (params, state, max_new, eos)
-            del state  # donated
-            state, compile_decode = _run(_decode_jit, args, **static)
-            out, num_new, steps = jax.device_get((state.tokens, state.num_new, state.step))
-            t2 = time.perf_counter()
+        (out, num_new, steps), prefill_s, decode_s, compile_s = _timed_phases(
+            lambda: _run(_prefill_jit, args, num_new_max=batch.num_new_max, **static),
+            lambda state: _run(_decode_jit, (params, state, max_new, eos), **static),
+            lambda state: (state.tokens, state.num_new, state.step),
+        )
     finally:
         if tables is not None:
             tables.free_all()
     result = [out[b, : num_new[b]].tolist() for b in range(B)]
-    new_tokens = int(sum(num_new[:B]))
-    prefill_s, decode_s = t1 - t0 - compile_prefill, t2 - t1 - compile_decode
-    stats = dict(
-        prefill_s=prefill_s,
-        decode_s=decode_s,
-        new_tokens=new_tokens,
-        tokens_per_s=new_tokens / (prefill_s + decode_s),
-        decode_tokens_per_s=(new_tokens - B) / decode_s if decode_s > 0 else 0.0,
-        compile_s=compile_prefill + compile_decode,
-        steps=int(steps),
-        batch=B,
-        cache=cache,
-    )
+    stats = _stats(num_new, B, prefill_s, decode_s, compile_s, steps, cache)
     return GenerateResult(tokens=result, stats=stats)

@@ -5,7 +5,8 @@ The filters compose in the order Hugging Face applies them: temperature, then to
 on the top-k survivors' renormalised probabilities, then min-p on those of the top-p survivors.
 Ties at a filter's threshold are all kept (a token whose logit equals the k-th largest survives
 top-k), so the filtered distribution does not depend on the order of equal logits.
-Randomness comes only from the explicit PRNG key: same key, same tokens.
+Randomness comes only from the explicit PRNG key: same key, same tokens. Seeds are ints in
+[0, 2**32), the uint32 a key is made from (``check_seed``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,19 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+_F32 = np.finfo(np.float32)
+SEED_LIMIT = 2**32
+
+
+def check_seed(seed) -> int:
+    """``seed`` as a Python int; TypeError unless an int, ValueError unless in [0, 2**32)."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    return int(seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +36,8 @@ class SamplingConfig:
 
     Attributes:
       temperature: 0 means greedy (argmax, the other fields are ignored); otherwise logits are
-        divided by it before the filters.
+        divided by it before the filters. Any finite T > 0 works: as T -> 0 sampling tends to
+        greedy (T below float32's smallest normal number, ~1.2e-38, acts as that number).
       top_k: keep the k most likely tokens; 0 disables.
       top_p: keep the smallest set of most likely tokens whose probability reaches top_p;
         1.0 disables.
@@ -53,10 +68,24 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
-def filtered_logits(logits, config: SamplingConfig):
-    """logits [..., V] -> float32 [..., V]: tempered logits, ``-inf`` where a filter removed one.
+def _temper(logits, temperature: float):
+    """float32 logits [..., V] -> (logits - row max) / temperature, so every value is <= 0.
 
-    For a greedy config every token but the argmax (the first one on ties) is removed.
+    Shifting first means a tiny temperature can only send a value to -inf (the row max stays
+    0): dividing first overflows to inf and gives inf - inf = NaN in the softmax. The
+    temperature is clamped to float32's normal range, so it is neither flushed to zero (as
+    denormals are on CPU, giving 0 / 0) nor rounded to inf.
+    """
+    t = np.float32(min(max(temperature, float(_F32.tiny)), float(_F32.max)))
+    return (logits - jnp.max(logits, axis=-1, keepdims=True)) / t
+
+
+def filtered_logits(logits, config: SamplingConfig):
+    """logits [..., V] -> float32 [..., V]: tempered logits shifted so each row's largest is 0,
+    ``-inf`` where a filter removed one.
+
+    For a greedy config every token but the argmax (the first one on ties) is removed, and the
+    kept logit is returned unshifted.
     """
     logits = jnp.asarray(logits, jnp.float32)
     V = logits.shape[-1]
@@ -64,7 +93,7 @@ def filtered_logits(logits, config: SamplingConfig):
         best = jnp.argmax(logits, axis=-1)
         keep = jnp.arange(V) == best[..., None]
         return jnp.where(keep, logits, -jnp.inf)
-    logits = logits / config.temperature
+    logits = _temper(logits, config.temperature)
     if 0 < config.top_k < V:
         kth = jax.lax.top_k(logits, config.top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-IMPLS = ("auto", "reference", "xla", "pallas", "interpret")
+from pallas_attn import IMPLS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

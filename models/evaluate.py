@@ -13,8 +13,7 @@ import argparse
 from flax import nnx
 
 from models import data
-from models.hf import load_hf_checkpoint
-from models.pretrained import SHIPPED, shipped_path
+from models.pretrained import SHIPPED, checkpoint_arg, load_model
 from models.train import bits_per_byte, make_eval
 from models.transformer import Transformer
 
@@ -29,13 +28,17 @@ def heldout_bits_per_byte(model: Transformer, corpus: data.Corpus) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("models", nargs="+", help=f"shipped names {SHIPPED} or checkpoint directories")
+    p.add_argument(
+        "models",
+        nargs="+",
+        type=checkpoint_arg,
+        help=f"shipped names {SHIPPED} or checkpoint directories",
+    )
     p.add_argument("--attn-impl", default="auto")
     args = p.parse_args(argv)
     corpus = data.Corpus.from_stdlib()
     for name in args.models:
-        path = shipped_path(name) if name in SHIPPED else name
-        model = load_hf_checkpoint(str(path), attn_impl=args.attn_impl)
+        model = load_model(name, attn_impl=args.attn_impl)
         bpb = heldout_bits_per_byte(model, corpus)
         print(f"{name}: {model.config.num_params():,} params, {bpb:.4f} bits/byte", flush=True)
 

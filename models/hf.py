@@ -28,40 +28,86 @@ _MODEL_TYPE = {
 }
 
 
-def config_from_hf(hf: dict, *, dtype=jnp.float32) -> TransformerConfig:
-    """A :class:`TransformerConfig` from a Hugging Face ``config.json`` dict."""
-    arch = (hf.get("architectures") or [None])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
+
+
+def _architecture(hf: dict) -> str:
+    """``architectures[0]``, or when that list is absent the architecture ``model_type`` names
+    (older and hand-written configs give only ``model_type``)."""
+    archs = hf.get("architectures")
+    if archs:
+        arch = archs if isinstance(archs, str) else archs[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
+        return arch
+    by_type = {model_type: arch for arch, model_type in _MODEL_TYPE.items()}
+    model_type = hf.get("model_type")
+    if model_type not in by_type:
+        raise ValueError(
+            f"unsupported model: no architectures and model_type {model_type!r}; supported: "
+            f"{ARCHITECTURES} or model_type in {tuple(by_type)}"
+        )
+    return by_type[model_type]
+
+
+def _check_supported(hf: dict, arch: str) -> None:
+    """ValueError for a missing required key or a feature the model does not have."""
+    missing = [key for key in _REQUIRED if key not in hf]
+    if missing:
+        raise ValueError(f"config lacks required keys {missing}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
     if hf.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=True")
     if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):
         raise ValueError("unsupported attention_bias=True (bias on o_proj)")
-    rope = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    rope = {**legacy, **rope}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    """(theta, Llama-3 scaling or None) from ``rope_parameters`` or the legacy ``rope_scaling``."""
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position=int(rope["original_max_position_embeddings"]),
-        )
-    elif rope_type != "default":
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
         raise ValueError(f"unsupported rope_type {rope_type!r} (default or llama3)")
-    window = None
+    return theta, RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position=int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _sliding_window(hf: dict, arch: str) -> int | None:
     if arch == "MistralForCausalLM":
-        window = hf.get("sliding_window")
-    elif arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        return hf.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
         kinds = set(hf.get("layer_types") or ["sliding_attention"])
         if kinds != {"sliding_attention"}:
             raise ValueError(f"unsupported mix of layer_types {sorted(kinds)} (one kind only)")
-        window = hf.get("sliding_window")
+        return hf.get("sliding_window")
+    return None
+
+
+def config_from_hf(hf: dict, *, dtype=jnp.float32) -> TransformerConfig:
+    """A :class:`TransformerConfig` from a Hugging Face ``config.json`` dict.
+
+    The architecture is ``architectures[0]``, else the one ``model_type`` names ("llama",
+    "mistral", "qwen2"). ValueError names an unsupported architecture, feature or missing key.
+    """
+    if not isinstance(hf, dict):
+        raise ValueError(f"a Hugging Face config must be a JSON object, got {type(hf).__name__}")
+    arch = _architecture(hf)
+    _check_supported(hf, arch)
+    theta, scaling = _rope(hf)
 
     def token_id(name):
         value = hf.get(name)
@@ -78,11 +124,11 @@ def config_from_hf(hf: dict, *, dtype=jnp.float32) -> TransformerConfig:
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         mlp_dim=hf["intermediate_size"],
         head_dim=head_dim,
-        rope_theta=float(theta),
+        rope_theta=theta,
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qkv_bias=arch == "Qwen2ForCausalLM",
-        sliding_window=window,
+        sliding_window=_sliding_window(hf, arch),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position=hf.get("max_position_embeddings", 2048),
         bos_id=token_id("bos_token_id"),
@@ -165,28 +211,57 @@ def _named_params(model: Transformer) -> dict[str, tuple[nnx.Param, bool]]:
     return named
 
 
+def _read_json(file: str):
+    """The parsed JSON file; ValueError naming the file when it is not valid JSON."""
+    with open(file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from None
+
+
+def _read_config(path: str) -> dict:
+    """``path/config.json``; FileNotFoundError saying what is missing when it is not there."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
+    return _read_json(file)
+
+
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(_read_json(index)["weight_map"].values()))
     else:
         files = ["model.safetensors"]
     tensors = {}
     for name in files:
-        with safetensors.safe_open(os.path.join(path, name), framework="flax") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{path} has no {name} (weights are read from safetensors)")
+        try:
+            with safetensors.safe_open(file, framework="flax") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except safetensors.SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
     return tensors
 
 
 def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto") -> Transformer:
     """A :class:`Transformer` from a Hugging Face checkpoint directory, parameters in ``dtype``.
 
-    Raises ValueError for an unsupported architecture (naming it) or tensors that do not match.
+    Raises FileNotFoundError when ``config.json`` or the weights are missing, and ValueError for
+    malformed files, an unsupported architecture (naming it) or tensors that do not match.
     """
-    with open(os.path.join(path, "config.json")) as f:
-        config = config_from_hf(json.load(f), dtype=dtype).replace(attn_impl=attn_impl)
+    hf = _read_config(path)
+    try:
+        config = config_from_hf(hf, dtype=dtype)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path}: {e}") from None
+    config = config.replace(attn_impl=attn_impl)
     tensors = _read_tensors(path)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     named = _named_params(model)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.config import TransformerConfig
+from models.shard import cache_shardings, check_mesh
 
 
 @struct.dataclass
@@ -39,21 +40,36 @@ class KVCache:
     block_table: jax.Array | None = None
 
     @classmethod
-    def contiguous(cls, config: TransformerConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty contiguous cache holding ``max_len`` tokens for each of ``batch`` rows."""
+    def contiguous(
+        cls, config: TransformerConfig, batch: int, max_len: int, dtype=None, *, mesh=None
+    ) -> KVCache:
+        """An empty contiguous cache holding ``max_len`` tokens for each of ``batch`` rows.
+
+        ``mesh``: create the arrays sharded for a model sharded over it (``models.shard``):
+        heads over "model", rows over "data".
+        """
         if batch < 1 or max_len < 1:
             raise ValueError(f"batch and max_len must be >= 1, got {batch} and {max_len}")
         shape = (batch, max_len, config.num_kv_heads, config.resolved_head_dim)
-        return cls._empty(config, shape, jnp.zeros((batch,), jnp.int32), None, dtype)
+        return cls._empty(config, shape, jnp.zeros((batch,), jnp.int32), None, dtype, mesh)
 
     @classmethod
     def paged(
-        cls, config: TransformerConfig, num_pages: int, page_size: int, block_table, dtype=None
+        cls,
+        config: TransformerConfig,
+        num_pages: int,
+        page_size: int,
+        block_table,
+        dtype=None,
+        *,
+        mesh=None,
     ) -> KVCache:
         """An empty paged cache of ``num_pages`` pages of ``page_size`` tokens.
 
         ``block_table`` [B, max_pages] int32 assigns physical pages to each row's logical pages;
         the caller (a page allocator) owns it and may replace it with ``cache.replace``.
+        ``mesh``: create the pool sharded for a model sharded over it (``models.shard``): heads
+        over "model", every page on every "data" shard.
         """
         block_table = jnp.asarray(block_table)
         if block_table.ndim != 2 or not jnp.issubdtype(block_table.dtype, jnp.integer):
@@ -65,13 +81,18 @@ class KVCache:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
         shape = (num_pages, page_size, config.num_kv_heads, config.resolved_head_dim)
         lengths = jnp.zeros((block_table.shape[0],), jnp.int32)
-        return cls._empty(config, shape, lengths, block_table.astype(jnp.int32), dtype)
+        return cls._empty(config, shape, lengths, block_table.astype(jnp.int32), dtype, mesh)
 
     @classmethod
-    def _empty(cls, config, shape, lengths, block_table, dtype) -> KVCache:
+    def _empty(cls, config, shape, lengths, block_table, dtype, mesh) -> KVCache:
         dtype = config.jnp_dtype if dtype is None else jnp.dtype(dtype)
-        k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        mesh = None if mesh is None else check_mesh(config, mesh)
+        layer, rows, table = cache_shardings(mesh, lengths.shape[0], block_table is not None)
+        k = tuple(jnp.zeros(shape, dtype, device=layer) for _ in range(config.num_layers))
+        v = tuple(jnp.zeros(shape, dtype, device=layer) for _ in range(config.num_layers))
+        if mesh is not None:
+            lengths = jax.device_put(lengths, rows)
+            block_table = None if block_table is None else jax.device_put(block_table, table)
         return cls(k=k, v=v, lengths=lengths, block_table=block_table)
 
     @property

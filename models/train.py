@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from models import data
 from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
+from models.pretrained import checkpoint_arg, load_model
 from models.tokenizer import ByteTokenizer
 from models.transformer import Transformer
 
@@ -44,6 +46,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     seed: int = 0
+    distill_temperature: float = 1.0  # softens teacher and student when distilling
 
 
 def schedule(tc: TrainConfig) -> optax.Schedule:
@@ -79,18 +82,47 @@ def loss_fn(model: Transformer, batch):
     return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation):
-    """``step(params, rest, opt_state, batch) -> (params, opt_state, loss)``, jitted, donating."""
+def distill_loss_fn(model: Transformer, teacher_logits, batch, temperature: float = 1.0):
+    """Mean KL(teacher || student) over the weighted tokens, both softened by ``temperature``.
 
-    def step(params, rest, opt_state, batch):
+    ``teacher_logits`` [B, T, V] for the same inputs; scaled by ``temperature**2`` so that the
+    gradient size does not depend on it (Hinton et al., 2015).
+    """
+    inputs, _, segment_ids, weights = batch
+    log_q = jax.nn.log_softmax(model(inputs, segment_ids=segment_ids) / temperature, axis=-1)
+    log_p = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B, T]
+    return temperature**2 * jnp.sum(kl * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, *, teacher_graphdef=None):
+    """``step(params, rest, opt_state, batch, teacher=None) -> (params, opt_state, loss)``,
+    jitted, donating params and optimizer state.
+
+    With ``teacher_graphdef`` the loss is :func:`distill_loss_fn` against the logits of
+    ``nnx.merge(teacher_graphdef, teacher)`` (``teacher`` = its state, not trained); the softening
+    temperature is the static ``temperature`` argument of ``step``.
+    """
+
+    def step(params, rest, opt_state, batch, teacher=None, temperature=1.0):
+        if teacher_graphdef is None:
+            target = None
+        else:
+            inputs, _, segment_ids, _ = batch
+            t_model = nnx.merge(teacher_graphdef, teacher)
+            target = jax.lax.stop_gradient(t_model(inputs, segment_ids=segment_ids))
+
         def f(p):
-            return loss_fn(nnx.merge(graphdef, p, rest), batch)
+            model = nnx.merge(graphdef, p, rest)
+            if target is None:
+                return loss_fn(model, batch)
+            return distill_loss_fn(model, target, batch, temperature)
 
         loss, grads = jax.value_and_grad(f)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step, donate_argnums=(0, 2))
+    return jax.jit(step, donate_argnums=(0, 2), static_argnames=("temperature",))
 
 
 def make_eval(graphdef):
@@ -122,14 +154,18 @@ def train(
     log=print,
     progress: bool = True,
     init: Transformer | None = None,
+    teacher: Transformer | None = None,
 ) -> tuple[Transformer, dict]:
     """Trains ``init`` (or a fresh ``Transformer(config)``) on ``corpus``; returns the trained
-    model and a summary dict."""
+    model and a summary dict. With ``teacher`` (same vocabulary) the loss is the KL to the
+    teacher's distributions (:func:`distill_loss_fn`) instead of the cross entropy."""
     model = init if init is not None else Transformer(config, rngs=nnx.Rngs(tc.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optimizer(tc)
     opt_state = tx.init(params)
-    step_fn, evaluate = make_train_step(graphdef, tx), make_eval(graphdef)
+    t_graphdef, t_state = nnx.split(teacher) if teacher is not None else (None, None)
+    step_fn = make_train_step(graphdef, tx, teacher_graphdef=t_graphdef)
+    evaluate = make_eval(graphdef)
     rng = np.random.default_rng(tc.seed)
     held = data.heldout_batches(corpus.heldout, tc.batch, tc.seq_len, tc.eval_batches)
     history = []
@@ -137,7 +173,9 @@ def train(
     bar = tqdm(range(1, tc.steps + 1), disable=not progress, mininterval=5.0)
     for i in bar:
         batch = data.random_batch(corpus.train, rng, tc.batch, tc.seq_len)
-        params, opt_state, loss = step_fn(params, rest, opt_state, batch)
+        params, opt_state, loss = step_fn(
+            params, rest, opt_state, batch, t_state, temperature=tc.distill_temperature
+        )
         if i % tc.eval_every == 0 or i == tc.steps:
             bpb = bits_per_byte(evaluate, params, rest, held)
             loss = float(loss)
@@ -160,9 +198,26 @@ def train(
     return model, summary
 
 
+def _starting_models(args, config: TransformerConfig):
+    """(``--init`` model or None, ``--distill-from`` teacher or None), checked against config."""
+    init = teacher = None
+    if args.init is not None:
+        init = load_model(args.init, attn_impl=args.attn_impl)
+        if init.config.replace(attn_impl=config.attn_impl) != config:
+            raise ValueError(f"--init {args.init} does not match preset {args.preset!r}")
+    if args.distill_from is not None:
+        teacher = load_model(args.distill_from, attn_impl=args.attn_impl)
+        if teacher.config.vocab_size != config.vocab_size:
+            raise ValueError(
+                f"--distill-from {args.distill_from} has vocab_size {teacher.config.vocab_size}, "
+                f"preset {args.preset!r} has {config.vocab_size}"
+            )
+    return init, teacher
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", required=True, help="TransformerConfig preset name")
+    p.add_argument("--preset", default=None, help="TransformerConfig preset name (required)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--out", required=True, help="output directory (Hugging Face format)")
     defaults = TrainConfig()
@@ -171,7 +226,25 @@ def main(argv=None) -> None:
             flag = "--" + field.name.replace("_", "-")
             p.add_argument(flag, type=type(getattr(defaults, field.name)), default=None)
     p.add_argument("--attn-impl", default="auto")
-    p.add_argument("--init", default=None, help="start from this HF checkpoint (same preset)")
+    p.add_argument(
+        "--init",
+        default=None,
+        type=checkpoint_arg,
+        help="start from this shipped model or HF checkpoint directory (same preset)",
+    )
+    p.add_argument(
+        "--distill-from",
+        default=None,
+        type=checkpoint_arg,
+        help="a shipped model or HF checkpoint: train on the KL to its distributions",
+    )
+    p.add_argument(
+        "--medusa-heads",
+        type=int,
+        default=None,
+        help="train this many Medusa heads on the frozen --init model (a shipped name or HF "
+        "checkpoint) instead of a model; --preset not needed",
+    )
     p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--max-corpus-bytes", type=int, default=None)
     args = p.parse_args(argv)
@@ -181,6 +254,12 @@ def main(argv=None) -> None:
         if getattr(args, f.name, None) is not None
     }
     tc = TrainConfig(**overrides)
+    if args.medusa_heads is not None:
+        from models.medusa_train import main_medusa
+
+        return main_medusa(args, tc, argv)
+    if args.preset is None:
+        p.error("--preset is required (unless --medusa-heads)")
     config = TransformerConfig.preset(args.preset, attn_impl=args.attn_impl)
     corpus = data.Corpus.from_stdlib(max_bytes=args.max_corpus_bytes)
     print(
@@ -188,20 +267,20 @@ def main(argv=None) -> None:
         f"{corpus.heldout.size:,} held-out tokens; {jax.devices()[0].platform}",
         flush=True,
     )
-    init = None
-    if args.init is not None:
-        init = load_hf_checkpoint(args.init, attn_impl=args.attn_impl)
-        if init.config.replace(attn_impl=config.attn_impl) != config:
-            raise ValueError(f"--init {args.init} does not match preset {args.preset!r}")
-    model, summary = train(config, corpus, tc, log=lambda s: print(s, flush=True), init=init)
+    init, teacher = _starting_models(args, config)
+    model, summary = train(
+        config, corpus, tc, log=lambda s: print(s, flush=True), init=init, teacher=teacher
+    )
     save_hf_checkpoint(model, args.out, dtype=jnp.dtype(args.save_dtype))
     shipped = load_hf_checkpoint(args.out, attn_impl=args.attn_impl)
     graphdef, params, rest = nnx.split(shipped, nnx.Param, ...)
     held = data.heldout_batches(corpus.heldout, tc.batch, tc.seq_len, tc.eval_batches)
     summary["shipped_heldout_bpb"] = bits_per_byte(make_eval(graphdef), params, rest, held)
     summary.update(
+        command=" ".join(["python -m models.train", *(sys.argv[1:] if argv is None else argv)]),
         preset=args.preset,
         init=args.init,
+        distill_from=args.distill_from,
         save_dtype=args.save_dtype,
         tokenizer=repr(ByteTokenizer()),
     )

@@ -15,6 +15,8 @@ Two call forms:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,6 +25,7 @@ from jax import lax
 import pallas_attn
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
+from models.shard import constrain_batch, local_heads
 
 _INIT = nnx.initializers.normal(stddev=0.02)
 
@@ -90,19 +93,38 @@ class Attention(nnx.Module):
         self.k_proj = _linear(config.dim, config.num_kv_heads * D, bias=bias, dtype=dt, rngs=rngs)
         self.v_proj = _linear(config.dim, config.num_kv_heads * D, bias=bias, dtype=dt, rngs=rngs)
         self.o_proj = _linear(config.num_heads * D, config.dim, bias=False, dtype=dt, rngs=rngs)
+        self.mesh = None  # set by models.shard
 
-    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None):
+    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
         """x: [B, T, dim]. ``kv`` is ``(k_cache, v_cache, lengths, block_table)`` for a cached
-        call; returns ``(y, (k_cache, v_cache))`` then, else ``y`` [B, T, dim]."""
+        call; returns ``(y, (k_cache, v_cache))`` then, else ``y`` [B, T, dim]. ``tree_mask``
+        [B, T, T] bool (cached calls): ``attention_with_kvcache``'s tree attention."""
         c = self.config
         B, T, _ = x.shape
         D = c.resolved_head_dim
         q = apply_rope(self.q_proj(x).reshape(B, T, c.num_heads, D), cos, sin)
         k = apply_rope(self.k_proj(x).reshape(B, T, c.num_kv_heads, D), cos, sin)
         v = self.v_proj(x).reshape(B, T, c.num_kv_heads, D)
+        attend = self._attend
+        if tree_mask is not None:
+            if self.mesh is not None:
+                raise ValueError("tree_mask is not supported on a sharded model (mesh)")
+            attend = functools.partial(self._attend, tree_mask=tree_mask)
+        if self.mesh is not None:  # models.shard: per device, on its local heads
+            paged = kv is not None and kv[3] is not None
+            attend = local_heads(attend, self.mesh, batch=B, cached=kv is not None, paged=paged)
+        res = attend(q, k, v, segment_ids, kv)
+        out, new_kv = res if kv is not None else (res, None)
+        y = self.o_proj(out.reshape(B, T, c.num_heads * D))
+        return y if kv is None else (y, new_kv)
+
+    def _attend(self, q, k, v, segment_ids, kv, tree_mask=None):
+        """``pallas_attn`` on q [B, T, Hq, D], k/v [B, T, Hkv, D] -> out [B, T, Hq, D], or
+        ``(out, (k_cache, v_cache))`` for a cached call."""
+        c = self.config
         common = dict(causal=True, window_size=c.window_size, softcap=c.attn_softcap)
         if kv is None:
-            out = pallas_attn.flash_attention(
+            return pallas_attn.flash_attention(
                 q,
                 k,
                 v,
@@ -111,7 +133,6 @@ class Attention(nnx.Module):
                 impl=c.attn_impl,
                 **common,
             )
-            return self.o_proj(out.reshape(B, T, c.num_heads * D))
         k_cache, v_cache, lengths, block_table = kv
         res = pallas_attn.attention_with_kvcache(
             q,
@@ -122,9 +143,10 @@ class Attention(nnx.Module):
             cache_seqlens=lengths,
             block_table=block_table,
             impl=c.attn_impl,
+            tree_mask=tree_mask,
             **common,
         )
-        return self.o_proj(res.out.reshape(B, T, c.num_heads * D)), (res.k_cache, res.v_cache)
+        return res.out, (res.k_cache, res.v_cache)
 
 
 class MLP(nnx.Module):
@@ -150,8 +172,10 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dt)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None):
-        h = self.attn(self.input_norm(x), cos, sin, segment_ids=segment_ids, kv=kv)
+    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
+        h = self.attn(
+            self.input_norm(x), cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask
+        )
         h, new_kv = h if kv is not None else (h, None)
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
@@ -189,8 +213,18 @@ class Transformer(nnx.Module):
             if config.tie_embeddings
             else _linear(config.dim, config.vocab_size, bias=False, dtype=dt, rngs=rngs)
         )
+        self.mesh = None  # set by models.shard (jax.sharding.Mesh)
 
-    def __call__(self, tokens, positions=None, *, segment_ids=None, cache: KVCache | None = None):
+    def __call__(
+        self,
+        tokens,
+        positions=None,
+        *,
+        segment_ids=None,
+        cache: KVCache | None = None,
+        return_hidden: bool = False,
+        tree_mask=None,
+    ):
         """Logits [B, T, V] float32 for tokens [B, T] int32.
 
         Args:
@@ -200,6 +234,11 @@ class Transformer(nnx.Module):
           segment_ids: [B, T] int, packed sequences; a token only attends to its own segment.
             Not allowed with ``cache``.
           cache: a :class:`KVCache`; when given the call returns ``(logits, new_cache)``.
+          return_hidden: also return the last hidden state [B, T, dim] (after the final norm,
+            what the LM head reads) as the last element: ``(logits, [new_cache,] hidden)``.
+          tree_mask: [B, T, T] bool, with ``cache``: token i attends to the cache and to the new
+            tokens j with ``tree_mask[b, i, j]`` (a speculative token tree: itself and its
+            ancestors; pass their depths in ``positions``).
         """
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -217,20 +256,23 @@ class Transformer(nnx.Module):
             else:
                 positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cos, sin = rope_tables(self.config, jnp.broadcast_to(positions, (B, T)))
-        x = self.embed(tokens)
+        x = constrain_batch(self.embed(tokens), self.mesh)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None
             if cache is not None:
                 kv = (cache.k[i], cache.v[i], cache.lengths, cache.block_table)
-            x, layer_kv = layer(x, cos, sin, segment_ids=segment_ids, kv=kv)
+            x, layer_kv = layer(x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask)
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
-        logits = self.logits(self.norm(x))
-        if cache is None:
-            return logits
-        return logits, cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T)
+        hidden = self.norm(x)
+        out = (self.logits(hidden),)
+        if cache is not None:
+            out += (cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T),)
+        if return_hidden:
+            out += (hidden,)
+        return out if len(out) > 1 else out[0]
 
     def logits(self, h):
         """LM head on final hidden states h [B, T, dim] -> [B, T, V] float32 (with softcap)."""

@@ -28,10 +28,17 @@ def flash_attention(
     Args:
       q: [B, T, Hq, D]; k, v: [B, S, Hkv, D], float32 / bfloat16 / float16, ``Hq % Hkv == 0``
         (query head ``h`` reads KV head ``h // (Hq // Hkv)``).
-      causal: query ``i`` sees keys up to position ``i + S - T`` (bottom-right aligned).
-      softmax_scale: default ``1 / sqrt(D)``.
-      window_size: ``(left, right)`` sliding window around that position, ``-1`` = unbounded.
-      softcap: if > 0, scores become ``softcap * tanh(s / softcap)`` after scaling.
+      causal: query ``i`` sees keys up to position ``i + S - T`` (bottom-right aligned). For
+        T = 2, S = 5 (1 = visible; with T > S the first T - S rows see nothing: out 0)::
+
+            causal=True            window_size=(1, 0)     window_size=(1, 1)
+            1 1 1 1 0              0 0 1 1 0              0 0 1 1 1
+            1 1 1 1 1              0 0 0 1 1              0 0 0 1 1
+
+      softmax_scale: default ``1 / sqrt(D)``; a finite Python or NumPy float > 0.
+      window_size: ``(left, right)``: query ``i`` sees keys ``[i + S - T - left, i + S - T + right]``,
+        ``-1`` = unbounded on that side; ``causal`` is ``right = 0``.
+      softcap: if > 0, scores become ``softcap * tanh(s / softcap)`` after scaling (finite, >= 0).
       q_segment_ids, kv_segment_ids: [B, T] and [B, S] ints; a query only sees keys of its own
         segment (packed sequences). Give both or neither.
       return_lse: also return the log-sum-exp of the scaled scores, natural log, float32
@@ -42,22 +49,19 @@ def flash_attention(
     Returns:
       ``out`` [B, T, Hq, D] in q's dtype, or ``(out, lse)`` when ``return_lse``. Differentiable in
       q, k and v; the lse is differentiable too, with every impl (the backward folds its
-      cotangent into ``delta = rowsum(dO * O) - dlse``).
+      cotangent into ``delta = rowsum(dO * O) - dlse``). First derivatives only, except with
+      ``impl="reference"``: differentiating the backward raises ValueError.
+
+    Raises:
+      ValueError / TypeError naming the argument: wrong rank, empty dim, dtype mismatch,
+      ``Hq % Hkv != 0``, bad window, NaN/inf or negative ``softcap``/``softmax_scale``, unknown impl.
     """
     impl = validation.resolve_impl(impl)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        validation.check_array(name, x, ndim=4)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    validation.check_qkv(q, k, v, letters="BTHD")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch of q ({q.shape[0]}) must equal batch of k ({k.shape[0]})")
-    validation.check_heads(q.shape, k.shape)
     B, T, _, D = q.shape
     S = k.shape[1]
-    if T == 0 or S == 0:
-        raise ValueError(f"sequence lengths must be >= 1, got q: T={T}, k: S={S}")
     window = masks.normalize_window(causal, validation.check_window(window_size))
     softcap = validation.check_softcap(softcap)
     scale = validation.softmax_scale_or_default(softmax_scale, D)

@@ -14,28 +14,22 @@ dims are sliced off, and their zero cotangents contribute nothing to dK/dV.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from pallas_attn import shapes, softmax, validation
 from pallas_attn.heuristics import BlockSizes
 from pallas_attn.kernels import flash_bwd, flash_fwd
 from pallas_attn.kernels import flash_common as fc
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def _tile(block: int, n: int, name: str) -> int:
     """A tile no larger than needed for length ``n`` (at least 16, Triton's dot minimum)."""
     if block < 16 or block & (block - 1):
         raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {block}")
-    return min(block, max(16, _next_pow2(n)))
+    return min(block, shapes.next_pow2(n, floor=16))
 
 
 def make_config(block_sizes: BlockSizes, T: int, S: int, **static) -> fc.Config:
@@ -92,59 +86,55 @@ def attention(
         segments=q_segment_ids is not None,
         interpret=bool(interpret),
     )
-    Tp = _round_up(T, max(cfg.block_q, cfg.block_q_bwd))
-    Sp = _round_up(S, max(cfg.block_k, cfg.block_k_bwd))
-    Dp = max(16, _next_pow2(D))
-
-    def per_batch(x, default):
-        return jnp.broadcast_to(jnp.asarray(default if x is None else x, jnp.int32), (B,))
-
+    Tp = shapes.round_up(T, max(cfg.block_q, cfg.block_q_bwd))
+    Sp = shapes.round_up(S, max(cfg.block_k, cfg.block_k_bwd))
+    Dp = shapes.next_pow2(D, floor=16)
+    ranges = shapes.row_ranges(
+        q.shape, S, Tp, Sp, q_offset=q_offset, kv_start=kv_start, kv_len=kv_len,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+    )  # fmt: skip
+    # [B, META_WIDTH] int32 rows (q_offset, kv_start, kv_len, unused): one small load per program.
     meta = jnp.stack(
-        [
-            per_batch(q_offset, S - T),
-            per_batch(kv_start, 0),
-            jnp.minimum(per_batch(kv_len, S), S),
-            jnp.zeros((B,), jnp.int32),
-        ],
-        axis=1,
+        [ranges.q_offset, ranges.kv_start, ranges.kv_len, jnp.zeros_like(ranges.kv_len)], 1
     )
-    aux = {"meta": meta}
-    if cfg.segments:
-        aux["q_seg"] = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)))
-        aux["kv_seg"] = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, Sp - S)))
+    aux = _Aux(meta, ranges.q_seg, ranges.kv_seg)
 
     def pad(x, n):
-        return jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, Dp - D)))
+        return shapes.pad_axis(shapes.pad_axis(x, 1, n), 3, Dp)
 
     out, lse = _attend(cfg, pad(q, Tp), pad(k, Sp), pad(v, Sp), aux)
     return out[:, :T, :, :D], lse[:, :, :T]
 
 
-def _forward(cfg: fc.Config, q, k, v, aux):
-    return flash_fwd.forward(cfg, q, k, v, aux["meta"], aux.get("q_seg"), aux.get("kv_seg"))
+class _Aux(NamedTuple):
+    """Non-differentiable inputs of the kernels."""
+
+    meta: jax.Array  # [B, META_WIDTH] int32
+    q_seg: jax.Array | None  # [B, Tp] int32
+    kv_seg: jax.Array | None  # [B, Sp] int32
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(cfg: fc.Config, q, k, v, aux):
-    return _forward(cfg, q, k, v, aux)
+def _attend(cfg: fc.Config, q, k, v, aux: _Aux):
+    return flash_fwd.forward(cfg, q, k, v, *aux)
 
 
-def _attend_fwd(cfg: fc.Config, q, k, v, aux):
-    out, lse = _forward(cfg, q, k, v, aux)
+def _attend_fwd(cfg: fc.Config, q, k, v, aux: _Aux):
+    # _attend, not the kernel itself: differentiating this again meets the backward's guard.
+    out, lse = _attend(cfg, q, k, v, aux)
     return (out, lse), (q, k, v, aux, out, lse)
 
 
 def _attend_bwd(cfg: fc.Config, res, cotangents):
     q, k, v, aux, out, lse = res
-    d_out, d_lse = cotangents
+    impl = "interpret" if cfg.interpret else "pallas"
+    guarded = validation.first_order_only(impl, (q, k, v, out, lse, *cotangents))
+    q, k, v, out, lse, d_out, d_lse = guarded
     # Preprocess: delta = rowsum(dO * O) - dlse, [B, Hq, Tp] float32.
     delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - d_lse
-    lse2 = jnp.where(jnp.isfinite(lse), lse * fc.LOG2E, 0.0)
-    dq, dk, dv = flash_bwd.backward(
-        cfg, q, k, v, d_out.astype(q.dtype), lse2, delta, aux["meta"], aux.get("q_seg"),
-        aux.get("kv_seg"),
-    )  # fmt: skip
+    lse2 = jnp.where(jnp.isfinite(lse), lse * softmax.LOG2E, 0.0)
+    dq, dk, dv = flash_bwd.backward(cfg, q, k, v, d_out.astype(q.dtype), lse2, delta, *aux)
     return dq, dk, dv, None
 
 

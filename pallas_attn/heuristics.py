@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
+
+from pallas_attn import shapes
 
 # Streaming multiprocessors of the GPU the heuristics assume when none is visible (H100/H200 SXM).
 DEFAULT_NUM_SMS = 132
@@ -13,7 +16,7 @@ DEFAULT_NUM_SMS = 132
 
 def padded_head_dim(head_dim: int) -> int:
     """Dp: the head dim the Pallas kernels see, the next power of two >= 16 (Triton's ``dot``)."""
-    return max(16, 1 << max(0, head_dim - 1).bit_length())
+    return shapes.next_pow2(head_dim, floor=16)
 
 
 def _check_head_dim(head_dim) -> int:
@@ -95,7 +98,7 @@ def decode_blocks(rows: int, head_dim: int, dtype) -> tuple[int, int, int, int]:
     """
     Dp = padded_head_dim(_check_head_dim(head_dim))
     half = jnp.dtype(dtype).itemsize < 4
-    block_m = min(max(16, 1 << max(0, rows - 1).bit_length()), 64 if Dp <= 64 else 32)
+    block_m = min(shapes.next_pow2(rows, floor=16), 64 if Dp <= 64 else 32)
     if half:
         block_n = 64 if Dp <= 128 else 16
     else:
@@ -132,3 +135,32 @@ def num_splits_heuristic(
             efficiency[n] = waves / math.ceil(waves)
     best = max(efficiency.values())
     return next(n for n, eff in efficiency.items() if eff >= 0.85 * best)
+
+
+def xla_blocks(T: int, S: int) -> tuple[int, int]:
+    """``(block_q, block_k)`` of the "xla" path: big enough to keep XLA's matmuls efficient on CPU,
+    small enough for O(T) memory."""
+    return min(512, shapes.round_up(T, 8)), min(512, shapes.round_up(S, 8))
+
+
+def xla_cache_block(S: int, cap: int = 512) -> int | None:
+    """Largest multiple of 8 <= cap dividing S (so the XLA path never pads a copy of a cache), or
+    None (the default of :func:`xla_blocks`)."""
+    for bk in range(min(cap, S) // 8 * 8, 7, -8):
+        if S % bk == 0:
+            return bk
+    return None
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first GPU, or ``DEFAULT_NUM_SMS`` off GPU."""
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) or DEFAULT_NUM_SMS
+
+
+def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int) -> int:
+    """``num_splits`` as asked, or :func:`num_splits_heuristic` for 0, capped by the key blocks."""
+    n_blocks = -(-capacity // block_n)
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(programs, num_sms(), n_blocks)
+    return max(1, min(num_splits, n_blocks))

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn import kvcache_ref, masks, validation, xla
+from pallas_attn import cache, heuristics, masks, reference, validation, xla
 
-CACHE_DTYPES = (*validation.FLOAT_DTYPES, kvcache_ref.FP8_DTYPE)
+CACHE_DTYPES = (*validation.FLOAT_DTYPES, cache.FP8_DTYPE)
 
 
 class KVCacheResult(NamedTuple):
@@ -46,6 +46,7 @@ def attention_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     impl: str = "auto",
+    tree_mask=None,
 ) -> KVCacheResult:
     """Attention of new queries over a KV cache, after appending new keys/values to it.
 
@@ -56,7 +57,7 @@ def attention_with_kvcache(
       k, v: optional [B, Tn, Hkv, D] new tokens in q's dtype, written at positions
         ``cache_seqlens[b] .. cache_seqlens[b] + Tn - 1`` of row ``cache_batch_idx[b]`` (or ``b``).
       cache_seqlens: int or [B] int, tokens already in each row (not changed by the call).
-      block_table: [B, max_blocks] int32 page indices; entries past a row's length are never read.
+      block_table: [B, max_blocks] int32 page indices; entries past a row's length are ignored.
       cache_batch_idx: [B] int, the cache row of each batch row (contiguous caches only).
       cache_leftpad: [B] int, first valid key of each row (default 0).
       rotary_cos, rotary_sin: [max_pos, R/2], ``R`` even and ``<= D``: rotate the first ``R`` dims of
@@ -65,12 +66,28 @@ def attention_with_kvcache(
         when causal or windowed, else at ``cache_seqlens - cache_leftpad``.
       rotary_interleaved: pairs ``(2i, 2i+1)`` if True, ``(i, i + R/2)`` (GPT-NeoX) if False.
       causal, window_size: bottom-right aligned: query ``i`` sits at key position
-        ``cache_seqlens + Tn - Tq + i``; keys ``[cache_leftpad, cache_seqlens + Tn)`` are valid.
+        ``cache_seqlens + Tn - Tq + i``; keys ``[cache_leftpad, cache_seqlens + Tn)`` are valid,
+        every other slot is ignored whatever it holds (NaN included). For one row with
+        ``cache_seqlens = 4``, ``Tn = Tq = 2``, ``cache_leftpad = 1``, causal (1 = visible)::
+
+            key slot:  0 1 2 3 4 5 6 7
+            query 0:   0 1 1 1 1 0 0 0     (sits at key 4, a new key)
+            query 1:   0 1 1 1 1 1 0 0     (sits at key 5)
       softcap, softmax_scale: as in :func:`pallas_attn.flash_attention`.
       k_descale, v_descale: [B, Hkv] float32 for an FP8 cache (default 1): real = stored * descale.
       num_splits: KV splits of the decode kernel; 0 = heuristic. Results agree within rounding.
       return_lse: also return the float32 natural-log lse [B, Hq, Tq].
       impl: "reference", "xla", "pallas", "interpret" or "auto".
+      tree_mask: [Tq, Tq] or [B, Tq, Tq] bool, tree attention (speculative token trees): among
+        the last ``Tq`` keys (the queries' own positions ``cache_seqlens + Tn - Tq + j``) query
+        ``i`` sees key ``j`` only where ``tree_mask[i, j]``; keys before them follow the other
+        masks. With ``causal``, a tree whose parents precede their children, each node sees the
+        cache and its ancestors (``tree_mask[i, j]`` = j is i or an ancestor of i)::
+
+            tree 0 -> {1, 2}, 1 -> {3}     tree_mask   1 0 0 0
+                                                       1 1 0 0
+                                                       1 0 1 0
+                                                       1 1 0 1
 
     Returns:
       :class:`KVCacheResult` ``(out, lse, k_cache, v_cache)``. Under ``jax.jit`` with the caches
@@ -80,90 +97,64 @@ def attention_with_kvcache(
     """
     impl = validation.resolve_impl(impl)
     validation.check_array("q", q, ndim=4)
-    B, Tq, Hq, D = q.shape
-    if Tq == 0:
-        raise ValueError(f"q must have at least one query (Tq >= 1), got shape {q.shape}")
+    validation.check_nonempty("q", q, "BTHD")
     _check_caches(q, k_cache, v_cache)
-    Hkv = k_cache.shape[2]
     Tn = _check_new(q, k_cache, k, v)
-    if Tn == 0:
-        k = v = None
-    fp8 = kvcache_ref.is_fp8(k_cache)
-
-    seqlens = _per_row("cache_seqlens", cache_seqlens, B)
-    leftpad = _per_row("cache_leftpad", 0 if cache_leftpad is None else cache_leftpad, B)
-    if block_table is not None:
-        if getattr(block_table, "ndim", None) != 2:
-            raise ValueError(f"block_table must be [B, max_blocks], got {_shape(block_table)}")
-        validation.check_int_array("block_table", block_table, (B, block_table.shape[1]))
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with a paged cache (block_table)")
-        block_table = jnp.asarray(block_table, jnp.int32)
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    else:
-        if cache_batch_idx is not None:
-            validation.check_int_array("cache_batch_idx", cache_batch_idx, (B,))
-            cache_batch_idx = jnp.asarray(cache_batch_idx, jnp.int32)
-        elif k_cache.shape[0] != B:
-            raise ValueError(
-                f"k_cache has {k_cache.shape[0]} rows but q has batch {B}; "
-                "pass cache_batch_idx or a block_table"
-            )
-        capacity = k_cache.shape[1]
-    _check_values(seqlens, leftpad, Tn, capacity, k_cache.shape, block_table, cache_batch_idx)
-
-    cos, sin = _check_rotary(rotary_cos, rotary_sin, D)
-    k_descale = _descale("k_descale", k_descale, fp8, (B, Hkv))
-    v_descale = _descale("v_descale", v_descale, fp8, (B, Hkv))
-    window = masks.normalize_window(causal, validation.check_window(window_size))
-    static = kvcache_ref.Static(
-        softmax_scale=validation.softmax_scale_or_default(softmax_scale, D),
-        window=window,
-        softcap=validation.check_softcap(softcap),
-        rotary_interleaved=bool(rotary_interleaved),
-    )
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
-    args = kvcache_ref.CacheArgs(
-        seqlens, leftpad, cache_batch_idx, block_table, cos, sin, k_descale, v_descale
+    B, Tq, _, D = q.shape
+    block_table, cache_batch_idx = _check_index(B, k_cache, block_table, cache_batch_idx)
+    seqlens = _per_row("cache_seqlens", cache_seqlens, B)
+    leftpad = _per_row("cache_leftpad", 0 if cache_leftpad is None else cache_leftpad, B)
+    static = cache.Static(
+        softmax_scale=validation.softmax_scale_or_default(softmax_scale, D),
+        window=masks.normalize_window(causal, validation.check_window(window_size)),
+        softcap=validation.check_softcap(softcap),
+        rotary_interleaved=bool(rotary_interleaved),
+        capacity=cache.capacity(k_cache.shape, block_table),
     )
-
-    if impl == "reference":
-        out, lse, k_cache, v_cache = _reference(static, args, q, k_cache, v_cache, k, v)
-    elif impl == "xla":
-        out, lse, k_cache, v_cache = _xla(static, args, q, k_cache, v_cache, k, v)
+    _check_values(
+        seqlens, leftpad, Tn, static.capacity, k_cache.shape, block_table, cache_batch_idx
+    )
+    cos, sin = _check_rotary(rotary_cos, rotary_sin, D)
+    _check_rotary_length(cos, seqlens, leftpad, max(Tn, Tq if static.window != (-1, -1) else 1))
+    fp8, descale_shape = cache.is_fp8(k_cache), (B, k_cache.shape[2])
+    args = cache.CacheArgs(
+        seqlens, leftpad, cache_batch_idx, block_table, cos, sin,
+        _descale("k_descale", k_descale, fp8, descale_shape),
+        _descale("v_descale", v_descale, fp8, descale_shape),
+        _check_tree_mask(tree_mask, B, Tq),
+    )  # fmt: skip
+    new = (k, v) if Tn else (None, None)
+    if impl in ("reference", "xla"):
+        out, lse, k_cache, v_cache = _jnp(impl, static, args, q, k_cache, v_cache, *new)
     else:
         out, lse, k_cache, v_cache = _pallas(
-            static,
-            args,
-            q,
-            k_cache,
-            v_cache,
-            k,
-            v,
-            num_splits=num_splits,
+            static, args, q, k_cache, v_cache, *new, num_splits=num_splits,
             interpret=impl == "interpret",
-        )
+        )  # fmt: skip
     return KVCacheResult(out, lse.astype(jnp.float32) if return_lse else None, k_cache, v_cache)
 
 
-_reference = jax.jit(kvcache_ref.attention, static_argnums=(0,))
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _xla(static, args, q, k_cache, v_cache, k, v):
-    """The blockwise XLA path: the reference's cache write, then :func:`pallas_attn.xla.attention`."""
-    Tn = 0 if k is None else k.shape[1]
-    q, k_cache, v_cache = kvcache_ref.prepare(static, args, q, k_cache, v_cache, k, v)
-    k_rows, v_rows = kvcache_ref.attention_inputs(args, k_cache, v_cache)
-    out, lse = xla.attention(
-        q,
-        k_rows,
-        v_rows,
-        block_q=q.shape[1] if q.shape[1] <= 256 else None,  # decode: no padding of Tq = 1
-        block_k=_divisor_block(k_rows.shape[1]),
-        **kvcache_ref.attend_kwargs(static, args, q.shape[1], Tn),
-    )
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jnp(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, k, v):
+    """The plain-jnp paths: the cache write (:func:`cache.write`), a gather of each row's keys,
+    then :func:`pallas_attn.reference.attention` (``"reference"``, the oracle) or the blockwise
+    :func:`pallas_attn.xla.attention` (``"xla"``)."""
+    q = cache.rotate_queries(static, args, q)
+    Tn = 0
+    if k is not None:
+        Tn = k.shape[1]
+        k_cache, v_cache = cache.write(static, args, k_cache, v_cache, k, v)
+    k_rows, v_rows = cache.attention_inputs(args, k_cache, v_cache)
+    kw = dict(softmax_scale=static.softmax_scale, window=static.window, softcap=static.softcap)
+    kw.update(cache.key_range(args, q.shape[1], Tn)._asdict(), tree_mask=args.tree_mask)
+    if impl == "reference":
+        out, lse = reference.attention(q, k_rows, v_rows, **kw)
+    else:
+        block_q = q.shape[1] if q.shape[1] <= 256 else None  # decode: no padding of Tq = 1
+        block_k = heuristics.xla_cache_block(k_rows.shape[1])
+        out, lse = xla.attention(q, k_rows, v_rows, block_q=block_q, block_k=block_k, **kw)
     return out, lse, k_cache, v_cache
 
 
@@ -172,19 +163,11 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
     """The Pallas kernels: append (fused rotary, FP8) in place, then split-KV decode."""
     from pallas_attn.kernels import append, decode  # imported only when asked for
 
-    B, Tq = q.shape[:2]
-    Hkv = k_cache.shape[2]
-    if args.block_table is not None:
-        index = args.block_table
-        capacity = index.shape[1] * k_cache.shape[1]
-    else:
-        rows = jnp.arange(B, dtype=jnp.int32)
-        index = rows if args.cache_batch_idx is None else args.cache_batch_idx
-        capacity = k_cache.shape[1]
+    index = cache.row_index(args, q.shape[0])
     descale = None
-    if kvcache_ref.is_fp8(k_cache):
+    if cache.is_fp8(k_cache):
         descale = jnp.stack([args.k_descale, args.v_descale])
-    q = kvcache_ref.rotate_queries(static, args, q)
+    q = cache.rotate_queries(static, args, q)
     Tn = 0
     if k is not None:
         Tn = k.shape[1]
@@ -194,28 +177,54 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
             interleaved=static.rotary_interleaved, interpret=interpret,
         )  # fmt: skip
     cfg = decode.DecodeConfig.make(
-        q.shape, Hkv, capacity, q.dtype,
+        q.shape, k_cache.shape[2], static.capacity, q.dtype,
         softmax_scale=static.softmax_scale, window=static.window, softcap=static.softcap,
         num_splits=num_splits,
     )  # fmt: skip
-    lengths = kvcache_ref.mask_args(args, Tq, Tn)
+    ranges = cache.key_range(args, q.shape[1], Tn)
     out, lse = decode.decode(
-        q, k_cache, v_cache, lengths["kv_len"], lengths["kv_start"], index, descale,
+        q, k_cache, v_cache, ranges.kv_len, ranges.kv_start, index, descale, args.tree_mask,
         cfg=cfg, interpret=interpret,
     )  # fmt: skip
     return out, lse, k_cache, v_cache
 
 
-def _divisor_block(S: int, cap: int = 512) -> int | None:
-    """Largest multiple of 8 <= cap dividing S (so the XLA path never pads a copy of the cache)."""
-    for bk in range(min(cap, S) // 8 * 8, 7, -8):
-        if S % bk == 0:
-            return bk
-    return None
+def _check_tree_mask(tree_mask, B: int, Tq: int):
+    """None, or ``tree_mask`` as a [B, Tq, Tq] bool array (ValueError naming it otherwise)."""
+    if tree_mask is None:
+        return None
+    shape = getattr(tree_mask, "shape", None)
+    if shape not in ((Tq, Tq), (B, Tq, Tq)) or jnp.dtype(tree_mask.dtype) != jnp.bool_:
+        raise ValueError(
+            f"tree_mask must be a bool [Tq, Tq] or [B, Tq, Tq] array with Tq = {Tq}, B = {B}, "
+            f"got {_shape(tree_mask)} {getattr(tree_mask, 'dtype', type(tree_mask).__name__)}"
+        )
+    return jnp.broadcast_to(jnp.asarray(tree_mask), (B, Tq, Tq))
 
 
 def _shape(x):
     return tuple(getattr(x, "shape", ())) if hasattr(x, "shape") else type(x).__name__
+
+
+def _check_index(B: int, k_cache, block_table, cache_batch_idx):
+    """Checks ``block_table`` (paged) or ``cache_batch_idx`` (contiguous); returns both as int32."""
+    if block_table is not None:
+        if getattr(block_table, "ndim", None) != 2:
+            raise ValueError(f"block_table must be [B, max_blocks], got {_shape(block_table)}")
+        validation.check_int_array("block_table", block_table, (B, block_table.shape[1]))
+        validation.check_nonempty("block_table", block_table, "BN")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with a paged cache (block_table)")
+        return jnp.asarray(block_table, jnp.int32), None
+    if cache_batch_idx is not None:
+        validation.check_int_array("cache_batch_idx", cache_batch_idx, (B,))
+        return None, jnp.asarray(cache_batch_idx, jnp.int32)
+    if k_cache.shape[0] != B:
+        raise ValueError(
+            f"k_cache has {k_cache.shape[0]} rows but q has batch {B}; "
+            "pass cache_batch_idx or a block_table"
+        )
+    return None, None
 
 
 def _check_caches(q, k_cache, v_cache):
@@ -225,10 +234,11 @@ def _check_caches(q, k_cache, v_cache):
         raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache shape {k_cache.shape}")
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache and v_cache dtypes differ: {k_cache.dtype}, {v_cache.dtype}")
-    if not kvcache_ref.is_fp8(k_cache) and k_cache.dtype != q.dtype:
+    if not cache.is_fp8(k_cache) and k_cache.dtype != q.dtype:
         raise TypeError(
             f"k_cache dtype must be q's dtype ({q.dtype}) or float8_e4m3fn, got {k_cache.dtype}"
         )
+    validation.check_nonempty("k_cache", k_cache, "BSHD")
     validation.check_heads(q.shape, k_cache.shape, k_name="k_cache")
 
 
@@ -309,6 +319,21 @@ def _check_rotary(cos, sin, D: int):
             f"rotary_cos must be [max_pos, R/2] with 0 < R <= D={D}, got shape {cos.shape}"
         )
     return cos, sin
+
+
+def _check_rotary_length(cos, seqlens, leftpad, span: int):
+    """The tables must cover every rotary position used, ``cache_seqlens - cache_leftpad + t`` for
+    ``t < span``. Checked when both are concrete; under ``jax.jit`` with traced lengths it cannot
+    be, and positions past the table are clamped to its last row (the caller's contract)."""
+    lens, pad = _concrete(seqlens), _concrete(leftpad)
+    if cos is None or lens is None or pad is None:
+        return
+    last = int((lens - pad).max()) + span - 1
+    if last >= cos.shape[0]:
+        raise ValueError(
+            f"rotary_cos has {cos.shape[0]} rows but position {last} is used "
+            f"(cache_seqlens - cache_leftpad + {span - 1}); it needs at least {last + 1} rows"
+        )
 
 
 def _descale(name: str, x, fp8: bool, shape):

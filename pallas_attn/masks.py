@@ -9,7 +9,10 @@ A key ``j`` is visible to query ``i`` (at position ``p = q_offset + i``) when al
 * ``kv_start <= j < kv_len``                  (valid keys: leftpad and ragged lengths),
 * ``j >= p - left``  unless ``left == -1``    (sliding window, look-back),
 * ``j <= p + right`` unless ``right == -1``   (look-ahead; ``causal`` is ``right = 0``),
-* ``q_segment_ids[i] == kv_segment_ids[j]``   (packed sequences), when given.
+* ``q_segment_ids[i] == kv_segment_ids[j]``   (packed sequences), when given,
+* ``tree_mask[i, j - tree_start]`` when ``tree_start <= j < tree_start + Tq`` (tree attention:
+  among the ``Tq`` keys from ``tree_start`` on, e.g. a speculative token tree's nodes, a query sees
+  only those its row of ``tree_mask`` [Tq, Tq] allows: itself and its ancestors), when given.
 
 The functions here are plain ``jnp`` broadcasting ops, so the reference, the XLA path and the
 Pallas kernels (inside ``pallas_call`` bodies) all build masks with the same code.
@@ -42,6 +45,8 @@ def visible(
     kv_len=None,
     q_segment_ids=None,
     kv_segment_ids=None,
+    tree_rows=None,
+    tree_start=None,
 ):
     """Boolean mask, True where key ``k_pos`` is visible to query ``q_pos``.
 
@@ -51,6 +56,7 @@ def visible(
       window: ``(left, right)`` after :func:`normalize_window`; ``-1`` means unbounded.
       kv_start, kv_len: optional, broadcastable; keys outside ``[kv_start, kv_len)`` are hidden.
       q_segment_ids, kv_segment_ids: optional, broadcastable like ``q_pos`` / ``k_pos``.
+      tree_rows, tree_start: optional, see :func:`tree_visible`.
     """
     left, right = window
     ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), dtype=bool)
@@ -58,13 +64,52 @@ def visible(
         ok = ok & (k_pos >= q_pos - left)
     if right >= 0:
         ok = ok & (k_pos <= q_pos + right)
+    ok = ok & key_owned(k_pos, kv_start, kv_len)
+    if q_segment_ids is not None:
+        ok = ok & (q_segment_ids == kv_segment_ids)
+    if tree_rows is not None:
+        ok = ok & tree_visible(tree_rows, k_pos, tree_start)
+    return ok
+
+
+def tree_visible(tree_rows, k_pos, tree_start):
+    """True where key ``k_pos`` is outside the tree keys or allowed by the query's tree row.
+
+    Args:
+      tree_rows: [..., R, Tt] bool or int, row ``r``'s entry ``c`` says whether query row ``r``
+        sees the key at position ``tree_start + c``.
+      k_pos: int key positions broadcastable to [..., 1, K].
+      tree_start: int, position of the first tree key, broadcastable to [..., 1, 1].
+
+    Returns [..., R, K] bool. Written with a one-hot compare and a sum over ``Tt`` (no gather), so
+    Pallas kernels build it with the same code.
+    """
+    Tt = tree_rows.shape[-1]
+    c = k_pos - tree_start  # [..., 1, K]: column of the key among the tree keys
+    onehot = c[..., None] == jnp.arange(Tt, dtype=jnp.int32)  # [..., 1, K, Tt]
+    hit = jnp.sum(jnp.where(onehot, tree_rows[..., :, None, :].astype(jnp.int32), 0), -1) > 0
+    return hit | (c < 0) | (c >= Tt)
+
+
+def key_owned(k_pos, kv_start=None, kv_len=None):
+    """True where key ``k_pos`` lies in its row's ``[kv_start, kv_len)`` (None = unbounded).
+
+    Keys outside that range are memory the row does not own (leftpad slots, slots past the length,
+    pages that only pad a block table, varlen padding) and may hold anything, NaN and inf included.
+    A masked probability of 0 times NaN is still NaN, so every impl also zeroes the K and V rows of
+    the keys a row does not own (:func:`zero_unowned`) before they enter a matmul.
+    """
+    ok = jnp.ones(jnp.shape(k_pos), dtype=bool)
     if kv_start is not None:
         ok = ok & (k_pos >= kv_start)
     if kv_len is not None:
         ok = ok & (k_pos < kv_len)
-    if q_segment_ids is not None:
-        ok = ok & (q_segment_ids == kv_segment_ids)
     return ok
+
+
+def zero_unowned(owned, *xs):
+    """``where(owned, x, 0)`` for each ``x`` (``owned`` broadcast against them)."""
+    return tuple(jnp.where(owned, x, jnp.zeros((), x.dtype)) for x in xs)
 
 
 def key_range(q_first, q_last, *, window: tuple[int, int], kv_start, kv_len):

@@ -8,14 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_attn import masks
-
-
-def _per_batch(x, batch: int):
-    """None, an int, or a [B] array -> a [B, 1, 1, 1] int32 array (or None)."""
-    if x is None:
-        return None
-    return jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch,))[:, None, None, None]
+from pallas_attn import masks, shapes, softmax
 
 
 def attention(
@@ -31,6 +24,7 @@ def attention(
     q_offset=None,
     kv_start=None,
     kv_len=None,
+    tree_mask=None,
     upcast: bool = True,
 ):
     """Reference attention with the semantics of :mod:`pallas_attn.masks`.
@@ -43,6 +37,8 @@ def attention(
       q_segment_ids: [B, T] int, kv_segment_ids: [B, S] int (both or neither).
       q_offset: key position of query row 0, an int or [B]; default ``S - T``.
       kv_start, kv_len: int or [B]; keys outside ``[kv_start, kv_len)`` are hidden.
+      tree_mask: [B, T, T] bool: among keys ``q_offset .. q_offset + T - 1`` query ``i`` sees key
+        ``q_offset + j`` only if ``tree_mask[b, i, j]`` (see :func:`pallas_attn.masks.visible`).
       upcast: compute in float32 (the oracle); False computes in the input dtype, which is the
         "same-precision reference" used to set test tolerances.
 
@@ -55,38 +51,45 @@ def attention(
     out_dtype = q.dtype
     if upcast:
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    kv_start, kv_len = (_column(shapes.per_batch(x, B)) for x in (kv_start, kv_len))
+    k_pos = jnp.arange(S, dtype=jnp.int32)[None, :, None, None]
+    k, v = masks.zero_unowned(
+        masks.key_owned(k_pos, kv_start, kv_len), k, v
+    )  # no garbage in matmuls
     qg = q.reshape(B, T, Hkv, G, D)
-    s = jnp.einsum("bthgd,bshd->bhgts", qg, k) * jnp.asarray(softmax_scale, q.dtype)
-    if softcap > 0:
-        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.einsum("bthgd,bshd->bhgts", qg, k)
+    s2, _ = softmax.scale_scores(s, jnp.asarray(softmax_scale, q.dtype), softcap)
 
     q_pos = jnp.arange(T, dtype=jnp.int32)[None, None, :, None]
-    q_pos = q_pos + (S - T if q_offset is None else _per_batch(q_offset, B))
-    k_pos = jnp.arange(S, dtype=jnp.int32)[None, None, None, :]
+    q_pos = q_pos + _column(shapes.per_batch(q_offset, B, S - T))
     q_seg = kv_seg = None
     if q_segment_ids is not None:
         q_seg = q_segment_ids[:, None, :, None]
         kv_seg = kv_segment_ids[:, None, None, :]
     mask = masks.visible(
         q_pos,
-        k_pos,
+        jnp.arange(S, dtype=jnp.int32)[None, None, None, :],
         window=window,
-        kv_start=_per_batch(kv_start, B),
-        kv_len=_per_batch(kv_len, B),
+        kv_start=kv_start,
+        kv_len=kv_len,
         q_segment_ids=q_seg,
         kv_segment_ids=kv_seg,
+        tree_rows=None if tree_mask is None else tree_mask[:, None],
+        tree_start=q_pos[..., :1, :] if tree_mask is not None else None,
     )[:, :, None]  # [B, 1, 1, T, S] broadcast over (Hkv, G)
 
-    s_masked = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s_masked, axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0).astype(s.dtype)
-    p = jnp.where(mask, jnp.exp(s - m_safe), 0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    has_any = l > 0
-    p = p / jnp.where(has_any, l, 1)
-    out = jnp.einsum("bhgts,bshd->bthgd", p.astype(v.dtype), v)
-    l32 = l.astype(jnp.float32)
-    lse = jnp.where(
-        has_any, m_safe.astype(jnp.float32) + jnp.log(jnp.where(has_any, l32, 1)), -jnp.inf
-    )
-    return out.reshape(B, T, Hq, D).astype(out_dtype), lse[..., 0].reshape(B, Hq, T)
+    # The whole row in one online-softmax step, with -inf (not MASK_VALUE) for masked scores: exact
+    # in any dtype; the max of a fully masked row is replaced by 0 so nothing is NaN.
+    s2 = jnp.where(mask, s2, -jnp.inf)
+    m = jnp.max(s2, axis=-1)
+    m = jnp.where(jnp.isfinite(m), m, 0).astype(s2.dtype)
+    p = jnp.where(mask, jnp.exp2(s2 - m[..., None]), 0)
+    acc = jnp.einsum("bhgts,bshd->bhgtd", p.astype(v.dtype), v)
+    out, lse = softmax.finalize(m, jnp.sum(p, axis=-1), acc)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    return out.astype(out_dtype), lse.reshape(B, Hq, T)
+
+
+def _column(x):
+    """[B] -> [B, 1, 1, 1] (None stays None)."""
+    return None if x is None else x[:, None, None, None]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
 
+# The ``impl`` values every op takes (exported as ``pallas_attn.IMPLS``).
 IMPLS = ("auto", "reference", "xla", "pallas", "interpret")
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -27,6 +32,27 @@ def check_array(name: str, x, *, ndim: int, dtypes=FLOAT_DTYPES):
     if dtypes is not None and not any(jnp.dtype(x.dtype) == jnp.dtype(d) for d in dtypes):
         names = ", ".join(jnp.dtype(d).name for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({names}), got {jnp.dtype(x.dtype).name}")
+
+
+def check_nonempty(name: str, x, letters: str):
+    """Every dim of ``x`` >= 1; ``letters`` names the dims (``"BTHD"``) in the message."""
+    for letter, n in zip(letters, x.shape, strict=True):
+        if n == 0:
+            raise ValueError(f"{name} must have {letter} >= 1, got shape {tuple(x.shape)}")
+
+
+def check_qkv(q, k, v, *, letters: str):
+    """q, k, v of rank ``len(letters)`` (``"BTHD"``, or ``"THD"`` packed), no empty dim, one float
+    dtype, k and v of one shape, head dim equal and ``Hq % Hkv == 0``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(name, x, ndim=len(letters))
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("q", q), ("k", k)):
+        check_nonempty(name, x, letters.replace("T", "S") if name == "k" else letters)
+    check_heads(q.shape, k.shape)
 
 
 def check_int_array(name: str, x, shape: tuple[int, ...]):
@@ -60,15 +86,41 @@ def check_window(window_size) -> tuple[int, int]:
     return int(left), int(right)
 
 
+def _real_scalar(name: str, x, what: str) -> float:
+    """A finite Python or NumPy real scalar (not bool) as a float, else ValueError."""
+    ok = isinstance(x, numbers.Real) and not isinstance(x, bool | jax.Array)
+    if not ok or not math.isfinite(float(x)):
+        raise ValueError(f"{name} must be {what}, got {x!r}")
+    return float(x)
+
+
 def check_softcap(softcap) -> float:
-    if not isinstance(softcap, int | float) or softcap < 0:
-        raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    return float(softcap)
+    value = _real_scalar("softcap", softcap, "a finite float >= 0 (0 = off)")
+    if value < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    return value
 
 
 def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return head_dim**-0.5
-    if not isinstance(softmax_scale, int | float) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
-    return float(softmax_scale)
+    value = _real_scalar("softmax_scale", softmax_scale, "a finite float > 0")
+    if value <= 0:
+        raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
+    return value
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def first_order_only(impl: str, xs):
+    """Identity on ``xs``, placed on what a ``custom_vjp`` backward reads: differentiating that
+    backward (a second derivative, forward or reverse) raises a clear error instead of failing deep
+    inside JAX (Pallas calls and loops with traced bounds have no derivative of their own)."""
+    return xs
+
+
+@first_order_only.defjvp
+def _first_order_only_jvp(impl, primals, tangents):
+    raise ValueError(
+        f"second derivatives are not supported by impl={impl!r} (its backward is a custom kernel); "
+        'use impl="reference" for higher-order derivatives'
+    )

@@ -68,13 +68,7 @@ def flash_attention_varlen(
       out [total_q, Hq, D], or ``(out, lse)``. Tokens past ``cu_seqlens_q[-1]`` get 0 / -inf.
     """
     impl = validation.resolve_impl(impl)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        validation.check_array(name, x, ndim=3)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    validation.check_heads(q.shape, k.shape)
+    validation.check_qkv(q, k, v, letters="THD")
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0])
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)

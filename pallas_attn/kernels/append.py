@@ -4,8 +4,9 @@ One program per ``(batch row b, KV head h, block of new tokens)`` loads up to ``
 and values ``[block_t, D]``, rotates the first ``R`` dims of the keys (:mod:`pallas_attn.rotary`, gathering
 ``cos``/``sin`` at positions ``cache_seqlens[b] - cache_leftpad[b] + t`` and each dim's pair
 partner), quantises both to FP8 (``x / descale`` saturated to +-448) when the cache is FP8, and
-scatters them to ``cache[idx0, idx1, h, :]``: ``(cache_batch_idx[b], cache_seqlens[b] + t)`` when
-contiguous, ``(block_table[b, pos // P], pos % P)`` when paged. Tokens past a row's capacity, or
+scatters them to ``cache[idx0, idx1, h, :]`` (:func:`pallas_attn.cache.locate`):
+``(cache_batch_idx[b], cache_seqlens[b] + t)`` when contiguous, ``(block_table[b, pos // P], pos % P)``
+when paged. Tokens past a row's capacity, or
 whose block-table entry is negative or out of range, are not written. The caches are aliased to the
 outputs, so only the new slots are touched; under donation no second cache buffer exists.
 """
@@ -19,24 +20,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import rotary
-from pallas_attn.kernels.decode import next_pow2
-from pallas_attn.kvcache_ref import FP8_MAX
+from pallas_attn import cache, rotary, shapes
 
 
 def _kernel(
     k_new_ref,  # [B, Tn, Hkv, D]
-    v_new_ref,
+    v_new_ref,  # [B, Tn, Hkv, D]
     seqlens_ref,  # [B]
     leftpad_ref,  # [B]
     index_ref,  # contiguous: [B] cache row; paged: [B, max_blocks]
     cos_ref,  # [max_pos, R/2] or None
-    sin_ref,
+    sin_ref,  # [max_pos, R/2] or None
     descale_ref,  # [2, B, Hkv] float32 or None
     k_in_ref,  # aliased to k_out_ref
-    v_in_ref,
-    k_out_ref,
-    v_out_ref,
+    v_in_ref,  # aliased to v_out_ref
+    k_out_ref,  # [Bc, S, Hkv, D] or [num_pages, P, Hkv, D]: the whole cache
+    v_out_ref,  # same as k_out_ref
     *,
     Tn: int,
     block_t: int,
@@ -50,47 +49,51 @@ def _kernel(
     # stores duplicate a real lane's store (same address, same value) instead of needing a mask.
     t = i * block_t + jnp.arange(block_t, dtype=jnp.int32)
     t = jnp.minimum(t, Tn - 1)[:, None]
-    d = jnp.arange(next_pow2(D, floor=1), dtype=jnp.int32)[None, :]
-    if next_pow2(D, floor=1) != D:
+    d = jnp.arange(shapes.next_pow2(D), dtype=jnp.int32)[None, :]
+    if shapes.next_pow2(D) != D:
         d = jnp.minimum(d, D - 1)
     k = k_new_ref[b, t, h, d].astype(jnp.float32)
     v = v_new_ref[b, t, h, d].astype(jnp.float32)
     seqlen = seqlens_ref[b]
 
     if cos_ref is not None:
-        R = 2 * cos_ref.shape[1]
-        rot = jnp.broadcast_to(d < R, k.shape)
-        d_r = jnp.minimum(d, R - 1)
-        pos = jnp.clip(seqlen - leftpad_ref[b] + t, 0, cos_ref.shape[0] - 1)
-        f = rotary.frequency_index(d_r, R, interleaved)
-        c = plgpu.load(cos_ref.at[pos, f], mask=rot, other=1).astype(jnp.float32)
-        s = plgpu.load(sin_ref.at[pos, f], mask=rot, other=0).astype(jnp.float32)
-        partner = rotary.partner_index(d_r, R, interleaved)
-        kp = k_new_ref[b, t, h, partner].astype(jnp.float32)
-        k = k * c + rotary.sign(d_r, R, interleaved) * kp * s
+        pos = seqlen - leftpad_ref[b] + t  # [block_t, 1] rotary positions
+        partner = lambda p: k_new_ref[b, t, h, p].astype(jnp.float32)  # noqa: E731
+        k = _rotate(k, partner, cos_ref, sin_ref, pos, d, interleaved)
         k = k.astype(k_new_ref.dtype).astype(jnp.float32)  # rotated keys are in k's dtype
 
     if descale_ref is not None:
-        k = jnp.clip(k / descale_ref[0, b, h], -FP8_MAX, FP8_MAX)
-        v = jnp.clip(v / descale_ref[1, b, h], -FP8_MAX, FP8_MAX)
+        k = cache.quantize(k, descale_ref[0, b, h])
+        v = cache.quantize(v, descale_ref[1, b, h])
 
     cache_pos = seqlen + t  # [block_t, 1]
     if paged:
-        P, num_blocks = k_out_ref.shape[1], k_out_ref.shape[0]
+        page_of = lambda blk: index_ref[b, blk]  # noqa: E731
         max_blocks = index_ref.shape[1]
-        blk = cache_pos // P
-        page = index_ref[b, jnp.clip(blk, 0, max_blocks - 1)]
-        store_ok = (blk < max_blocks) & (page >= 0) & (page < num_blocks)
-        idx0, idx1 = jnp.clip(page, 0, num_blocks - 1), cache_pos % P
+        idx0, idx1, store_ok = cache.locate(
+            cache_pos, k_out_ref.shape, page_of=page_of, max_blocks=max_blocks
+        )
     else:
-        S = k_out_ref.shape[1]
-        store_ok = cache_pos < S
-        idx0 = jnp.full(t.shape, index_ref[b], jnp.int32)
-        idx1 = jnp.minimum(cache_pos, S - 1)
+        idx0, idx1, store_ok = cache.locate(cache_pos, k_out_ref.shape, row=index_ref[b])
     at = (idx0, idx1, h, d)
     store_ok = jnp.broadcast_to(store_ok, k.shape)
     plgpu.store(k_out_ref.at[at], k.astype(k_out_ref.dtype), mask=store_ok)
     plgpu.store(v_out_ref.at[at], v.astype(v_out_ref.dtype), mask=store_ok)
+
+
+def _rotate(k, partner, cos_ref, sin_ref, pos, d, interleaved: bool):
+    """:mod:`pallas_attn.rotary` on a [block_t, Dp] tile ``k``: dims ``d < R`` rotated with
+    ``cos``/``sin`` gathered at ``pos`` (clamped to the table, which the API checked when it could);
+    ``partner(dims)`` loads the pair partners."""
+    R = 2 * cos_ref.shape[1]
+    rot = jnp.broadcast_to(d < R, k.shape)
+    d_r = jnp.minimum(d, R - 1)
+    pos = jnp.clip(pos, 0, cos_ref.shape[0] - 1)
+    f = rotary.frequency_index(d_r, R, interleaved)
+    c = plgpu.load(cos_ref.at[pos, f], mask=rot, other=1).astype(jnp.float32)
+    s = plgpu.load(sin_ref.at[pos, f], mask=rot, other=0).astype(jnp.float32)
+    kp = partner(rotary.partner_index(d_r, R, interleaved))
+    return k * c + rotary.sign(d_r, R, interleaved) * kp * s
 
 
 @functools.partial(jax.jit, static_argnames=("interleaved", "interpret"))
@@ -122,7 +125,7 @@ def append(
     """
     B, Tn, Hkv, D = k.shape
     whole = lambda x: None if x is None else pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    block_t = min(next_pow2(Tn, floor=1), 16)
+    block_t = min(shapes.next_pow2(Tn), 16)
     kernel = functools.partial(
         _kernel, Tn=Tn, block_t=block_t, D=D, interleaved=interleaved, paged=index.ndim == 2
     )

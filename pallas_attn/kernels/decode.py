@@ -3,9 +3,9 @@
 Algorithm (Dao et al., "Flash-Decoding for long-context inference", 2023): the visible key range
 of a batch row is cut into ``num_splits`` contiguous chunks; one program handles one
 ``(batch row b, KV head h, block of packed query rows, split s)``. Within its chunk a program runs
-FlashAttention-2's online softmax over key tiles of ``block_n`` keys, keeping per packed row a running
-max ``m`` of the scaled scores, a running sum ``l`` of ``exp(s - m)`` and ``acc = sum exp(s - m) v``;
-it writes the partial ``out_s = acc / l`` and ``lse_s = m + log(l)`` (``-inf`` where it saw no key).
+FlashAttention-2's online softmax (:mod:`pallas_attn.softmax`: base-2 running max ``m``, sum ``l``,
+accumulator ``acc``) over key tiles of ``block_n`` keys, and writes the partial ``out_s = acc / l``
+and natural-log ``lse_s`` (``-inf`` where it saw no key).
 The combine step merges the splits: ``lse = logsumexp_s(lse_s)``,
 ``out = sum_s exp(lse_s - lse) * out_s``.
 
@@ -14,11 +14,12 @@ into the rows of one tile (row ``r = t * G + g``), so each K/V tile is loaded on
 the matmuls have ``G * Tq`` rows instead of ``Tq``. Rows and the head dim are padded to powers of two
 >= 16 (Triton's ``dot``); the cache itself is never padded or copied.
 
-Keys are read one row of ``D`` values per key through an index pair ``(idx0, idx1)`` into the cache:
+Keys are read one row of ``D`` values per key through :func:`pallas_attn.cache.locate`:
 ``(cache_batch_idx[b], pos)`` for a contiguous cache ``[Bc, S, Hkv, D]``, ``(block_table[b, pos // P],
 pos % P)`` for a paged one ``[num_blocks, P, Hkv, D]``. Block-table entries are looked up inside the
 kernel, only for blocks below the row's length; indices are clamped before every load and loads
-past the length are masked, so ``-1`` (or any) entries past a row's length are never read.
+outside ``[kv_start, kv_len)`` are masked to 0, so ``-1`` (or any) entries past a row's length, and
+NaN in slots a row does not own, are never read.
 
 FP8 caches (``float8_e4m3fn``) are converted to q's dtype after the load; ``k_descale`` folds into the
 softmax scale and ``v_descale`` multiplies the output.
@@ -35,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import heuristics, masks
+from pallas_attn import cache, heuristics, masks, shapes, softmax
 from pallas_attn.kernels import flash_common
 
 
@@ -67,53 +68,17 @@ class DecodeConfig:
             group=G,
             block_m=block_m,
             block_n=block_n,
-            num_splits=choose_splits(num_splits, programs, capacity, block_n),
+            num_splits=heuristics.choose_splits(num_splits, programs, capacity, block_n),
             num_warps=num_warps,
             num_stages=num_stages,
         )
 
 
-def next_pow2(x: int, floor: int = 16) -> int:
-    """Smallest power of two >= max(x, floor) (Triton block dims; ``dot`` needs >= 16)."""
-    return max(floor, 1 << max(0, (x - 1).bit_length()))
-
-
-def num_sms() -> int:
-    """Streaming multiprocessors of the first GPU, or the heuristics' default off GPU."""
-    device = jax.devices()[0]
-    return getattr(device, "core_count", None) or heuristics.DEFAULT_NUM_SMS
-
-
-def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int) -> int:
-    """``num_splits`` as asked, or FlashAttention's heuristic for 0, capped by the key blocks."""
-    n_blocks = pl.cdiv(capacity, block_n)
-    if num_splits == 0:
-        num_splits = heuristics.num_splits_heuristic(programs, num_sms(), n_blocks)
-    return max(1, min(num_splits, n_blocks))
-
-
-def _kernel(
-    q_ref,  # [block_m, Dp]
-    kv_len_ref,  # [B] keys [0, kv_len) exist
-    kv_start_ref,  # [B] first valid key (leftpad)
-    index_ref,  # contiguous: [B] cache row; paged: [B, max_blocks] block table
-    descale_ref,  # [2, B, Hkv] float32 (k, v), FP8 caches only, else None
-    k_ref,  # whole cache
-    v_ref,
-    o_ref,  # [block_m, Dp] float32 partial output of this split
-    lse_ref,  # [block_m] float32
-    *,
-    cfg: DecodeConfig,
-    Tq: int,
-    D: int,
-    paged: bool,
-):
-    b, h, mi, split = (pl.program_id(i) for i in range(4))
-    block_m, block_n, G = cfg.block_m, cfg.block_n, cfg.group
-    Dp = q_ref.shape[-1]
-    kv_len, kv_start = kv_len_ref[b], kv_start_ref[b]
+def _split_keys(cfg: DecodeConfig, Tq: int, mi, split, kv_start, kv_len):
+    """Positions [block_m] of the packed rows of block ``mi`` and the key tiles ``[j_start, j_end)``
+    of split ``split``: the visible key range of those rows cut into ``num_splits`` chunks."""
+    block_m, G = cfg.block_m, cfg.group
     q_offset = kv_len - Tq  # query t sits at key position q_offset + t
-
     rows = mi * block_m + jnp.arange(block_m, dtype=jnp.int32)
     q_pos = q_offset + jnp.minimum(rows // G, Tq - 1)
     first_t = (mi * block_m) // G
@@ -121,89 +86,90 @@ def _kernel(
     lo, hi = masks.key_range(
         q_offset + first_t, q_offset + last_t, window=cfg.window, kv_start=kv_start, kv_len=kv_len
     )
-    j_lo = jnp.maximum(lo, 0) // block_n
-    j_hi = jnp.where(hi > lo, pl.cdiv(hi, block_n), j_lo)
+    j_lo = jnp.maximum(lo, 0) // cfg.block_n
+    j_hi = jnp.where(hi > lo, pl.cdiv(hi, cfg.block_n), j_lo)
     per_split = pl.cdiv(j_hi - j_lo, cfg.num_splits)
     j_start = j_lo + split * per_split
-    j_end = jnp.minimum(j_start + per_split, j_hi)
+    return q_pos, j_start, jnp.minimum(j_start + per_split, j_hi)
 
-    scale = cfg.softmax_scale
-    if descale_ref is not None:
-        scale = scale * descale_ref[0, b, h]
-    q = q_ref[...]
+
+def _load_keys(k_ref, v_ref, index_ref, b, h, pos, kv_start, kv_len, Dp: int, dtype, paged: bool):
+    """K and V rows [block_n, Dp] (zero lanes past D) of key positions ``pos`` [block_n], in ``dtype``.
+
+    Slots come from :func:`pallas_attn.cache.locate`; paged, only block-table entries of blocks
+    below the row's length are looked up. Keys outside ``[kv_start, kv_len)`` (memory the row
+    does not own) and lanes past D are not read and come back 0, so NaN there never reaches a dot.
+    """
+    D = k_ref.shape[-1]
+    if paged:
+        max_blocks = index_ref.shape[1]
+        last_block = jnp.clip((kv_len - 1) // k_ref.shape[1], 0, max_blocks - 1)
+        page_of = lambda blk: index_ref[b, jnp.minimum(blk, last_block)]  # noqa: E731
+        idx0, idx1, _ = cache.locate(pos, k_ref.shape, page_of=page_of, max_blocks=max_blocks)
+    else:
+        idx0, idx1, _ = cache.locate(pos, k_ref.shape, row=index_ref[b])
     # Head-dim lanes: a plain arange when D is a power of two, so Triton sees contiguous
     # addresses along D and vectorises the loads; else padded lanes are clamped and masked.
     d = jnp.arange(Dp, dtype=jnp.int32)[None, :]
-    d_idx = d if D == Dp else jnp.minimum(d, D - 1)
+    ok = masks.key_owned(pos, kv_start, kv_len)[:, None]
+    if D != Dp:
+        ok = ok & (d < D)
+        d = jnp.minimum(d, D - 1)
+    ok = jnp.broadcast_to(ok, (pos.shape[0], Dp))
+    at = (idx0[:, None], idx1[:, None], h, d)
+    return tuple(
+        jnp.where(ok, plgpu.load(ref.at[at], mask=ok).astype(dtype), 0) for ref in (k_ref, v_ref)
+    )
 
-    def key_index(pos):
-        """(idx0, idx1) [block_n] into the cache for key positions ``pos``, clamped in bounds.
 
-        Paged: only block-table entries of blocks below the row's length are looked up.
-        """
-        if paged:
-            P, max_blocks = k_ref.shape[1], index_ref.shape[1]
-            last_block = jnp.clip((kv_len - 1) // P, 0, max_blocks - 1)
-            page = index_ref[b, jnp.clip(pos // P, 0, last_block)]
-            return jnp.clip(page, 0, k_ref.shape[0] - 1), pos % P
-        row = jnp.full((block_n,), index_ref[b], jnp.int32)
-        return row, jnp.clip(pos, 0, k_ref.shape[1] - 1)
-
-    def load(ref, at, ok):
-        """Masked gather; lanes past the length or D are zeroed (no NaN from unwritten slots)."""
-        x = plgpu.load(ref.at[at], mask=ok)
-        return jnp.where(ok, x.astype(q.dtype), 0)
+def _kernel(
+    q_ref,  # [block_m, Dp] packed query rows (row r = t * G + g)
+    kv_len_ref,  # [B] keys [0, kv_len) exist
+    kv_start_ref,  # [B] first valid key (leftpad)
+    index_ref,  # contiguous: [B] cache row; paged: [B, max_blocks] block table
+    descale_ref,  # [2, B, Hkv] float32 (k, v), FP8 caches only, else None
+    tree_ref,  # [block_m, Tqp] int32 tree-mask row of each packed row, or None
+    k_ref,  # [Bc, S, Hkv, D] or [num_pages, P, Hkv, D]: the whole cache
+    v_ref,  # same as k_ref
+    o_ref,  # [block_m, Dp] float32 partial output of this split
+    lse_ref,  # [block_m] float32
+    *,
+    cfg: DecodeConfig,
+    Tq: int,
+    paged: bool,
+):
+    b, h, mi, split = (pl.program_id(i) for i in range(4))
+    kv_len, kv_start = kv_len_ref[b], kv_start_ref[b]
+    q_pos, j_start, j_end = _split_keys(cfg, Tq, mi, split, kv_start, kv_len)
+    scale = cfg.softmax_scale
+    if descale_ref is not None:
+        scale = scale * descale_ref[0, b, h]  # k_descale folds into the softmax scale
+    q = q_ref[...]
+    Dp = q.shape[-1]
 
     def body(j, carry):
-        m, l, acc = carry
-        pos = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
-        idx0, idx1 = key_index(pos)
-        load_ok = (pos < kv_len)[:, None]
-        if D != Dp:
-            load_ok = load_ok & (d < D)
-        load_ok = jnp.broadcast_to(load_ok, (block_n, Dp))
-        at = (idx0[:, None], idx1[:, None], h, d_idx)
-        k, v = load(k_ref, at, load_ok), load(v_ref, at, load_ok)
-        s = flash_common.dot_nt(q, k) * scale  # [block_m, block_n] float32
-        if cfg.softcap > 0:
-            s = cfg.softcap * jnp.tanh(s / cfg.softcap)
-        visible = masks.visible(
-            q_pos[:, None], pos[None, :], window=cfg.window, kv_start=kv_start, kv_len=kv_len
-        )
-        s = jnp.where(visible, s, masks.MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        acc = acc * alpha[:, None] + flash_common.dot_nn(p.astype(v.dtype), v)
-        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+        pos = j * cfg.block_n + jnp.arange(cfg.block_n, dtype=jnp.int32)
+        k, v = _load_keys(k_ref, v_ref, index_ref, b, h, pos, kv_start, kv_len, Dp, q.dtype, paged)
+        s2, _ = softmax.scale_scores(flash_common.dot_nt(q, k), scale, cfg.softcap)
+        mask = masks.visible(
+            q_pos[:, None], pos[None, :], window=cfg.window, kv_start=kv_start, kv_len=kv_len,
+            tree_rows=None if tree_ref is None else tree_ref[...], tree_start=kv_len - Tq,
+        )  # fmt: skip
+        return softmax.step(carry, s2, v, flash_common.pv, mask)
 
-    init = (
-        jnp.full((block_m,), masks.MASK_VALUE, jnp.float32),
-        jnp.zeros((block_m,), jnp.float32),
-        jnp.zeros((block_m, Dp), jnp.float32),
-    )
-    m, l, acc = lax.fori_loop(j_start, j_end, body, init)
-    seen = l > 0
-    out = acc / jnp.where(seen, l, 1.0)[:, None]
+    init = softmax.init((cfg.block_m,), q.shape[-1])
+    out, lse = softmax.finalize(*lax.fori_loop(j_start, j_end, body, init))
     if descale_ref is not None:
         out = out * descale_ref[1, b, h]
     o_ref[...] = out
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    lse_ref[...] = lse
 
 
 def combine(out_s, lse_s):
     """Merges split partials. out_s [..., n, M, Dp], lse_s [..., n, M] -> ([..., M, Dp], [..., M])."""
     if out_s.shape[-3] == 1:
         return out_s[..., 0, :, :], lse_s[..., 0, :]
-    m = jnp.max(lse_s, axis=-2, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse_s - m_safe)  # 0 for splits that saw nothing
-    total = jnp.sum(w, axis=-2)
-    out = jnp.sum(w[..., None] * out_s, axis=-3) / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(
-        total > 0, m_safe[..., 0, :] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf
-    )
-    return out, lse
+    return softmax.combine(out_s, lse_s, axis=-2)
 
 
 def pack_queries(q, Hkv: int, block_m: int, Dp: int):
@@ -223,8 +189,20 @@ def unpack(out, lse, Tq: int, G: int, D: int):
     return out.reshape(B, Tq, Hkv * G, D), lse.reshape(B, Hkv * G, Tq)
 
 
+def pack_tree(tree, G: int, Mp: int):
+    """tree [B, Tq, Tq] bool -> [B, Mp, Tqp] int32: packed row ``t * G + g`` gets tree row ``t``
+    (padding rows repeat the last), columns zero padded to a power of two."""
+    B, Tq, _ = tree.shape
+    t = jnp.minimum(jnp.arange(Mp) // G, Tq - 1)
+    Tqp = shapes.next_pow2(Tq, floor=16)
+    return jnp.pad(tree[:, t].astype(jnp.int32), ((0, 0), (0, 0), (0, Tqp - Tq)))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: DecodeConfig, interpret):
+def decode(
+    q, k_cache, v_cache, kv_len, kv_start, index, descale, tree=None, *, cfg: DecodeConfig,
+    interpret,
+):  # fmt: skip
     """Split-KV attention of q over a cache whose rows already hold every key.
 
     Args:
@@ -234,18 +212,23 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: Decode
       kv_len, kv_start: [B] int32, keys ``[kv_start, kv_len)`` are valid; query ``t`` sits at
         position ``kv_len - Tq + t``.
       descale: [2, B, Hkv] float32 (k, v) for FP8 caches, else None.
+      tree: [B, Tq, Tq] bool tree mask among the last Tq keys (``masks.tree_visible``), or None.
 
     Returns:
       out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32.
     """
     B, Tq, Hq, D = q.shape
     Hkv = k_cache.shape[2]
-    Dp = next_pow2(D)
+    Dp = shapes.next_pow2(D, floor=16)
     packed = pack_queries(q, Hkv, cfg.block_m, Dp)
     Mp = packed.shape[2]
     grid = (B, Hkv, Mp // cfg.block_m, cfg.num_splits)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    kernel = functools.partial(_kernel, cfg=cfg, Tq=Tq, D=D, paged=index.ndim == 2)
+    kernel = functools.partial(_kernel, cfg=cfg, Tq=Tq, paged=index.ndim == 2)
+    tree_spec = None
+    if tree is not None:
+        tree = pack_tree(tree, cfg.group, Mp)
+        tree_spec = pl.BlockSpec((None, cfg.block_m, tree.shape[2]), lambda b, h, i, s: (b, i, 0))
     n = cfg.num_splits
     out_s, lse_s = pl.pallas_call(
         kernel,
@@ -256,6 +239,7 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: Decode
             whole(kv_start),
             whole(index),
             None if descale is None else whole(descale),
+            tree_spec,
             whole(k_cache),
             whole(v_cache),
         ],
@@ -270,7 +254,7 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, descale, *, cfg: Decode
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name="kvcache_decode",
-    )(packed, kv_len, kv_start, index, descale, k_cache, v_cache)
+    )(packed, kv_len, kv_start, index, descale, tree, k_cache, v_cache)
     out, lse = combine(out_s, lse_s)
     out, lse = unpack(out, lse, Tq, cfg.group, D)
     return out.astype(q.dtype), lse

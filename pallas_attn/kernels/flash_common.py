@@ -1,22 +1,19 @@
 """What the flash forward and backward kernels share: the static config, scores, masks, block ranges.
 
-Scores live in the base-2 domain inside the kernels: ``s2 = log2(e) * scale * Q K^T`` (after the
-softcap), so every exponential is an ``exp2``; the lse handed between kernels is ``log2(e) * lse``.
+Scores live in the base-2 domain inside the kernels (:mod:`pallas_attn.softmax`):
+``s2 = log2(e) * scale * Q K^T`` (after the softcap), so every exponential is an ``exp2``; the lse
+handed between kernels is ``log2(e) * lse``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import masks
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+from pallas_attn import masks, softmax
 
 # Row layout of the per-batch int32 metadata array [B, META_WIDTH] passed to every kernel.
 Q_OFFSET, KV_START, KV_LEN = 0, 1, 2
@@ -43,10 +40,9 @@ class Config:
     interpret: bool
 
 
-def compiler_params(cfg: Config):
-    """Triton compiler params (``CompilerParams``; ``TritonCompilerParams`` on older JAX)."""
-    cls = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
-    return cls(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def compiler_params(cfg: Config) -> plgpu.CompilerParams:
+    """Triton compiler params; passed explicitly, as the default GPU backend is Mosaic GPU."""
+    return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def dot_nt(a, b):
@@ -61,11 +57,12 @@ def dot_nn(a, b):
 
 def scores(cfg: Config, a, b):
     """Base-2 scores ``log2(e) * cap(scale * a b^T)`` [M, N] float32, and ``tanh`` (softcap only)."""
-    s = dot_nt(a, b)
-    if cfg.softcap > 0:
-        t = jnp.tanh(s * (cfg.softmax_scale / cfg.softcap))
-        return t * (cfg.softcap * LOG2E), t
-    return s * (cfg.softmax_scale * LOG2E), None
+    return softmax.scale_scores(dot_nt(a, b), cfg.softmax_scale, cfg.softcap)
+
+
+def pv(p, v):
+    """``p @ v`` for :func:`pallas_attn.softmax.step`: probabilities in v's dtype, float32 sum."""
+    return dot_nn(p.astype(v.dtype), v)
 
 
 def tile_visible(cfg: Config, q_pos, k_pos, kv_start, kv_len, q_seg=None, kv_seg=None):
@@ -79,6 +76,13 @@ def tile_visible(cfg: Config, q_pos, k_pos, kv_start, kv_len, q_seg=None, kv_seg
         q_segment_ids=q_seg,
         kv_segment_ids=kv_seg,
     )
+
+
+def zero_unowned_rows(start, kv_start, kv_len, *tiles):
+    """Zeroes the rows of ``[bk, D]`` key/value tiles (keys ``start + [0, bk)``) that lie outside
+    ``[kv_start, kv_len)``: memory the row does not own may hold NaN (:func:`masks.key_owned`)."""
+    k_pos = positions(start, tiles[0].shape[0])[:, None]  # [bk, 1]
+    return masks.zero_unowned(masks.key_owned(k_pos, kv_start, kv_len), *tiles)
 
 
 def key_block_range(cfg: Config, q_first, q_last, kv_start, kv_len, block_k: int, num_blocks: int):

@@ -3,18 +3,14 @@
 One program per (query block, batch, query head). It loads its ``[block_q, D]`` query tile once and
 walks only the key blocks the mask can make visible (causal/window/valid length; see
 :func:`flash_common.key_block_range`); the blocks every row fully sees skip the mask arithmetic
-(:func:`flash_common.split_loop`). It keeps per row, in float32:
-
-* ``m``: running max of the base-2 scores seen so far (``MASK_VALUE`` until a key is visible),
-* ``l``: running sum of ``exp2(s - m)`` over visible keys,
-* ``acc``: the unnormalised output ``sum exp2(s - m) v``, rescaled by ``exp2(m_old - m_new)``
-  whenever the max grows.
-
-At the end ``out = acc / l`` and ``lse = ln2 * m + log(l)`` (natural log); a row that saw no key
-has ``l = 0`` and gets ``out = 0``, ``lse = -inf``.
+(:func:`flash_common.split_loop`). It keeps per row the online-softmax state of
+:mod:`pallas_attn.softmax` (running max ``m`` of the base-2 scores, sum ``l``, accumulator ``acc``,
+float32) and ends with ``out = acc / l``, ``lse = ln2 * m + log(l)`` (natural log); a row that saw
+no key gets ``out = 0``, ``lse = -inf``.
 
 Inputs are pre-padded by :mod:`pallas_attn.flash`: T to a multiple of ``block_q``, S to a multiple
-of ``block_k``, D to a power of two >= 16, so every load is a full, unmasked tile.
+of ``block_k``, D to a power of two >= 16, so every load is a full, unmasked tile. Masked tiles
+zero the K/V rows of keys outside ``[kv_start, kv_len)`` (memory the row does not own).
 """
 
 from __future__ import annotations
@@ -25,11 +21,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_attn import masks
+from pallas_attn import softmax
 from pallas_attn.kernels import flash_common as fc
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, cfg: fc.Config, num_k_blocks: int):
+def _kernel(
+    meta_ref,  # [META_WIDTH] int32: q_offset, kv_start, kv_len of this batch row
+    q_ref,  # [block_q, D]
+    k_ref,  # [Sp, D]
+    v_ref,  # [Sp, D]
+    *refs,  # segments only: q_seg_ref [block_q], kv_seg_ref [Sp]; then o_ref [block_q, D], lse_ref [block_q]
+    cfg: fc.Config,
+    num_k_blocks: int,
+):
     if cfg.segments:
         q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
     else:
@@ -42,36 +46,25 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, cfg: fc.Config, num_k_blocks: 
     q_seg = q_seg_ref[...][:, None] if cfg.segments else None
 
     def body(j, carry, masked):
-        m, l, acc = carry
         start = pl.multiple_of(j * bk, bk)
-        s, _ = fc.scores(cfg, q, k_ref[pl.ds(start, bk), :])  # [bq, bk]
+        k = k_ref[pl.ds(start, bk), :]  # [bk, D]
+        v = v_ref[pl.ds(start, bk), :]
+        mask = None
         if masked:
+            k, v = fc.zero_unowned_rows(start, kv_start, kv_len, k, v)
             kv_seg = kv_seg_ref[pl.ds(start, bk)][None, :] if cfg.segments else None
             k_pos = fc.positions(start, bk)[None, :]
             mask = fc.tile_visible(cfg, q_pos, k_pos, kv_start, kv_len, q_seg, kv_seg)
-            s = jnp.where(mask, s, masks.MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        if masked:
-            p = jnp.where(mask, p, 0.0)
-        v = v_ref[pl.ds(start, bk), :]
-        acc = acc * alpha[:, None] + fc.dot_nn(p.astype(v.dtype), v)
-        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+        s, _ = fc.scores(cfg, q, k)  # [bq, bk]
+        return softmax.step(carry, s, v, fc.pv, mask)
 
     q_last = q_first + bq - 1
     lo, hi = fc.key_block_range(cfg, q_first, q_last, kv_start, kv_len, bk, num_k_blocks)
     full = fc.full_key_blocks(cfg, q_first, q_last, kv_start, kv_len, bk)
-    init = (
-        jnp.full((bq,), masks.MASK_VALUE, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-        jnp.zeros(q.shape, jnp.float32),
-    )
-    m, l, acc = fc.split_loop(cfg, lo, hi, full, body, init)
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m * fc.LN2 + jnp.log(l_safe), -jnp.inf)
+    m, l, acc = fc.split_loop(cfg, lo, hi, full, body, softmax.init((bq,), q.shape[-1]))
+    out, lse = softmax.finalize(m, l, acc)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def forward(cfg: fc.Config, q, k, v, meta, q_seg=None, kv_seg=None):

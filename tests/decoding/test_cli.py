@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
+from flax import nnx
 
-from decoding.__main__ import main
+from decoding.__main__ import encode_prompt, main
+from models import ByteTokenizer, Transformer, TransformerConfig
 from models.hf import save_hf_checkpoint
 
 
@@ -23,7 +26,10 @@ from models.hf import save_hf_checkpoint
         (["hi", "--model", "no-such-model"], "no-such-model"),
         (["hi", "--cache", "ring"], "cache"),
         (["hi", "--page-size", "0"], "page-size"),
-        (["hi", "--speculative"], "unrecognized"),
+        (["hi", "--seed", "-1"], "argument --seed: expected an int in [0, 2**32)"),
+        (["hi", "--seed", "99999999999"], "argument --seed: expected an int in [0, 2**32)"),
+        (["hi", "--seed", "1.5"], "argument --seed: expected an int in [0, 2**32)"),
+        (["hi", "--speculative"], "speculative"),
         ([], "prompt"),
         ([""], "prompt must not be empty"),
     ],
@@ -63,3 +69,56 @@ def test_default_model_is_the_shipped_code_target(capsys):
     assert main(["def fibonacci(n):", "--max-new-tokens", "4", "--temperature", "0.8"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def fibonacci(n):") and " tokens | prefill" in err
+
+
+def _usage_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "Traceback" not in err
+    return err
+
+
+def _gpt2_checkpoint(path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, n_positions=16, vocab_size=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda path: None, "no config.json"),
+        (_gpt2_checkpoint, "unsupported architecture 'GPT2LMHeadModel'"),
+        (lambda path: (path / "config.json").write_text("{oops"), "not valid JSON"),
+    ],
+    ids=["empty", "gpt2", "malformed-json"],
+)
+def test_unloadable_checkpoint_is_a_usage_error(make, match, tmp_path, capsys):
+    make(tmp_path)
+    err = _usage_error(["hi", "--model", str(tmp_path)], capsys)
+    assert f"--model {tmp_path}" in err and match in err
+
+
+def test_byte_tokenizer_that_does_not_fit_is_a_usage_error(tmp_path, capsys):
+    """V = 96 (and no tokenizer files): the byte ids and BOS/EOS 256/257 are out of range."""
+    config = TransformerConfig.preset("tiny", vocab_size=96, bos_id=None, eos_id=None)
+    save_hf_checkpoint(Transformer(config, rngs=nnx.Rngs(0)), str(tmp_path))
+    err = _usage_error(["hi", "--model", str(tmp_path)], capsys)
+    assert "byte tokenizer" in err and "does not fit" in err and "vocab_size 96" in err
+    assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == 96
+
+
+@pytest.mark.parametrize(
+    "vocab_size, ids, want_ids, want_eos",
+    [
+        (264, dict(bos_id=5, eos_id=7), [5, 104, 105], 7),  # the checkpoint's ids first
+        (264, dict(bos_id=None, eos_id=None), [256, 104, 105], 257),  # else the tokenizer's
+        (256, dict(bos_id=None, eos_id=None), [104, 105], None),  # ... where they fit
+    ],
+)
+def test_special_ids_come_from_the_checkpoint(vocab_size, ids, want_ids, want_eos):
+    config = TransformerConfig.preset("tiny", vocab_size=vocab_size, **ids)
+    assert encode_prompt("hi", ByteTokenizer(), config) == (want_ids, want_eos)

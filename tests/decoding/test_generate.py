@@ -119,6 +119,9 @@ def test_pool_too_small_raises_before_work(tiny_model):
         ({"prompts": [[1], []]}, "prompt 1"),
         ({"prompts": [[1, 999]]}, "token ids"),
         ({"max_new_tokens": 600}, "max_position"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**32}, "seed"),
+        ({"prompts": np.ones((2, 3, 1), np.int32)}, "prompts"),
     ],
 )
 def test_bad_arguments_raise(tiny_model, kwargs, match):
@@ -127,9 +130,49 @@ def test_bad_arguments_raise(tiny_model, kwargs, match):
         generate(tiny_model, args.pop("prompts"), **args)
 
 
-def test_sampling_must_be_config(tiny_model):
-    with pytest.raises(TypeError, match="SamplingConfig"):
-        generate(tiny_model, PROMPTS, max_new_tokens=2, sampling={"temperature": 1.0})
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"eos_id": 2.9}, "eos_id"),
+        ({"eos_id": True}, "eos_id"),
+        ({"seed": 1.5}, "seed"),
+        ({"prompts": [[1, 2.7]]}, "prompt 0"),
+        ({"prompts": [[1], [np.float32(3.0)]]}, "prompt 1"),
+        ({"prompts": np.ones((1, 3), np.float32)}, "prompts"),
+    ],
+)
+def test_non_int_ids_and_seed_are_type_errors(tiny_model, kwargs, match):
+    """Floats were truncated silently (2.9 -> 2); now the argument is named."""
+    args = {"prompts": PROMPTS, "max_new_tokens": 4} | kwargs
+    with pytest.raises(TypeError, match=match):
+        generate(tiny_model, args.pop("prompts"), **args)
+
+
+def test_seed_range_ends_are_accepted(tiny_model, greedy_paged):
+    for seed in (0, np.uint32(2**32 - 1)):  # greedy: the seed is used but cannot matter
+        assert generate(tiny_model, PROMPTS, max_new_tokens=NEW, seed=seed).tokens == (
+            greedy_paged.tokens
+        )
+
+
+class _Allocated(Exception):
+    pass
+
+
+def test_page_size_is_capped_at_what_the_request_uses(tiny_model, monkeypatch):
+    """A page of 1e6 positions for 12 new tokens allocated [B, 1e6, Hkv, D] per layer."""
+    sizes = []
+
+    def spy(config, num_pages, page_size, block_table, **placement):
+        sizes.append((num_pages, page_size))
+        raise _Allocated  # stop before allocating or compiling anything
+
+    monkeypatch.setattr(KVCache, "paged", spy)
+    with pytest.raises(_Allocated):
+        generate(tiny_model, PROMPTS, max_new_tokens=NEW, page_size=1_000_000)
+    [(num_pages, page_size)] = sizes
+    assert page_size == 64 + 64  # bucketed prompt + new tokens
+    assert num_pages == 4  # B = 3 padded to 4, one page each
 
 
 def test_prefill_and_decode_step_compose_and_roll_back(tiny_model, greedy_paged):

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
@@ -148,3 +150,45 @@ def test_bad_config_raises(kwargs):
 
 def test_config_is_hashable_static_arg():
     assert hash(SamplingConfig(temperature=1, top_k=3)) == hash(SamplingConfig(1.0, 3))
+
+
+REPRO = np.array([[2.0, 5.0, -1.0, 0.0], [0.5, 0.1, 3.0, 2.9]], np.float32)  # argmax [1, 2]
+TINY_TEMPERATURES = (1e-30, 1.5e-38, 1e-38, 1e-40, 1.4e-45, 5e-324, 1e-300)
+FILTERS = {
+    "none": {},
+    "top_k": {"top_k": 2},
+    "top_p": {"top_p": 0.9},
+    "min_p": {"min_p": 0.1},
+    "all": {"top_k": 3, "top_p": 0.5, "min_p": 0.2},
+}
+
+
+@pytest.mark.parametrize("filters", list(FILTERS))
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_tiny_temperatures_are_greedy(temperature, filters):
+    """T far below float32's range (denormal, or 0 once converted) must still pick the argmax:
+    dividing first gave inf - inf = NaN probabilities and arbitrary tokens."""
+    cfg = SamplingConfig(temperature=temperature, **FILTERS[filters])
+    want = REPRO.argmax(-1)
+    for seed in range(3):
+        got = np.asarray(sample(jnp.asarray(REPRO), jax.random.key(seed), cfg))
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(probabilities(REPRO, cfg)), np.eye(4)[want])
+    filtered = np.asarray(filtered_logits(REPRO, cfg))
+    assert not np.isnan(filtered).any() and (filtered < np.inf).all()
+    np.testing.assert_array_equal(filtered.argmax(-1), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    temperature=st.floats(-307.0, 308.0).map(lambda e: 10.0**e),  # log-uniform
+    row=st.lists(
+        st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=False), min_size=2, max_size=6
+    ),
+)
+def test_probabilities_are_a_distribution_for_any_finite_temperature(temperature, row):
+    logits = np.asarray(row, np.float32)
+    p = np.asarray(probabilities(logits, SamplingConfig(temperature=temperature, min_p=0.01)))
+    assert np.isfinite(p).all() and (p >= 0).all(), (temperature, row, p)
+    assert abs(p.sum() - 1.0) < 1e-5
+    assert p[logits.argmax()] == p.max()

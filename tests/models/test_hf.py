@@ -10,7 +10,7 @@ from flax import nnx
 from model_utils import jit_model
 
 from models import Transformer, TransformerConfig
-from models.hf import load_hf_checkpoint, save_hf_checkpoint
+from models.hf import config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -156,3 +156,45 @@ def test_softcap_cannot_be_exported(tmp_path):
     model = Transformer(TransformerConfig.preset("tiny", final_softcap=30.0), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="softcap"):
         save_hf_checkpoint(model, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, model_type",
+    [({}, "llama"), ({"sliding_window": 5}, "mistral"), ({"qkv_bias": True}, "qwen2")],
+)
+def test_model_type_stands_in_for_missing_architectures(overrides, model_type):
+    config = TransformerConfig.preset("tiny", **overrides)
+    hf = config_to_hf(config)
+    del hf["architectures"]
+    assert hf["model_type"] == model_type
+    assert config_from_hf(hf) == config
+
+
+_LLAMA = config_to_hf(TransformerConfig.preset("tiny"))
+
+
+@pytest.mark.parametrize(
+    "files, error, match",
+    [
+        (None, FileNotFoundError, "does not exist"),
+        ({}, FileNotFoundError, "no config.json"),
+        ({"config.json": "{not json"}, ValueError, "config.json is not valid JSON"),
+        ({"config.json": "[1, 2]"}, ValueError, "JSON object"),
+        ({"config.json": '{"model_type": "gpt2"}'}, ValueError, "model_type 'gpt2'"),
+        ({"config.json": '{"architectures": ["LlamaForCausalLM"]}'}, ValueError, "hidden_size"),
+        ({"config.json": json.dumps(_LLAMA)}, FileNotFoundError, "no model.safetensors"),
+        (
+            {"config.json": json.dumps(_LLAMA), "model.safetensors": "junk"},
+            ValueError,
+            "model.safetensors is not a readable safetensors file",
+        ),
+    ],
+)
+def test_unreadable_checkpoints_say_what_is_wrong(files, error, match, tmp_path):
+    path = tmp_path / "ckpt"
+    if files is not None:
+        path.mkdir()
+        for name, text in files.items():
+            (path / name).write_text(text)
+    with pytest.raises(error, match=match):
+        load_hf_checkpoint(str(path))

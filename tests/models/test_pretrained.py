@@ -53,3 +53,22 @@ def test_transformers_loads_shipped_model_with_same_logits(name):
         expected = hf(torch.tensor([ids])).logits.numpy()
     got = np.asarray(jit_model(model)(jnp.asarray([ids], jnp.int32)))
     np.testing.assert_allclose(got, expected, atol=1e-4 * np.abs(expected).max())
+
+
+def test_model_names_resolve_in_one_place(tmp_path, capsys):
+    """Shipped names, directories, and a usage error naming the choices in every model CLI."""
+    from models import evaluate, train
+    from models.pretrained import checkpoint_dir
+
+    assert checkpoint_dir("code-draft") == shipped_path("code-draft")
+    assert checkpoint_dir(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="code-target, code-draft or a checkpoint directory"):
+        checkpoint_dir("no-such-model")
+    for argv, cli in (
+        (["no-such-model"], evaluate.main),
+        (["--preset", "tiny", "--steps", "1", "--out", "x", "--init", "nope"], train.main),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli(argv)
+        assert exc.value.code == 2
+        assert "or a checkpoint directory, got 'n" in capsys.readouterr().err

@@ -450,6 +450,12 @@ BAD = [
     ),
     ("rotary_cos and rotary_sin", dict(rotary_cos=np.ones((8, 4), np.float32))),
     ("window_size", dict(window_size=(-2, 0))),
+    ("rotary_cos has 8 rows", dict(rotary_cos=np.ones((8, 4)), rotary_sin=np.ones((8, 4)))),
+    ("q must have B >= 1", dict(q=np.zeros((0, 1, 4, 16), np.float32))),
+    ("q must have D >= 1", dict(q=np.zeros((2, 1, 4, 0), np.float32))),
+    ("k_cache must have S", dict(k_cache=np.zeros((2, 0, 2, 16)), v_cache=np.zeros((2, 0, 2, 16)))),
+    ("block_table must have N", dict(block_table=np.zeros((2, 0), np.int32))),
+    ("softcap", dict(softcap=float("nan"))),
     ("num_splits", dict(num_splits=-1)),
     ("impl", dict(impl="cuda")),
     (

@@ -1,0 +1,189 @@
+"""Continuous batching benchmark: ``python -m benchmarks.engine [--quick]`` from the repository root.
+
+64 requests whose total lengths (prompt + new tokens) cycle through the seed's 100 / 500 / 50 / 200
+tokens in a shuffled order, the prompt taking a random 20-80% of each, max length 4096; the "tiny"
+config (random weights, ``max_position`` 4096), greedy, no EOS (each request stops at its own
+``max_new_tokens``), float32, the XLA attention path on CPU. ``--scale s`` divides every length
+(and the max length) by ``s`` for a slow CPU; ``--quick`` is 16 requests at scale 4.
+
+* engine: ``decoding.Engine`` (batch 8, pages of 16) with every request submitted at once; its
+  pool has as many token slots as a contiguous cache preallocating the max length for 8 rows.
+  Run twice: with the block table as wide as the max length (the default ``max_seq_len``), and
+  as wide as the longest request (``max_seq_len`` = that length): on CPU the XLA attention path
+  reads the whole table width per row and step.
+* static: ``decoding.generate`` (contiguous cache) on consecutive groups of 8 requests; a group
+  runs until its longest request is done, rows that finished early keep their slot.
+
+Both are warmed up once on the same requests (compilation excluded) and timed on a second pass.
+tokens/s counts each request's own new tokens only. KV memory utilization over the engine's steps:
+live tokens over the token slots the running requests hold as pages (paged), against live tokens
+over ``max length`` slots per running request (contiguous preallocation, the seed's ~5%). Writes
+``benchmarks/results/engine_cpu.json`` and ``engine_cpu.png`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from benchmarks import common
+
+LENGTHS = (100, 500, 50, 200)  # the seed's example request lengths
+MAX_LEN = 4096
+BATCH = 8
+PAGE = 16
+
+
+def make_requests(n: int, scale: int, vocab: int, seed: int = 0):
+    """n (prompt tokens, max_new_tokens) pairs with skewed lengths, lengths divided by scale."""
+    rng = np.random.default_rng(seed)
+    totals = rng.permutation(np.resize(np.array(LENGTHS) // scale, n))
+    out = []
+    for total in totals:
+        prompt = int(np.clip(round(total * rng.uniform(0.2, 0.8)), 1, total - 1))
+        out.append((rng.integers(0, vocab, prompt).tolist(), int(total - prompt)))
+    return out
+
+
+def run_engine(model, requests, max_len: int, max_seq_len: int):
+    """One pass -> (seconds inside ``step``, per-step series, engine stats)."""
+    from decoding import Engine
+
+    eng = Engine(
+        model, max_batch=BATCH, num_pages=BATCH * max_len // PAGE, page_size=PAGE,
+        max_seq_len=max_seq_len,
+    )  # fmt: skip
+    for prompt, new in requests:
+        eng.submit(prompt, new)
+    series = {"paged": [], "contiguous": [], "running": []}
+    busy_s = 0.0
+    while eng.busy:
+        t0 = time.perf_counter()
+        eng.step()
+        busy_s += time.perf_counter() - t0
+        s = eng.stats()
+        if not s["running"]:
+            continue
+        live = s["utilization"] * s["pages_used"] * PAGE
+        series["paged"].append(s["utilization"])
+        series["contiguous"].append(live / (s["running"] * max_len))
+        series["running"].append(s["running"])
+    return busy_s, series, eng.stats()
+
+
+def engine_rows(model, requests, max_len: int, useful: int):
+    """Warm-up and timed engine passes at two block-table widths -> (rows, series of the first)."""
+    longest = max(len(p) + n for p, n in requests)
+    rows, series = [], None
+    for table in (max_len, longest):
+        run_engine(model, requests, max_len, table)  # warm-up: compilation
+        eng_s, s, stats = run_engine(model, requests, max_len, table)
+        series = series or s
+        rows.append(
+            dict(
+                method=f"engine (table {table})",
+                tokens_per_s=useful / eng_s,
+                wall_s=eng_s,
+                kv_util_mean=float(np.mean(s["paged"])),
+                contiguous_prealloc_util_mean=float(np.mean(s["contiguous"])),
+                decode_steps=stats["decode_steps"],
+                preemptions=stats["preemptions"],
+                prefix_cache_hits=stats["prefix_cache_hits"],
+            )
+        )
+    return rows, series
+
+
+def run_static(model, requests):
+    """One pass of static batches -> (wall seconds, mean KV utilization of their caches)."""
+    from decoding import generate
+    from decoding.generate import NEW_TOKENS_BUCKET, PROMPT_BUCKET
+
+    t0, utils = time.perf_counter(), []
+    for i in range(0, len(requests), BATCH):
+        group = requests[i : i + BATCH]
+        prompts = [p for p, _ in group]
+        steps = max(n for _, n in group)
+        generate(model, prompts, max_new_tokens=steps, cache="contiguous")
+        # generate's cache: rows padded to a power of two, each Tp + N slots (bucketed).
+        tp = -(-max(len(p) for p in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
+        nn = -(-steps // NEW_TOKENS_BUCKET) * NEW_TOKENS_BUCKET
+        slots = (1 << (len(group) - 1).bit_length()) * (tp + nn)
+        for t in range(steps):
+            utils.append(sum(len(p) + min(t, n) for p, n in group) / slots)
+    return time.perf_counter() - t0, float(np.mean(utils))
+
+
+def plot(series, rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    ax.plot(100 * np.array(series["paged"]), label="paged engine (pages of 16)")
+    ax.plot(100 * np.array(series["contiguous"]), label="contiguous, max length per request")
+    ax.set(xlabel="engine step", ylabel="KV utilization (%)", ylim=(0, 105))
+    ax.set_title("KV memory utilization over time")
+    ax.legend(loc="center right")
+    bx.bar([r["method"] for r in rows], [r["tokens_per_s"] for r in rows], color=["C0", "C2", "C1"])
+    bx.set(ylabel="new tokens / s", title="throughput, same requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--scale", type=int, default=1, help="divide every length by this")
+    parser.add_argument("--quick", action="store_true", help="16 requests at scale 4")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.scale = 16, 4
+
+    from flax import nnx
+
+    from models import Transformer, TransformerConfig
+
+    max_len = MAX_LEN // args.scale
+    config = TransformerConfig.preset("tiny", max_position=max_len)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    requests = make_requests(args.requests, args.scale, config.vocab_size)
+    useful = sum(n for _, n in requests)
+
+    rows, series = engine_rows(model, requests, max_len, useful)
+    run_static(model, requests)  # warm-up
+    static_s, static_util = run_static(model, requests)
+    rows.append(dict(method="static generate", tokens_per_s=useful / static_s, wall_s=static_s,
+                     kv_util_mean=static_util))  # fmt: skip
+    common.print_table(rows, list(rows[0]))
+    speedups = {r["method"]: r["tokens_per_s"] * static_s / useful for r in rows[:2]}
+    print(f"engine speed-up over static batching: {speedups}")
+    settings = dict(
+        requests=args.requests, scale=args.scale, lengths=[n // args.scale for n in LENGTHS],
+        max_len=max_len, batch=BATCH, page_size=PAGE, new_tokens=useful,
+        prompt_tokens=sum(len(p) for p, _ in requests), quick=args.quick, config="tiny",
+        greedy=True, loadavg=os.getloadavg(),
+    )  # fmt: skip
+    path = common.write_results(
+        "engine_cpu",
+        rows,
+        settings=settings,
+        speedup_over_static=speedups,
+        series=series,
+        note=(
+            "kv_util_mean: mean over engine steps with a running request (engine) or over decode "
+            "steps (static: live tokens over generate's bucketed contiguous cache). "
+            "contiguous_prealloc_util_mean: the same live tokens over max_len slots per running "
+            "request. CPU shared with other processes: timings are noisy."
+        ),
+    )
+    plot(series, rows, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Speculative decoding benchmark: ``python -m benchmarks.speculative [--quick]``.
+
+On the shipped byte-level models (target ``code-target``, float32) and code prompts cut from
+held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy, temperature
+0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``, ``medusa``: the shipped
+``code-target-medusa`` heads as a chain, k <= 4, and ``medusa-tree``: the same heads with
+``TreeSpec.default(4)``, k = 4) and k = 1..8:
+
+* acceptance a (accepted / proposed draft tokens) and tokens per target call, next to the
+  theory (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance at rate a (Leviathan et al., eq. 1);
+* wall-time speed-up over plain ``decoding.generate`` measured in the same run (median of
+  ``--runs`` calls per prompt after a warm-up that compiles; summed over prompts);
+* ``match``: greedy tokens equal plain ``generate``'s (1.0 expected);
+* ``transformers``' assisted generation on the same weights (``assistant_model=`` with a constant
+  ``num_assistant_tokens = k``, ``prompt_lookup_num_tokens=k``, ``assistant_early_exit=L``):
+  its speed-up over its own plain ``generate`` and its tokens/s.
+
+Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and prints a table.
+``--quick``: one prompt, greedy, k in {2, 4}, 48 new tokens (results in ``*_quick.json``).
+``--acceptance-of CHECKPOINT ...``: only the acceptance of draft checkpoints (k = 3, 4 prompts).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import statistics
+import sysconfig
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks import common
+
+KINDS = (
+    "code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6", "medusa",
+    "medusa-tree",
+)  # fmt: skip
+MEDUSA_HEADS = 4  # the shipped code-target-medusa: k <= 4
+
+
+def skipped(kind: str, k: int) -> bool:
+    """Medusa chains need k <= its heads; the tree (``TreeSpec.default(4)``) has k = 4."""
+    if kind == "medusa-tree":
+        return k != MEDUSA_HEADS
+    return kind == "medusa" and k > MEDUSA_HEADS
+
+
+PROMPT_BYTES = 96
+
+
+def code_prompts(count: int) -> list[str]:
+    """``count`` prompts: the PROMPT_BYTES bytes that start at a ``def`` line in held-out files."""
+    from models import data
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for path in data.stdlib_files(str(root)):
+        if not data.is_heldout(path.relative_to(root).as_posix()):
+            continue
+        text = path.read_text(errors="replace")
+        at = text.find("\n    def ")
+        if at >= 0 and text[at + 1 : at + 1 + PROMPT_BYTES].isascii():
+            prompts.append(text[at + 1 : at + 1 + PROMPT_BYTES])
+        if len(prompts) == count:
+            return prompts
+    return prompts
+
+
+@functools.cache
+def medusa_heads():
+    """The shipped ``code-target-medusa`` heads (loaded once)."""
+    import models
+
+    return models.pretrained("code-target-medusa")[0]
+
+
+def make_draft(kind: str, draft_model):
+    import decoding
+
+    if kind == "medusa":
+        return decoding.Medusa(medusa_heads())
+    if kind == "medusa-tree":
+        return decoding.Medusa(medusa_heads(), tree=decoding.TreeSpec.default(MEDUSA_HEADS))
+    if kind == "code-draft":
+        return draft_model
+    if kind == "prompt-lookup":
+        return decoding.PromptLookup()
+    return decoding.EarlyExit(num_layers=int(kind.partition(":")[2]))
+
+
+def timed(fn, timing: tuple[int, int]):
+    """(median seconds of ``runs`` calls after ``warmup`` calls, the last result);
+    ``timing = (runs, warmup)``."""
+    runs, warmup = timing
+    for _ in range(warmup):
+        fn()
+    times, res = [], None
+    for _ in range(runs):
+        start = time.perf_counter()
+        res = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), res
+
+
+def theory(a: float, k: int) -> float:
+    """Expected tokens per target call at i.i.d. acceptance rate a: (1 - a^(k+1)) / (1 - a)."""
+    return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def ours(target, draft_model, ids, kind, k, sampling, new, timing, plain):
+    """One row for our speculative decoding over all prompts ``ids``."""
+    from decoding import speculative_generate
+
+    total, acc, prop, tpc, match = 0.0, [], [], [], []
+    for row, ref in zip(ids, plain["tokens"], strict=True):
+        s, res = timed(
+            lambda row=row: speculative_generate(
+                target, make_draft(kind, draft_model), [row], num_draft_tokens=k,
+                max_new_tokens=new, sampling=sampling,
+            ),
+            timing,
+        )  # fmt: skip
+        total += s
+        st = res.stats
+        acc.append(st["acceptance_rate"] * st["num_draft_tokens"] * st["target_calls"])
+        prop.append(st["num_draft_tokens"] * st["target_calls"])
+        tpc.append(st["tokens_per_target_call"])
+        match.append(res.tokens == ref)
+    a = sum(acc) / max(sum(prop), 1)
+    return dict(
+        acceptance=a,
+        tokens_per_call=statistics.mean(tpc),
+        theory=theory(a, k),
+        tok_s=len(ids) * new / total,
+        speedup=plain["seconds"] / total,
+        match=float(np.mean(match)) if sampling.greedy else None,
+    )
+
+
+def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, timing, hf_plain_s):
+    """transformers' assisted generation for the same kind -> dict (or an error string)."""
+    import torch
+
+    if kind.startswith("medusa"):
+        return dict(hf_error="transformers has no Medusa heads")
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=not greedy, pad_token_id=258)
+    if not greedy:
+        kwargs.update(temperature=0.8, top_k=0)
+    if kind == "code-draft":
+        hf_draft.generation_config.num_assistant_tokens = k
+        hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+        kwargs["assistant_model"] = hf_draft
+    elif kind == "prompt-lookup":
+        kwargs["prompt_lookup_num_tokens"] = k
+    else:
+        kwargs["assistant_early_exit"] = int(kind.partition(":")[2])
+        hf.generation_config.num_assistant_tokens = k
+    total = 0.0
+    try:
+        with torch.inference_mode():
+            for row in ids:
+                x = torch.tensor([row])
+                s, _ = timed(
+                    lambda x=x: hf.generate(x, attention_mask=torch.ones_like(x), **kwargs), timing
+                )
+                total += s
+    except Exception as e:  # an unsupported combination is reported, not fatal
+        return dict(hf_error=f"{type(e).__name__}: {str(e)[:120]}")
+    return dict(hf_tok_s=len(ids) * new / total, hf_speedup=hf_plain_s / total)
+
+
+def baselines(target, hf, ids, sampling, new, timing):
+    """Plain ``generate`` and plain transformers ``generate`` over all prompts."""
+    import torch
+
+    from decoding import generate
+
+    ours_s, tokens = 0.0, []
+    for row in ids:
+        s, res = timed(
+            lambda row=row: generate(target, [row], max_new_tokens=new, sampling=sampling), timing
+        )
+        ours_s, tokens = ours_s + s, tokens + [res.tokens]
+    kwargs = dict(
+        max_new_tokens=new, min_new_tokens=new, do_sample=not sampling.greedy, pad_token_id=258
+    )
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=0)
+    hf_s = 0.0
+    with torch.inference_mode():
+        for row in ids:
+            x = torch.tensor([row])
+            hf_s += timed(
+                lambda x=x: hf.generate(x, attention_mask=torch.ones_like(x), **kwargs), timing
+            )[0]
+    return dict(seconds=ours_s, tokens=tokens, hf_seconds=hf_s)
+
+
+def sweep(models_, ids, modes, kinds, ks, new: int, timing) -> list[dict]:
+    """One row per (mode, kind, k); ``models_`` = (target, draft, hf, hf_draft or None)."""
+    from decoding import SamplingConfig
+
+    target, draft_model, hf, hf_draft = models_
+    rows = []
+    with tqdm(total=len(modes) * len(kinds) * len(ks), desc="speculative") as bar:
+        for mode in modes:
+            sampling = SamplingConfig() if mode == "greedy" else SamplingConfig(temperature=0.8)
+            plain = baselines(target, hf, ids, sampling, new, timing)
+            for kind in kinds:
+                for k in ks:
+                    if skipped(kind, k):
+                        bar.update()
+                        continue
+                    bar.set_postfix(mode=mode, kind=kind, k=k)
+                    row = dict(mode=mode, kind=kind, k=k)
+                    row.update(
+                        ours(target, draft_model, ids, kind, k, sampling, new, timing, plain)
+                    )
+                    if hf_draft is not None:
+                        args = (hf, hf_draft, ids, kind, k, sampling.greedy, new, timing)
+                        row.update(hf_assisted(*args, plain["hf_seconds"]))
+                    row.update(plain_tok_s=len(ids) * new / plain["seconds"],
+                               hf_plain_tok_s=len(ids) * new / plain["hf_seconds"])  # fmt: skip
+                    rows.append(row)
+                    bar.update()
+    return rows
+
+
+def acceptance_of(checkpoints: list[str], n_prompts: int) -> None:
+    """Acceptance of draft checkpoints with code-target: all prompts in one batch, k = 3,
+    64 tokens, greedy and T = 0.8 (writes ``speculative_acceptance.json``)."""
+    import models
+    from decoding import SamplingConfig, speculative_generate
+
+    target, tok = models.pretrained("code-target")
+    ids = [[tok.bos_id] + tok.encode(t) for t in code_prompts(n_prompts)]
+    rows = []
+    for path in checkpoints:
+        draft = models.load_hf_checkpoint(path)
+        for mode, temperature in (("greedy", 0.0), ("t0.8", 0.8)):
+            s = SamplingConfig(temperature=temperature)
+            st = speculative_generate(target, draft, ids, num_draft_tokens=3, max_new_tokens=64,
+                                      sampling=s).stats  # fmt: skip
+            rows.append(dict(draft=path, mode=mode, acceptance=st["acceptance_rate"],
+                             tokens_per_call=st["tokens_per_target_call"]))  # fmt: skip
+    common.print_table(rows, ["draft", "mode", "acceptance", "tokens_per_call"])
+    common.write_results("speculative_acceptance", rows, loadavg=os.getloadavg(), prompts=len(ids))
+
+
+def main() -> None:
+    parser = common.parser(__doc__, runs=3, quick="one prompt, greedy, k in {2, 4}, 48 tokens")
+    parser.add_argument("--kinds", nargs="+", default=None, help=f"default: {' '.join(KINDS)}")
+    parser.add_argument("--ks", nargs="+", type=int, default=None, help="default: 1 .. 8")
+    parser.add_argument("--prompts", type=int, default=None, help="default: 4")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: 128")
+    parser.add_argument("--draft-checkpoint", default=None, help="a draft other than code-draft")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--name", default="speculative_cpu", help="results name")
+    parser.add_argument(
+        "--acceptance-of", nargs="+", metavar="CHECKPOINT", help="only these drafts' acceptance"
+    )
+    args = parser.parse_args()
+    if args.acceptance_of:
+        return acceptance_of(args.acceptance_of, args.prompts or 4)
+    quick = args.quick
+    kinds = args.kinds or (
+        ["code-draft", "prompt-lookup", "early-exit:4", "medusa", "medusa-tree"] if quick else KINDS
+    )
+    ks = args.ks or ([2, 4] if quick else list(range(1, 9)))
+    new = args.new_tokens or (48 if quick else 128)
+    modes = ["greedy"] if quick else ["greedy", "t0.8"]
+
+    import torch
+    import transformers
+
+    import models
+    from models.pretrained import shipped_path
+
+    target, tok = models.pretrained("code-target")
+    draft_dir = args.draft_checkpoint or str(shipped_path("code-draft"))
+    draft_model = models.load_hf_checkpoint(draft_dir)
+    texts = code_prompts(args.prompts or (1 if quick else 4))
+    ids = [[tok.bos_id] + tok.encode(t) for t in texts]
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    hf = load(str(shipped_path("code-target"))).float().eval()
+    hf_draft = None if args.no_hf else load(draft_dir).float().eval()
+    load_start = os.getloadavg()
+    rows = sweep((target, draft_model, hf, hf_draft), ids, modes, kinds, ks, new,
+                 (args.runs, args.warmup))  # fmt: skip
+    columns = ["mode", "kind", "k", "acceptance", "tokens_per_call", "theory", "tok_s",
+               "plain_tok_s", "speedup", "match", "hf_tok_s", "hf_speedup"]  # fmt: skip
+    settings = dict(prompts=texts, new_tokens=new, batch=1, dtype="float32", draft=draft_dir,
+                    torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                    loadavg_start=load_start)  # fmt: skip
+    note = (
+        "Shared 2-core CPU: wall times are noisy; acceptance and tokens per call are not. "
+        "Speed-ups are against plain generate measured in the same run."
+    )
+    common.finish(args, args.name, rows, columns, settings=settings, note=note)
+
+
+if __name__ == "__main__":
+    main()

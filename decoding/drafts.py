@@ -1,0 +1,282 @@
+"""Draft kinds for ``speculative_generate``: what proposes the k tokens the target verifies.
+
+A draft kind is a frozen, hashable object (a static argument of the jitted loop) with:
+
+* ``check(target, k)``: ``ValueError`` naming the argument when it cannot draft for ``target``;
+* ``default_num_draft_tokens``: the k used when ``num_draft_tokens=None`` (from
+  ``benchmarks/speculative.py``);
+* ``make_state(target, params, cache_kind, batch, page_size, num_pages)``: host side, the
+  draft's own pytree state (e.g. a KV cache) and its page tables (or None);
+* ``prefill(params, state, tokens, prompt_lengths)``: traced, after the target's prefill;
+* ``propose(ctx, k, sampling, key)``: traced, returns a :class:`Proposal`: k tokens [B, k], the
+  distributions q [B, k, V] they were drawn from (shaped by the same ``SamplingConfig`` as the
+  target's p, one-hot for deterministic drafts), the new draft state, the target cache (a draft
+  that shares it may write into it), and how many draft forward calls it made.
+
+``params`` is the draft's array pytree (None when it has none): the loop passes it as a jit
+argument, so the weights are not baked into the executable. The verification loop only sees
+``Proposal``s and the acceptance rule only q, so a kind that drafts from the target's own hidden
+states (Medusa / EAGLE heads) fits the same interface: its heads' weights are ``params``, its
+state holds the target's hidden state at the last accepted position, and its ``propose`` makes
+no forward call of the target. What it adds to the loop is one hand-off: the verification
+forward (``speculative_step``) must also return the final hidden states [B, k+1, dim]
+(:func:`forward` runs the blocks explicitly, so it is the place to return them) for the kind to
+keep the one at each row's last accepted token. ``decoding/medusa.py`` does so through two optional
+kind hooks the loop calls when present: ``start`` (the state after the target's prefill) and
+``verify`` (its own verification forward, with ``Transformer(..., return_hidden=True)``).
+
+Kinds here: :class:`ModelDraft` (a smaller ``models.Transformer`` with its own cache),
+:class:`PromptLookup` (n-gram lookup in the prompt and generated text) and :class:`EarlyExit`
+(the target's first L layers, sharing its cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from decoding.generate import _cache_for
+from decoding.sampling import SamplingConfig, probabilities, sample
+from models import KVCache
+from models.transformer import rope_tables
+
+# k used when ``num_draft_tokens=None``, per kind: the k maximising the expected speed-up
+# tokens_per_call(k) * t_verify(1) / (t_verify(k + 1) + k * t_draft), with the tokens per target
+# call measured by ``benchmarks/speculative.py`` (greedy, shipped code-target, k = 1, 2, 3, 4:
+# distilled code-draft 1.68, 2.22, 2.39, 2.52; prompt lookup 1.49, 1.71, 1.88, 2.04; early exit
+# after 4 layers 1.47, 1.73, 1.80, 1.88) and step costs on CPU (target 2.0 ms + 0.26 ms per extra
+# verified token, code-draft 0.3 ms, early exit after 4 of 8 layers ~1 ms). Wall times on the
+# shared CPU were too noisy to pick k directly; see the README's Speculative decoding section.
+DEFAULT_K = {"model": 2, "prompt-lookup": 2, "early-exit": 1}
+
+
+class Proposal(NamedTuple):
+    """What a draft kind proposes for one verification step.
+
+    tokens: [B, k] int32; q: [B, k, V] float32, the distribution each token was drawn from;
+    state: the draft's new state; cache: the target's cache (changed only by a draft that shares
+    it); calls: int, draft forward calls made.
+    """
+
+    tokens: jax.Array
+    q: jax.Array
+    state: Any
+    cache: KVCache
+    calls: int
+
+
+class Context(NamedTuple):
+    """What ``propose`` may read: the target model and its cache (``cache.lengths`` [B] = tokens
+    the target has cached), ``seq`` [B, L] (prompt then new tokens; ``seq[b, lengths[b]]`` is the
+    last token, not yet fed), the draft's params and state."""
+
+    target: nnx.Module
+    cache: KVCache
+    seq: jax.Array
+    params: Any
+    state: Any
+
+
+def forward(model, tokens, cache: KVCache, num_layers: int | None = None):
+    """The cached forward through the first ``num_layers`` blocks of ``model`` (all by default),
+    then its final norm and LM head: tokens [B, T] -> (logits [B, T, V] float32, cache).
+
+    Writes layers ``0 .. num_layers - 1`` of ``cache`` at ``lengths .. lengths + T - 1`` and
+    returns ``lengths + T``; the other layers are untouched.
+    """
+    T = tokens.shape[1]
+    L = model.config.num_layers if num_layers is None else num_layers
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
+    cos, sin = rope_tables(model.config, positions)
+    x = model.embed(tokens)
+    k, v = list(cache.k), list(cache.v)
+    for i in range(L):
+        kv = (k[i], v[i], cache.lengths, cache.block_table)
+        x, (k[i], v[i]) = model.layers[i](x, cos, sin, kv=kv)
+    logits = model.logits(model.norm(x))
+    return logits, cache.replace(k=tuple(k), v=tuple(v), lengths=cache.lengths + T)
+
+
+def autoregressive_proposal(step, cache, x0, k: int, sampling: SamplingConfig, key):
+    """k tokens from a model draft: ``step(tokens [B, T], cache) -> (logits [B, T, V], cache)``.
+
+    Feeds ``x0`` [B, T0] (its last token is the sequence's last), then each drafted token but the
+    last: k forward calls. Returns (tokens [B, k], q [B, k, V], cache).
+    """
+    logits, cache = step(x0, cache)
+    keys = jax.random.split(key, k)
+
+    def draw(logits, j):
+        q = probabilities(logits, sampling)
+        return sample(logits, keys[j], sampling), q
+
+    def body(carry, j):
+        logits, cache = carry
+        tok, q = draw(logits, j)
+        logits, cache = step(tok[:, None], cache)
+        return (logits[:, -1], cache), (tok, q)
+
+    (logits, cache), (toks, qs) = jax.lax.scan(body, (logits[:, -1], cache), jnp.arange(k - 1))
+    last_tok, last_q = draw(logits, k - 1)
+    tokens = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
+    q = jnp.concatenate([jnp.moveaxis(qs, 0, 1), last_q[:, None]], axis=1)
+    return tokens, q, cache
+
+
+def _check_vocab(name: str, vocab: int, target) -> None:
+    if vocab != target.config.vocab_size:
+        raise ValueError(
+            f"{name} has vocab_size {vocab}, the target has {target.config.vocab_size}: "
+            "draft and target must share one vocabulary"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDraft:
+    """A ``models.Transformer`` draft (its ``graphdef``; the weights are ``params``) with its own
+    KV cache, kept at the target's length: each step first re-feeds the token before the last,
+    so that after a fully accepted step (when the draft never saw its own k-th token) the cache
+    is complete again; rejected positions are dropped by setting the length."""
+
+    graphdef: Any
+    config: Any
+
+    default_num_draft_tokens = DEFAULT_K["model"]
+
+    @classmethod
+    def split(cls, model) -> tuple[ModelDraft, Any]:
+        graphdef, params = nnx.split(model)
+        return cls(graphdef, model.config), params
+
+    def check(self, target, k: int) -> None:
+        _check_vocab("draft", self.config.vocab_size, target)
+
+    def make_state(self, target, params, cache_kind: str, batch, page_size: int, num_pages):
+        model, n_pad = nnx.merge(self.graphdef, params), len(batch.done) - batch.num_rows
+        cap = batch.capacity
+        return _cache_for(model, cache_kind, batch.need, n_pad, cap, page_size, num_pages)
+
+    def prefill(self, params, cache, tokens, prompt_lengths):
+        _, cache = nnx.merge(self.graphdef, params)(tokens, cache=cache)
+        return cache.replace(lengths=prompt_lengths.astype(jnp.int32))
+
+    def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
+        model = nnx.merge(self.graphdef, ctx.params)
+        n = ctx.cache.lengths - 1
+        x0 = jnp.take_along_axis(ctx.seq, n[:, None] + jnp.arange(2), axis=1)  # [B, 2]
+        cache = ctx.state.replace(lengths=n)
+
+        def step(x, c):
+            return model(x, cache=c)
+
+        tokens, q, cache = autoregressive_proposal(step, cache, x0, k, sampling, key)
+        return Proposal(tokens, q, cache, ctx.cache, k)
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyExit:
+    """Self-speculation (LayerSkip-style): the target's first ``num_layers`` blocks, its final
+    norm and LM head draft, sharing the target's cache for those layers.
+
+    No state of its own. Drafting writes layers ``< num_layers`` at positions ``n .. n + k - 1``
+    (n = the target's length); the verification forward then rewrites every layer at
+    ``n .. n + k`` for the verified tokens, so after the rollback to ``n + accepted + 1`` every
+    layer of every kept position holds the target's own K/V (and layer ``i``'s K/V depend only
+    on layers ``< i``, so the draft's writes are what the target would have written for its
+    tokens anyway).
+    """
+
+    num_layers: int
+
+    default_num_draft_tokens = DEFAULT_K["early-exit"]
+
+    def __post_init__(self):
+        L = self.num_layers
+        if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+            raise ValueError(f"EarlyExit num_layers must be an int >= 1, got {L!r}")
+
+    def check(self, target, k: int) -> None:
+        if self.num_layers >= target.config.num_layers:
+            raise ValueError(
+                f"EarlyExit num_layers={self.num_layers} must be smaller than the target's "
+                f"num_layers={target.config.num_layers}"
+            )
+
+    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
+        return None, None
+
+    def prefill(self, params, state, tokens, prompt_lengths):
+        return state
+
+    def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
+        n = ctx.cache.lengths
+        last = jnp.take_along_axis(ctx.seq, n[:, None], axis=1)  # [B, 1]
+
+        def step(x, c):
+            return forward(ctx.target, x, c, self.num_layers)
+
+        tokens, q, cache = autoregressive_proposal(step, ctx.cache, last, k, sampling, key)
+        return Proposal(tokens, q, None, cache.replace(lengths=n), k)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup:
+    """Prompt-lookup decoding (Hugging Face's ``prompt_lookup_num_tokens``, vLLM's "ngram"): no
+    model; the k tokens that followed the most recent earlier occurrence of the sequence's last
+    n tokens, for n from ``max_ngram`` down to ``min_ngram`` (the longest n that matches wins).
+
+    A deterministic draft: q is one-hot, so a proposed token x is accepted with probability
+    p(x). Positions past the known text, and rows with no match, repeat the last known token.
+    """
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    default_num_draft_tokens = DEFAULT_K["prompt-lookup"]
+
+    def __post_init__(self):
+        for name in ("max_ngram", "min_ngram"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"PromptLookup {name} must be an int >= 1, got {n!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(
+                f"PromptLookup min_ngram={self.min_ngram} must be <= max_ngram={self.max_ngram}"
+            )
+
+    def check(self, target, k: int) -> None:
+        pass
+
+    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
+        return None, None
+
+    def prefill(self, params, state, tokens, prompt_lengths):
+        return state
+
+    def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
+        V = ctx.target.config.vocab_size
+        tokens = lookup(ctx.seq, ctx.cache.lengths + 1, k, self.min_ngram, self.max_ngram)
+        return Proposal(tokens, jax.nn.one_hot(tokens, V, dtype=jnp.float32), None, ctx.cache, 0)
+
+
+def lookup(seq, length, k: int, min_ngram: int, max_ngram: int):
+    """The n-gram lookup of :class:`PromptLookup`: seq [B, L], length [B] (known tokens per row)
+    -> [B, k] int32 proposals."""
+    B, L = seq.shape
+    pos = jnp.arange(L)
+    cont = jnp.full((B,), -1, jnp.int32)  # where the continuation starts; -1 = no match yet
+    for n in range(min_ngram, max_ngram + 1):  # longer matches overwrite shorter ones
+        # match[b, s]: seq[b, s:s+n] == the last n known tokens, and a continuation exists.
+        match = (pos[None] + n < length[:, None]) & (length[:, None] >= n)
+        for j in range(n):
+            tail = jnp.take_along_axis(seq, jnp.maximum(length - n + j, 0)[:, None], axis=1)
+            match &= jnp.roll(seq, -j, axis=1) == tail
+        latest = jnp.max(jnp.where(match, pos[None], -1), axis=1)  # most recent start, or -1
+        cont = jnp.where(latest >= 0, latest + n, cont)
+    idx = jnp.where(cont[:, None] >= 0, cont[:, None] + jnp.arange(k), length[:, None] - 1)
+    idx = jnp.minimum(idx, length[:, None] - 1)
+    return jnp.take_along_axis(seq, idx, axis=1).astype(jnp.int32)

@@ -1,0 +1,443 @@
+"""Continuous batching over the paged KV cache: requests join and leave between steps.
+
+``Engine.step()`` is one scheduler iteration:
+
+1. admit waiting requests (first come, first served) while a batch row is free and the pool can
+   hold their tokens: full pages of the prompt seen before are taken from the prefix cache by
+   reference (hash of the token-block chain), the rest are allocated; a request whose next page
+   a running request is still prefilling waits for it instead of computing it twice;
+2. prefill admitted requests in chunks of at most ``max_prefill_tokens`` tokens per step, each
+   chunk one ``Tq > 1`` cached forward into the request's own pages (chunk boundaries depend only
+   on the request, never on what else is batched);
+3. grow every decoding row by the page its next token needs; when the pool runs out, preempt the
+   most recently admitted request (its pages are freed, it goes back to the head of the queue and
+   is recomputed from its prompt and the tokens it already has when readmitted);
+4. run one jitted decode step for all decoding rows at the fixed batch ``max_batch`` and feed each
+   sampled token back; a finished row (``eos_id`` or ``max_new_tokens``) is retired and its pages
+   released in the same step.
+
+A request's tokens depend only on itself: its PRNG key is ``fold_in(key(seed), i)`` for its
+``i``-th new token and it is sampled alone under its own ``SamplingConfig`` (see
+``engine_steps``). A shared or cached page is never written: a write to one goes to a private copy.
+
+Example::
+
+    eng = Engine(model, num_pages=256)
+    rid = eng.submit([1, 2, 3], max_new_tokens=20, seed=0)
+    while eng.busy:
+        events = eng.step()  # {request id: [new token]}, for streaming
+    out = eng.run_until_done()  # {request id: generated tokens}
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from decoding import engine_steps
+from decoding.paging import BlockTables, PageAllocator, block_hashes, pages_for
+from decoding.sampling import SamplingConfig
+from models import KVCache
+
+MIN_CHUNK = 16  # the smallest prefill chunk bucket
+COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    rid: int
+    prompt_len: int
+    max_new: int
+    sampling: SamplingConfig
+    eos_id: int | None
+    seed: int
+    tokens: list[int]  # prompt, then the generated tokens
+    computed: int = 0  # leading positions whose keys/values are in the cache
+    registered: int = 0  # leading pages registered in the prefix cache
+    row: int = -1  # batch row while admitted
+    admitted: int = -1  # admission number; larger is more recent
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # full pages' chain hashes
+
+    @property
+    def out(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def decoding(self) -> bool:
+        """Everything but the last token is cached: the next decode step feeds it."""
+        return self.computed == len(self.tokens) - 1
+
+    @property
+    def done(self) -> bool:
+        n = len(self.tokens) - self.prompt_len
+        return n >= self.max_new or (n > 0 and self.tokens[-1] == self.eos_id)
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value >= high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return int(value)
+
+
+def _check_sampling(name: str, sampling) -> SamplingConfig | None:
+    if sampling is not None and not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"{name} must be a SamplingConfig or None, got {type(sampling).__name__}")
+    return sampling
+
+
+class Engine:
+    """Continuous-batching generation with a paged KV cache, prefix caching and preemption.
+
+    Args:
+      model: a ``models.Transformer``.
+      max_batch: B, rows decoded together (the decode step's fixed batch).
+      num_pages: pages in the pool (one more, a scratch page, is allocated for padding writes).
+      page_size: P, positions per page.
+      prefix_caching: reuse cached full pages of earlier prompts (and generated text).
+      max_prefill_tokens: prompt tokens prefilled per step, over all requests; also the largest
+        chunk.
+      sampling: the default ``SamplingConfig`` of requests (default greedy).
+      max_seq_len: the longest request (prompt + max_new_tokens) accepted; default the model's
+        ``max_position``. It sets the block table's width, ``pages_for(max_seq_len)``, a fixed
+        shape of every step; the XLA attention path reads that many positions per row, so a
+        tighter bound makes CPU steps cheaper (the Pallas kernel only reads a row's own pages).
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch: int = 8,
+        num_pages: int,
+        page_size: int = 16,
+        prefix_caching: bool = True,
+        max_prefill_tokens: int = 512,
+        sampling: SamplingConfig | None = None,
+        max_seq_len: int | None = None,
+    ):
+        if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a models.Transformer, got {type(model).__name__}")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
+        self.config = model.config
+        self.max_batch = _check_int("max_batch", max_batch, 1)
+        self.page_size = _check_int("page_size", page_size, 1)
+        self.max_prefill_tokens = _check_int("max_prefill_tokens", max_prefill_tokens, 1)
+        self.sampling = _check_sampling("sampling", sampling) or SamplingConfig()
+        self.prefix_caching = prefix_caching
+        self.allocator = PageAllocator(_check_int("num_pages", num_pages, 1), page_size)
+        limit = self.config.max_position
+        self.max_seq_len = limit if max_seq_len is None else max_seq_len
+        _check_int("max_seq_len", self.max_seq_len, 2, limit + 1)
+        self.max_pages = min(num_pages, pages_for(self.max_seq_len - 1, page_size))
+        self.tables = BlockTables(self.allocator, self.max_batch, self.max_pages)
+        self._scratch = num_pages
+        graphdef, self._params = nnx.split(model)
+        self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef)
+        pool = KVCache.paged(self.config, num_pages + 1, page_size, np.zeros((1, 1), np.int32))
+        self._k, self._v = pool.k, pool.v
+        self._configs: list[SamplingConfig] = [self.sampling]
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []  # admission order
+        self._finished: dict[int, list[int]] = {}
+        self._next_rid = 0
+        self._admissions = 0
+        self._counts = collections.Counter()
+        self._busy_s = 0.0
+
+    # ----------------------------------------------------------------------------- requests
+
+    def submit(
+        self,
+        prompt_tokens,
+        max_new_tokens: int,
+        *,
+        sampling: SamplingConfig | None = None,
+        eos_id: int | None = None,
+        seed: int | None = None,
+    ) -> int:
+        """Queues a request; returns its id. ``seed`` defaults to the id.
+
+        Raises ``ValueError`` (``TypeError`` for ``sampling``) before queueing anything when the
+        request is malformed or can never fit: an empty prompt, a token outside the vocabulary,
+        or prompt + max_new_tokens beyond the pool or ``max_seq_len``.
+        """
+        prompt = self._check_prompt(prompt_tokens)
+        max_new = _check_int("max_new_tokens", max_new_tokens, 1)
+        sampling = _check_sampling("sampling", sampling) or self.sampling
+        V = self.config.vocab_size
+        eos = None if eos_id is None else _check_int("eos_id", eos_id, 0, V)
+        seed = None if seed is None else _check_int("seed", seed, 0, 2**32)
+        total = len(prompt) + max_new
+        need = pages_for(total - 1, self.page_size)  # the last new token is never cached
+        if need > self.allocator.num_pages:
+            raise ValueError(
+                f"prompt length {len(prompt)} + max_new_tokens {max_new} needs {need} pages of "
+                f"{self.page_size}, more than the pool holds (num_pages={self.allocator.num_pages})"
+            )
+        if total > self.max_seq_len:
+            raise ValueError(
+                f"prompt length {len(prompt)} + max_new_tokens {max_new} exceeds max_seq_len "
+                f"{self.max_seq_len} (default: the model's max_position)"
+            )
+        rid = self._next_rid
+        self._next_rid += 1
+        if sampling not in self._configs:
+            self._configs.append(sampling)
+        self._waiting.append(
+            _Request(
+                rid, len(prompt), max_new, sampling, eos, rid if seed is None else seed, prompt
+            )
+        )
+        return rid
+
+    def _check_prompt(self, prompt_tokens) -> list[int]:
+        if isinstance(prompt_tokens, np.ndarray | jax.Array):
+            arr = np.asarray(prompt_tokens)
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(
+                    f"prompt_tokens must be a 1-D int array, got {arr.shape} {arr.dtype}"
+                )
+            prompt_tokens = arr.tolist()
+        if not isinstance(prompt_tokens, list | tuple):
+            raise ValueError(
+                f"prompt_tokens must be a list of ints, got {type(prompt_tokens).__name__}"
+            )
+        if not prompt_tokens:
+            raise ValueError("prompt_tokens must not be empty")
+        bad = [
+            t for t in prompt_tokens if isinstance(t, bool) or not isinstance(t, int | np.integer)
+        ]
+        if bad:
+            raise ValueError(f"prompt_tokens must hold ints, got {bad[:3]!r}")
+        V = self.config.vocab_size
+        out = [t for t in prompt_tokens if not 0 <= t < V]
+        if out:
+            raise ValueError(f"prompt_tokens has ids outside the vocabulary [0, {V}): {out[:5]}")
+        return [int(t) for t in prompt_tokens]
+
+    # ----------------------------------------------------------------------------- stepping
+
+    def step(self) -> dict[int, list[int]]:
+        """One scheduler step -> ``{request id: [new token]}`` for the requests that got one (none
+        when there is no work or every admitted request is still prefilling)."""
+        t0 = time.perf_counter()
+        self._admit()
+        self._prefill()
+        events = self._decode()
+        self._busy_s += time.perf_counter() - t0
+        return events
+
+    @property
+    def busy(self) -> bool:
+        """Some request is waiting or running."""
+        return bool(self._waiting or self._running)
+
+    def run_until_done(self) -> dict[int, list[int]]:
+        """Steps until no request is waiting or running -> ``{request id: generated tokens}`` of
+        every request finished so far."""
+        while self.busy:
+            self.step()
+        return dict(self._finished)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            if not self._try_admit(self._waiting[0]):
+                return
+            self._waiting.popleft()
+
+    def _try_admit(self, req: _Request) -> bool:
+        """Gives ``req`` a row and pages for all its known tokens, reusing cached prefix pages.
+
+        Keeps one spare page per running request so that admissions do not starve decoding.
+        """
+        P, n = self.page_size, len(req.tokens)
+        row = min(set(range(self.max_batch)) - {r.row for r in self._running})
+        hits = []
+        if self.prefix_caching:
+            self._extend_hashes(req, n // P)
+            hits = self.allocator.lookup(req.hashes[: n // P])
+            if req.hashes[len(hits) : len(hits) + 1] and req.hashes[len(hits)] in self._pending():
+                return False  # a running request is computing our next page: wait and share it
+        # A fully cached sequence still feeds its last token: that write copies the last page
+        # (copy on write); if the pool cannot spare the copy, recompute that page instead.
+        for use in dict.fromkeys([len(hits), min(len(hits), (n - 1) // P)]):
+            start = min(use * P, n - 1)
+            self.tables.adopt(row, hits[:use])
+            spare = self.allocator.num_available - self.tables.pages_to_write(row, start, n)
+            if spare >= len(self._running):
+                break
+            self.tables.free(row)
+        else:
+            return False
+        self._apply(self.tables.make_writable(row, start, n))
+        req.row, req.computed, req.registered = row, start, use
+        req.admitted, self._admissions = self._admissions, self._admissions + 1
+        self._counts["prefix_cache_hits"] += use
+        self._running.append(req)
+        return True
+
+    def _pending(self) -> set[bytes]:
+        """Hashes of the full prompt pages running requests will compute but have not yet."""
+        P = self.page_size
+        return {h for r in self._running for h in r.hashes[r.registered : (len(r.tokens) - 1) // P]}
+
+    def _extend_hashes(self, req: _Request, num_pages: int) -> None:
+        P, have = self.page_size, len(req.hashes)
+        if num_pages > have:
+            parent = req.hashes[-1] if req.hashes else b""
+            req.hashes += block_hashes(req.tokens[have * P : num_pages * P], P, parent)
+
+    def _register(self, req: _Request) -> None:
+        """Registers the request's newly completed pages in the prefix cache."""
+        full = req.computed // self.page_size
+        if not self.prefix_caching or full <= req.registered:
+            return
+        self._extend_hashes(req, full)
+        pages = self.tables.rows[req.row]
+        for i in range(req.registered, full):
+            self.allocator.register(pages[i], req.hashes[i])
+        req.registered = full
+
+    def _prefill(self) -> None:
+        """Chunks of at most ``max_prefill_tokens`` in admission order, within the step budget."""
+        budget = self.max_prefill_tokens
+        for req in list(self._running):
+            while not req.decoding:
+                n = min(len(req.tokens) - 1 - req.computed, self.max_prefill_tokens)
+                if n > budget:
+                    return
+                self._prefill_chunk(req, n)
+                budget -= n
+
+    def _prefill_chunk(self, req: _Request, n: int) -> None:
+        start, P = req.computed, self.page_size
+        self._apply(self.tables.make_writable(req.row, start, start + n))
+        C = max(MIN_CHUNK, 1 << (n - 1).bit_length())
+        tokens = np.zeros((1, C), np.int32)
+        tokens[0, :n] = req.tokens[start : start + n]
+        table = np.full((1, self.max_pages), self._scratch, np.int32)
+        pages = self.tables.rows[req.row][: pages_for(start + n, P)]
+        table[0, : len(pages)] = pages
+        self._k, self._v = self._prefill_fn(
+            self._params, self._k, self._v, tokens, np.array([start], np.int32), table
+        )
+        req.computed += n
+        self._counts["prefill_tokens"] += n
+        self._register(req)
+
+    def _grow_decoding_rows(self) -> list[_Request]:
+        """Gives each decoding row (oldest first) the page its next token needs, preempting the
+        most recently admitted request while the pool is short. Returns the rows to decode."""
+        for req in [r for r in self._running if r.decoding]:
+            while req.row >= 0:
+                pos = req.computed
+                if (
+                    self.tables.pages_to_write(req.row, pos, pos + 1)
+                    <= self.allocator.num_available
+                ):
+                    self._apply(self.tables.make_writable(req.row, pos, pos + 1))
+                    break
+                self._preempt(max(self._running, key=lambda r: r.admitted))
+        return [r for r in self._running if r.decoding]
+
+    def _decode(self) -> dict[int, list[int]]:
+        rows = self._grow_decoding_rows()
+        if not rows:
+            return {}
+        B = self.max_batch
+        last, lengths, index, config_idx = (np.zeros(B, np.int32) for _ in range(4))
+        seeds = np.zeros(B, np.uint32)
+        table = np.full((B, self.max_pages), self._scratch, np.int32)
+        for req in rows:
+            b = req.row
+            last[b], lengths[b], seeds[b] = req.tokens[-1], req.computed, req.seed
+            index[b] = len(req.tokens) - req.prompt_len
+            config_idx[b] = self._configs.index(req.sampling)
+            pages = self.tables.rows[b]
+            table[b, : len(pages)] = pages
+        new, self._k, self._v = self._decode_fn(
+            self._params, self._k, self._v, last, lengths, table, seeds, index, config_idx,
+            configs=tuple(self._configs),
+        )  # fmt: skip
+        new = np.asarray(new)
+        self._counts["decode_steps"] += 1
+        events = {}
+        for req in rows:
+            token = int(new[req.row])
+            req.tokens.append(token)
+            req.computed += 1
+            events[req.rid] = [token]
+            self._counts["generated_tokens"] += 1
+            self._register(req)
+            if req.done:
+                self._retire(req)
+        return events
+
+    def _release_row(self, req: _Request) -> None:
+        self.tables.free(req.row)
+        self._running.remove(req)
+        req.row = -1
+
+    def _retire(self, req: _Request) -> None:
+        self._release_row(req)
+        self._finished[req.rid] = req.out
+
+    def _preempt(self, req: _Request) -> None:
+        """Frees the request's pages; it is recomputed from its tokens when readmitted."""
+        self._release_row(req)
+        req.computed = req.registered = 0
+        self._waiting.appendleft(req)
+        self._counts["preemptions"] += 1
+
+    def _apply(self, copies) -> None:
+        for i in range(0, len(copies), COPY_BATCH):
+            part = copies[i : i + COPY_BATCH]
+            pad = [(self._scratch, self._scratch)] * (COPY_BATCH - len(part))
+            src, dst = np.array(part + pad, np.int32).T
+            self._k, self._v = engine_steps.copy_pages(self._k, self._v, src, dst)
+            self._counts["page_copies"] += len(part)
+
+    # ----------------------------------------------------------------------------- stats
+
+    def stats(self) -> dict:
+        """Pool and scheduler counters.
+
+        ``utilization`` is used token slots over allocated token slots: positions holding a
+        cached token of a running request, over ``P`` times the pages running requests hold
+        (0.0 when they hold none). ``prefix_cache_hits`` counts pages reused from the cache;
+        ``tokens_per_s`` is generated tokens over the time spent in ``step``.
+        """
+        alloc, P = self.allocator, self.page_size
+        used = {}
+        for req in self._running:
+            for i, page in enumerate(self.tables.rows[req.row]):
+                used[page] = max(used.get(page, 0), min(P, max(req.computed - i * P, 0)))
+        pages_used = alloc.num_pages - alloc.num_available
+        c = self._counts
+        return dict(
+            pages_total=alloc.num_pages,
+            pages_free=alloc.num_free,
+            pages_cached=alloc.num_cached,
+            pages_used=pages_used,
+            utilization=sum(used.values()) / (pages_used * P) if pages_used else 0.0,
+            running=len(self._running),
+            waiting=len(self._waiting),
+            finished=len(self._finished),
+            prefix_cache_hits=c["prefix_cache_hits"],
+            preemptions=c["preemptions"],
+            decode_steps=c["decode_steps"],
+            prefill_tokens=c["prefill_tokens"],
+            generated_tokens=c["generated_tokens"],
+            page_copies=c["page_copies"],
+            evictions=alloc.evictions,
+            tokens_per_s=c["generated_tokens"] / self._busy_s if self._busy_s else 0.0,
+        )

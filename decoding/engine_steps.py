@@ -1,0 +1,97 @@
+"""The engine's jitted device steps over a shared page pool, at fixed shapes.
+
+* ``prefill_chunk``: writes one request's chunk of C prompt tokens [1, C] (right-padded) into its
+  pages: one ``Tq = C > 1`` cached forward through ``attention_with_kvcache`` with a block table.
+  Its logits are dead code (XLA drops them): the chunk's last token is fed by the decode step.
+* ``decode_rows``: feeds each row's last token [B, 1] at its own position, samples each row's next
+  token with that row's sampling config and PRNG key.
+* ``copy_pages``: page copies for copy on write.
+
+The pool is a tuple of ``[num_pages + 1, P, Hkv, D]`` arrays per layer for keys and for values,
+donated to every call so that XLA updates it in place. Its last page is scratch: padding rows and
+block-table entries past a row's pages point there, so padding writes never touch a real page.
+
+``TRACES`` counts how often each step was traced (= compiled): the engine keeps every shape fixed
+(batch ``max_batch``, block table ``max_pages``, chunk lengths in power-of-two buckets), so it
+grows only with new chunk buckets or new sampling configs, never as requests come and go.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from decoding.sampling import SamplingConfig, sample
+from models import KVCache
+
+TRACES: collections.Counter = collections.Counter()
+
+
+def row_keys(seeds, index):
+    """Per-row PRNG keys [B]: ``fold_in(key(seeds[b]), index[b])``.
+
+    ``index`` is the number of tokens the request generated before this one, so a request's
+    draws depend only on its seed and its own progress, never on the rest of the batch (and
+    match ``generate`` on the request alone, which folds its step counter into ``key(seed)``).
+    """
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, index)
+
+
+def sample_rows(logits, keys, config_idx, configs: tuple[SamplingConfig, ...]):
+    """logits [B, V], keys [B], config_idx [B] int32 -> [B] int32.
+
+    Row ``b`` draws alone (batch 1) with ``keys[b]`` under ``configs[config_idx[b]]``.
+    """
+    out = jnp.zeros(logits.shape[:1], jnp.int32)
+    for c, config in enumerate(configs):
+        drawn = jax.vmap(lambda row, key, cfg=config: sample(row[None], key, cfg)[0])(logits, keys)
+        out = jnp.where(config_idx == c, drawn, out)
+    return out
+
+
+def prefill_chunk(graphdef, params, k, v, tokens, start, table):
+    """tokens [1, C] at positions ``start[0] ..``, pages ``table`` [1, max_pages] -> (k, v)."""
+    TRACES["prefill"] += 1
+    model = nnx.merge(graphdef, params)
+    _, cache = model(tokens, cache=KVCache(k=k, v=v, lengths=start, block_table=table))
+    return cache.k, cache.v
+
+
+def decode_rows(graphdef, params, k, v, last, lengths, table, seeds, index, config_idx, *, configs):
+    """One token per row: last [B] fed at position lengths [B] through table [B, max_pages].
+
+    Returns ``(next tokens [B] int32, k, v)``; seeds [B] uint32, index [B] int32 and
+    config_idx [B] int32 pick each row's key and sampling config (see ``sample_rows``).
+    """
+    TRACES["decode"] += 1
+    model = nnx.merge(graphdef, params)
+    cache = KVCache(k=k, v=v, lengths=lengths, block_table=table)
+    logits, cache = model(last[:, None], cache=cache)
+    tokens = sample_rows(logits[:, -1], row_keys(seeds, index), config_idx, configs)
+    return tokens, cache.k, cache.v
+
+
+@functools.lru_cache(maxsize=16)
+def jitted(graphdef):
+    """``(prefill_chunk, decode_rows)`` jitted for one model structure, the pool donated.
+
+    The graph definition is closed over (hashed once here, not at every call); cached so that
+    engines over the same model share compilations.
+    """
+    prefill = jax.jit(functools.partial(prefill_chunk, graphdef), donate_argnums=(1, 2))
+    decode = jax.jit(
+        functools.partial(decode_rows, graphdef), static_argnames=("configs",),
+        donate_argnums=(1, 2),
+    )  # fmt: skip
+    return prefill, decode
+
+
+@functools.partial(jax.jit, donate_argnames=("k", "v"))
+def copy_pages(k, v, src, dst):
+    """Page ``dst[i]`` becomes a copy of page ``src[i]`` in every layer; src, dst [n] int32."""
+    TRACES["copy"] += 1
+    return tuple(x.at[dst].set(x[src]) for x in k), tuple(x.at[dst].set(x[src]) for x in v)

@@ -1,0 +1,177 @@
+"""Medusa drafting (Cai et al., 2024): the target drafts for itself with ``models.MedusaHeads`` on
+its own last hidden state; no second model, no second cache.
+
+Chain: with h the target's hidden state at the last accepted position (the one whose LM head
+gave the last, not yet fed, token x_{t+1}), head i proposes d_{i+1} for x_{t+2+i}, i = 0 .. k-1,
+greedy: its argmax; sampling: a sample of its distribution q_{i+1} (shaped by the same
+``SamplingConfig`` as the target's p). The heads do not see each other's tokens, so q_{i+1} is
+exactly the distribution d_{i+1} was drawn from and the verification rule
+(``speculative.accept``) keeps the output distributed exactly as the target's.
+
+The verification forward (``[last, d_1 .. d_k]``, Tq = k + 1) also returns the target's hidden
+states; the one at the last accepted input (index n) is the next step's h, so a step costs one
+target call plus the heads. After the target's prefill, h comes from one extra Tq = 1 forward of
+the last prompt token (its cache writes are discarded).
+
+Hooks used by ``speculative.py`` beyond the draft-kind interface of ``decoding.drafts``:
+``start(target, cache, seq, params)`` (draft state after the target's prefill) and
+``verify(target, params, last, prop, sampling, key)`` (the verification forward and the
+acceptance, returning :class:`Verified`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from decoding import tree
+from decoding.drafts import Context, Proposal, _check_vocab
+from decoding.sampling import SamplingConfig, probabilities, sample
+from decoding.tree import TreeSpec
+from models.medusa import MedusaHeads
+
+
+class Verified(NamedTuple):
+    """A verification step's outcome: tokens [B, k] (the draft path whose first n are kept),
+    n [B] int32, nxt [B] int32 (the target's token after them), the target's cache (lengths
+    not yet rolled back) and the draft's new state."""
+
+    tokens: jax.Array
+    n: jax.Array
+    nxt: jax.Array
+    cache: Any
+    state: Any
+
+
+def verify_chain(target, last, prop: Proposal, sampling: SamplingConfig, key, hidden=False):
+    """The target's forward on ``[last, d_1 .. d_k]`` and the acceptance rule.
+
+    Returns (n [B], nxt [B], cache, hidden states [B, k+1, dim] or None).
+    """
+    from decoding.speculative import accept
+
+    tokens = jnp.concatenate([last, prop.tokens], 1)
+    out = target(tokens, cache=prop.cache, return_hidden=hidden)
+    logits, cache = out[:2]
+    n, nxt = accept(probabilities(logits, sampling), prop.q, prop.tokens, key)
+    return n, nxt, cache, out[2] if hidden else None
+
+
+class Medusa:
+    """A draft kind for ``speculative_generate``: ``Medusa(heads)`` with ``heads`` a
+    ``models.MedusaHeads`` trained for the target (its ``num_heads`` is the default and largest
+    ``num_draft_tokens``); ``Medusa(heads, tree=TreeSpec.default(4))`` drafts a token tree
+    (``decoding.tree``; k = the tree's depth)."""
+
+    def __init__(self, heads: MedusaHeads, tree: TreeSpec | None = None):
+        if not isinstance(heads, MedusaHeads):
+            raise TypeError(f"heads must be a models.MedusaHeads, got {type(heads).__name__}")
+        if tree is not None and not isinstance(tree, TreeSpec):
+            raise TypeError(f"tree must be a decoding.TreeSpec or None, got {type(tree).__name__}")
+        self.heads, self.tree = heads, tree
+
+    def split(self) -> tuple[MedusaDraft, Any]:
+        """(the static draft kind, the heads' params)."""
+        graphdef, params = nnx.split(self.heads)
+        c = self.heads.config
+        kind = MedusaDraft(graphdef, self.heads.num_heads, c.dim, c.vocab_size, self.tree)
+        return kind, params
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDraft:
+    """The static side of :class:`Medusa` (``graphdef`` of the heads; params passed apart).
+
+    State: h [B, dim], the target's hidden state at the last accepted position.
+    """
+
+    graphdef: Any
+    num_heads: int
+    dim: int
+    vocab_size: int
+    tree: TreeSpec | None = None
+
+    @property
+    def default_num_draft_tokens(self) -> int:
+        return self.num_heads if self.tree is None else self.tree.depth
+
+    @property
+    def verify_width(self) -> int:
+        """Cache slots a verification writes past the last token."""
+        return 0 if self.tree is None else self.tree.num_nodes
+
+    def check(self, target, k: int) -> None:
+        _check_vocab("Medusa heads", self.vocab_size, target)
+        if self.dim != target.config.dim:
+            raise ValueError(
+                f"Medusa heads have dim {self.dim}, the target has {target.config.dim}"
+            )
+        if self.tree is not None and self.tree.depth > self.num_heads:
+            raise ValueError(
+                f"tree of depth {self.tree.depth} needs that many heads, the Medusa heads have "
+                f"num_heads={self.num_heads}"
+            )
+        if k > self.num_heads:
+            raise ValueError(
+                f"num_draft_tokens={k} exceeds the Medusa heads' num_heads={self.num_heads}"
+            )
+        if self.tree is not None and k != self.tree.depth:
+            raise ValueError(
+                f"num_draft_tokens={k} must be None or the tree's depth {self.tree.depth}"
+            )
+
+    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
+        return None, None
+
+    def prefill(self, params, state, tokens, prompt_lengths):
+        return state
+
+    def start(self, target, cache, seq, params):
+        """h [B, dim] at the last prompt token, from a Tq = 1 forward (cache writes dropped)."""
+        pos = jnp.maximum(cache.lengths - 1, 0)
+        tok = jnp.take_along_axis(seq, pos[:, None], axis=1)
+        _, _, h = target(tok, cache=cache.replace(lengths=pos), return_hidden=True)
+        return h[:, 0]
+
+    def head_logits(self, params, h, k: int):
+        """h [B, dim] -> the first k heads' logits [B, k, V] float32."""
+        return nnx.merge(self.graphdef, params)(h[:, None])[:, 0, :k]
+
+    def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
+        if self.tree is not None:
+            logits = self.head_logits(ctx.params, ctx.state, self.tree.depth)
+            last = jnp.take_along_axis(ctx.seq, ctx.cache.lengths[:, None], axis=1)[:, 0]
+            nodes = tree.node_tokens(self.tree, logits, last)[:, 1:]  # [B, N]
+            return Proposal(nodes, None, ctx.state, ctx.cache, 1)
+        logits = self.head_logits(ctx.params, ctx.state, k)  # [B, k, V]
+        B, _, V = logits.shape
+        tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
+        return Proposal(tokens, probabilities(logits, sampling), ctx.state, ctx.cache, 1)
+
+    def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
+        rows = jnp.arange(last.shape[0])
+        if self.tree is not None:
+            return self.verify_tree(target, last, prop, sampling, key)
+        n, nxt, cache, hidden = verify_chain(target, last, prop, sampling, key, hidden=True)
+        return Verified(prop.tokens, n, nxt, cache, hidden[rows, n])  # h at the last accepted
+
+    def verify_tree(self, target, last, prop: Proposal, sampling, key) -> Verified:
+        """All nodes in one target call with the tree mask; ``tree.accept_tree``; the accepted
+        path's K/V compacted to the slots after the root."""
+        spec, t = self.tree, self.tree.tables
+        tokens = jnp.concatenate([last, prop.tokens], 1)  # [B, N+1]
+        B, T = tokens.shape
+        start = prop.cache.lengths
+        positions = start[:, None] + jnp.asarray(t["depth"])[None]
+        mask = jnp.broadcast_to(jnp.asarray(t["mask"]), (B, T, T))
+        logits, cache, hidden = target(
+            tokens, positions, cache=prop.cache, return_hidden=True, tree_mask=mask
+        )
+        p = probabilities(logits, sampling)
+        best, n, path, nxt = tree.accept_tree(spec, tokens, p, key)
+        cache = tree.compact_path(spec, cache, start, best)
+        return Verified(path, n, nxt, cache, hidden[jnp.arange(B), best])

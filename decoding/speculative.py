@@ -1,0 +1,345 @@
+"""Speculative decoding (Leviathan et al., 2023; Chen et al., 2023): lossless, batched, one jit.
+
+Each step a draft (see ``decoding.drafts``) proposes k tokens d_1..d_k with distributions
+q_1..q_k; the target runs once on ``[last, d_1, .., d_k]`` (Tq = k + 1, through
+``attention_with_kvcache`` against its cache), giving p_1..p_{k+1}; :func:`accept` keeps a prefix
+of the draft and adds one token from the target, so every step emits 1 .. k + 1 tokens whose
+distribution is exactly the target's (with the same ``SamplingConfig`` shaping p and q).
+
+Batched with fixed shapes: every row proposes and verifies k tokens every step; rows accept
+different numbers, and a row's cache and token count advance by its own count (rollback is a
+length change, nothing is copied). Rows stop at their own EOS and at exactly ``max_new_tokens``
+(a step's tokens past either are dropped). ``speculative_decode`` is one ``lax.while_loop``
+inside one jit with the state (caches included) donated; the host syncs once per call.
+Prefill reuses ``generate.prefill`` (the first new token is the target's own sample) and the
+host side reuses ``generate``'s validation, bucketing, cache building, timing and stats.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from decoding.drafts import Context, EarlyExit, ModelDraft, PromptLookup
+from decoding.generate import (
+    GenerateResult,
+    _bucket,
+    _cache_for,
+    _check_arguments,
+    _run,
+    _stats,
+    _timed_phases,
+    prefill,
+)
+from decoding.medusa import Medusa
+from decoding.sampling import SamplingConfig, probabilities
+from models import KVCache, Transformer
+from models.shard import replicated
+
+
+@struct.dataclass
+class SpecState:
+    """The speculative loop's carry, one pytree.
+
+    Attributes:
+      seq: [B, L] int32, prompt then new tokens; ``seq[b, cache.lengths[b]]`` is the last token
+        (sampled, not yet fed to the target).
+      prompt_lengths, num_new: [B] int32; ``cache.lengths == prompt_lengths + num_new - 1``.
+      done: [B] bool, the row hit EOS, ``max_new_tokens``, or is batch padding.
+      cache: the target's ``models.KVCache``; draft: the draft kind's state (or None).
+      key: PRNG key, step ``s`` uses ``fold_in(key, s)``; step: int32, target calls so far
+        (prefill included).
+      accepted, proposed, live_steps: [B] int32, draft tokens accepted / proposed and
+        verification steps taken by each row while it was live; draft_calls: int32 scalar.
+    """
+
+    seq: jax.Array
+    prompt_lengths: jax.Array
+    num_new: jax.Array
+    done: jax.Array
+    cache: KVCache
+    draft: Any
+    key: jax.Array
+    step: jax.Array
+    accepted: jax.Array
+    proposed: jax.Array
+    live_steps: jax.Array
+    draft_calls: jax.Array
+
+
+def accept(p, q, draft_tokens, key):
+    """The speculative sampling rule: p [B, k+1, V] (target), q [B, k, V] (draft), draft_tokens
+    [B, k] drawn from q -> (n [B], the number of draft tokens kept, and next [B], one more token).
+
+    ``d_1 .. d_n, next`` is distributed exactly as n + 1 tokens sampled one by one from the
+    target (p_i is the target's distribution after d_1 .. d_{i-1}), whatever q is. Greedy (one-hot
+    p and q) accepts while the draft equals the target's argmax, then takes the argmax.
+    """
+    B, k, V = q.shape
+    key_u, key_r = jax.random.split(key)
+    p_d = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # p_i(d_i)
+    q_d = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]  # q_i(d_i)
+    u = 1.0 - jax.random.uniform(key_u, (B, k))  # u ~ U(0, 1]
+    # 1. Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. iff u_i <= p_i / q_i.
+    ok = u * q_d <= p_d
+    # 2. Keep the draft up to its first rejection: n = leading accepted tokens (k if none fail).
+    n = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    # 3. At the first rejection sample from normalize(max(p_n - q_n, 0)); with q_{k+1} = 0 the
+    #    same formula gives the bonus token from p_{k+1} when all k were accepted.
+    q_pad = jnp.concatenate([q, jnp.zeros((B, 1, V), q.dtype)], axis=1)
+    rows = jnp.arange(B)
+    residual = jnp.maximum(p[rows, n] - q_pad[rows, n], 0.0)
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p[rows, n])
+    # 4. Sample next ~ residual (unnormalised weights: categorical normalises).
+    nxt = jax.random.categorical(key_r, jnp.log(residual), axis=-1).astype(jnp.int32)
+    return n, nxt
+
+
+def _emitted(draft_tokens, n, nxt, num_new, done, eos_id, max_new_tokens):
+    """Tokens a step appends per row -> (tokens [B, k+1], count [B], hit_eos [B]).
+
+    ``tokens[:, :n]`` are the accepted draft tokens, ``tokens[:, n]`` the target's; ``count``
+    cuts after the first EOS and at ``max_new_tokens``; 0 for rows already done.
+    """
+    B, k = draft_tokens.shape
+    j = jnp.arange(k + 1)
+    padded = jnp.concatenate([draft_tokens, nxt[:, None]], axis=1)
+    tokens = jnp.where(j < n[:, None], padded, nxt[:, None])
+    is_eos = (tokens == eos_id) & (j <= n[:, None])
+    first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1), k + 1)
+    count = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), max_new_tokens - num_new)
+    count = jnp.where(done, 0, count)
+    return tokens, count, first_eos < count
+
+
+def speculative_step(
+    target, draft, params, state: SpecState, *, k, eos_id, max_new_tokens, sampling
+):
+    """One draft-then-verify step for every row. Traceable."""
+    key_draft, key_accept = jax.random.split(jax.random.fold_in(state.key, state.step))
+    start = state.cache.lengths  # [B]: the last token's position
+    ctx = Context(target, state.cache, state.seq, params, state.draft)
+    prop = draft.propose(ctx, k, sampling, key_draft)
+    last = jnp.take_along_axis(state.seq, start[:, None], axis=1)
+    if hasattr(draft, "verify"):  # kinds that verify their own way (Medusa: hidden states, trees)
+        v = draft.verify(target, params, last, prop, sampling, key_accept)
+        drafted, n, nxt, cache, draft_state = v
+    else:
+        logits, cache = target(jnp.concatenate([last, prop.tokens], 1), cache=prop.cache)
+        n, nxt = accept(probabilities(logits, sampling), prop.q, prop.tokens, key_accept)
+        drafted, draft_state = prop.tokens, prop.state
+    k = drafted.shape[1]
+    live = ~state.done
+    tokens, count, hit_eos = _emitted(
+        drafted, n, nxt, state.num_new, state.done, eos_id, max_new_tokens
+    )
+    B, L = state.seq.shape
+    j = jnp.arange(k + 1)
+    col = jnp.where(j < count[:, None], (start + 1)[:, None] + j, L)  # L: dropped
+    num_new = state.num_new + count
+    return state.replace(
+        seq=state.seq.at[jnp.arange(B)[:, None], col].set(tokens, mode="drop"),
+        num_new=num_new,
+        done=state.done | hit_eos | (num_new >= max_new_tokens),
+        cache=cache.replace(lengths=start + count),  # roll back the rejected positions
+        draft=draft_state,
+        step=state.step + 1,
+        accepted=state.accepted + jnp.where(live, n, 0),
+        proposed=state.proposed + jnp.where(live, k, 0),
+        live_steps=state.live_steps + live.astype(jnp.int32),
+        draft_calls=state.draft_calls + prop.calls,
+    )
+
+
+def speculative_decode(
+    target, draft, params, state: SpecState, *, k, eos_id, max_new_tokens, sampling
+):
+    """``speculative_step`` until every row is done. Traceable (``eos_id``, ``max_new_tokens``
+    may be traced int32 scalars)."""
+
+    def body(s):
+        return speculative_step(
+            target, draft, params, s, k=k, eos_id=eos_id, max_new_tokens=max_new_tokens,
+            sampling=sampling,
+        )  # fmt: skip
+
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+
+
+def speculative_prefill(
+    target, draft, params, draft_state, tokens, prompt_lengths, cache, *, key, done, eos_id,
+    max_new_tokens, seq_len, sampling,
+) -> SpecState:  # fmt: skip
+    """The target's ``generate.prefill`` (first new token), then the draft's prefill. Traceable.
+
+    tokens [B, Tp] right-padded; ``seq_len`` (static) L >= Tp, the token buffer's width.
+    """
+    st = prefill(
+        target, tokens, prompt_lengths, cache, key=key, done=done, eos_id=eos_id,
+        num_new_max=1, sampling=sampling,
+    )  # fmt: skip
+    B, Tp = tokens.shape
+    seq = jnp.zeros((B, seq_len), jnp.int32).at[:, :Tp].set(tokens)
+    seq = seq.at[jnp.arange(B), prompt_lengths].set(st.tokens[:, 0])
+    zeros = jnp.zeros((B,), jnp.int32)
+    draft_state = draft.prefill(params, draft_state, tokens, prompt_lengths)
+    if hasattr(draft, "start"):  # kinds whose state comes from the target (Medusa: h)
+        draft_state = draft.start(target, st.cache, seq, params)
+    return SpecState(
+        seq=seq,
+        prompt_lengths=prompt_lengths.astype(jnp.int32),
+        num_new=st.num_new,
+        done=st.done | (st.num_new >= max_new_tokens),
+        cache=st.cache,
+        draft=draft_state,
+        key=key,
+        step=st.step,
+        accepted=zeros,
+        proposed=zeros,
+        live_steps=zeros,
+        draft_calls=jnp.asarray(int(isinstance(draft, ModelDraft)), jnp.int32),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "draft", "seq_len", "sampling"),
+    donate_argnames=("cache", "draft_state"),
+)
+def _prefill_jit(
+    target_params, params, tokens, prompt_lengths, cache, draft_state, key, done, eos_id,
+    max_new, *, graphdef, draft, seq_len, sampling,
+):  # fmt: skip
+    return speculative_prefill(
+        nnx.merge(graphdef, target_params), draft, params, draft_state, tokens, prompt_lengths,
+        cache, key=key, done=done, eos_id=eos_id, max_new_tokens=max_new, seq_len=seq_len,
+        sampling=sampling,
+    )  # fmt: skip
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "draft", "k", "sampling"), donate_argnames=("state",)
+)
+def _decode_jit(target_params, params, state, max_new, eos_id, *, graphdef, draft, k, sampling):
+    target = nnx.merge(graphdef, target_params)
+    return speculative_decode(
+        target, draft, params, state, k=k, eos_id=eos_id, max_new_tokens=max_new,
+        sampling=sampling,
+    )  # fmt: skip
+
+
+def draft_kind(draft):
+    """(static draft kind, its params or None) for what ``speculative_generate`` accepts."""
+    if isinstance(draft, Transformer):
+        return ModelDraft.split(draft)
+    if isinstance(draft, PromptLookup | EarlyExit):
+        return draft, None
+    if isinstance(draft, Medusa):
+        return draft.split()
+    raise TypeError(
+        "draft must be a models.Transformer, decoding.PromptLookup, decoding.EarlyExit or "
+        f"decoding.Medusa, got {type(draft).__name__}"
+    )
+
+
+def _check_k(num_draft_tokens, default: int) -> int:
+    k = default if num_draft_tokens is None else num_draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1 or None, got {k!r}")
+    return int(k)
+
+
+def speculative_generate(
+    target,
+    draft,
+    prompts,
+    *,
+    num_draft_tokens: int | None = None,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    eos_id: int | None = None,
+    seed: int = 0,
+    cache: str = "paged",
+    page_size: int = 16,
+    num_pages: int | None = None,
+) -> GenerateResult:
+    """``generate(target, ...)``'s output distribution (its exact tokens when greedy), faster.
+
+    Args:
+      target: the ``models.Transformer`` whose distribution is sampled.
+      draft: a ``models.Transformer`` with the target's vocabulary (its own cache),
+        ``PromptLookup(...)``, ``EarlyExit(num_layers=L)`` with L < the target's layers, or
+        ``Medusa(heads[, tree=TreeSpec])`` (heads trained on the target's hidden states).
+      num_draft_tokens: k >= 1 tokens drafted per step; None = the draft kind's default
+        (``drafts.DEFAULT_K``, the best measured by ``benchmarks/speculative.py``).
+      The other arguments are ``generate``'s (``num_pages`` sizes each model's page pool).
+
+    Returns:
+      ``GenerateResult``; ``stats`` has ``generate``'s keys plus ``acceptance_rate`` (accepted
+      / proposed draft tokens), ``tokens_per_target_call`` (tokens emitted per row per
+      verification step: (1 - a^(k+1)) / (1 - a) in theory), ``target_calls`` (verification
+      steps; prefill not counted), ``draft_calls`` (draft forward calls, prefill included) and
+      ``num_draft_tokens``.
+    """
+    kind, params = draft_kind(draft)
+    k = _check_k(num_draft_tokens, kind.default_num_draft_tokens)
+    kind.check(target, k)
+    extra = max(k, getattr(kind, "verify_width", 0))  # slots a step writes past the last token
+    sampling, rows = _check_arguments(
+        target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+        seed=seed, cache=cache, page_size=page_size, extra=extra,
+    )  # fmt: skip
+    batch = _bucket(rows, max_new_tokens, extra=extra)
+    B, n_pad = batch.num_rows, len(batch.done) - batch.num_rows
+    kv, tables = _cache_for(target, cache, batch.need, n_pad, batch.capacity, page_size, num_pages)
+    draft_tables = None
+    try:
+        draft_state, draft_tables = kind.make_state(
+            target, params, cache, batch, page_size, num_pages
+        )
+        graphdef, target_params = nnx.split(target)
+        static = dict(graphdef=graphdef, draft=kind, sampling=sampling)
+        put = functools.partial(jax.device_put, device=replicated(target))  # a sharded model's mesh
+        eos, max_new = (
+            put(np.int32(-1 if eos_id is None else eos_id)),
+            put(np.int32(max_new_tokens)),
+        )
+        args = (target_params, params, put(batch.tokens), put(batch.prompt_lengths))
+        args += (
+            kv,
+            draft_state,
+            jax.random.key(put(np.uint32(seed))),
+            put(batch.done),
+            eos,
+            max_new,
+        )
+        del kv, draft_state  # donated
+        seq_len = batch.tokens.shape[1] + batch.num_new_max
+        out, prefill_s, decode_s, compile_s = _timed_phases(
+            lambda: _run(_prefill_jit, args, seq_len=seq_len, **static),
+            lambda s: _run(_decode_jit, (target_params, params, s, max_new, eos), k=k, **static),
+            lambda s: (s.seq, s.num_new, s.step, s.accepted, s.proposed, s.live_steps,
+                       s.draft_calls),
+        )  # fmt: skip
+    finally:
+        for t in (tables, draft_tables):
+            if t is not None:
+                t.free_all()
+    seq, num_new, steps, accepted, proposed, live_steps, draft_calls = out
+    plen = batch.prompt_lengths
+    tokens = [seq[b, plen[b] : plen[b] + num_new[b]].tolist() for b in range(B)]
+    stats = _stats(num_new, B, prefill_s, decode_s, compile_s, steps, cache)
+    row_steps = int(live_steps[:B].sum())
+    stats.update(
+        acceptance_rate=float(accepted[:B].sum() / max(int(proposed[:B].sum()), 1)),
+        tokens_per_target_call=(stats["new_tokens"] - B) / row_steps if row_steps else 0.0,
+        target_calls=int(steps) - 1,
+        draft_calls=int(draft_calls),
+        num_draft_tokens=k,
+    )
+    return GenerateResult(tokens=tokens, stats=stats)

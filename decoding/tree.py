@@ -1,0 +1,184 @@
+"""Token trees for speculative decoding (Medusa / EAGLE): candidates from the top-s of each
+draft head, verified in one target call with tree attention, the accepted path compacted.
+
+A :class:`TreeSpec` is the node list as Medusa builds it ("medusa choices"): node ``(c_1, .., c_d)``
+at depth d is the c_d-th best candidate of head d - 1, child of node ``(c_1, .., c_{d-1})``. The
+verification input is ``[last, node_1, .., node_N]`` (Tq = N + 1, node 0 = the root = the last,
+not yet fed token), at positions ``lengths + depth``, written in cache slots
+``lengths .. lengths + N``; ``tree_mask`` lets each node see the cache, the root and its
+ancestors only. After acceptance the accepted path's K/V move from their slots to
+``lengths + 1 .. lengths + n`` and everything past is rolled back by the length.
+
+Acceptance (:func:`accept_tree`) is recursive rejection sampling over each node's children, so
+sampling stays exactly the target's distribution; greedy keeps the path of argmax tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """Nodes as choice paths, e.g. ``((0,), (1,), (0, 0))``: the root's children are head 0's
+    top-1 and top-2 candidates, and the top-1 of head 1 follows the first of them.
+
+    Every node's parent (its path minus the last choice) must be a node too; choices are ints
+    >= 0; no duplicates. Nodes are kept sorted by (depth, path), so parents precede children.
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        paths = self.paths
+        if not isinstance(paths, tuple | list) or not paths:
+            raise ValueError(f"TreeSpec paths must be a non-empty tuple of paths, got {paths!r}")
+        clean = []
+        for p in paths:
+            ok = isinstance(p, tuple | list) and len(p) > 0
+            if not ok or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in p):
+                raise ValueError(f"TreeSpec path must be a non-empty tuple of ints >= 0, got {p!r}")
+            clean.append(tuple(p))
+        if len(set(clean)) != len(clean):
+            raise ValueError("TreeSpec paths contain duplicates")
+        for p in clean:
+            if len(p) > 1 and p[:-1] not in set(clean):
+                raise ValueError(f"TreeSpec path {p} has no parent {p[:-1]} in the tree")
+        object.__setattr__(self, "paths", tuple(sorted(clean, key=lambda p: (len(p), p))))
+
+    @classmethod
+    def default(cls, num_heads: int) -> TreeSpec:
+        """Every path of length d <= num_heads whose choices sum to at most (2, 2, 1, 1, ..)[d-1]:
+        for 4 heads 18 nodes (3 + 6 + 4 + 5), Tq = 19 per verification."""
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+        paths, frontier = [], [()]
+        for d in range(1, num_heads + 1):
+            budget = 2 if d <= 2 else 1
+            frontier = [
+                p + (c,) for p in frontier for c in range(budget + 1) if sum(p) + c <= budget
+            ]
+            paths += frontier
+        return cls(tuple(paths))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    @property
+    def top(self) -> int:
+        """Candidates needed per head: 1 + the largest choice."""
+        return 1 + max(max(p) for p in self.paths)
+
+    @functools.cached_property
+    def tables(self) -> dict[str, np.ndarray]:
+        """Static index tables over the N + 1 nodes (0 = root): ``parent`` [N+1] (-1 for the
+        root), ``depth`` [N+1], ``head``/``choice`` [N+1] (node i>0 is ``choice``-th best of
+        ``head``), ``mask`` [N+1, N+1] bool (j is i or an ancestor), ``path`` [N+1, depth]
+        (the ancestor of i at depth d + 1, or i past its own depth), ``children`` [N+1, M]
+        (in choice order, -1 padded)."""
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        n = len(self.paths) + 1
+        parent, depth = np.full(n, -1, np.int32), np.zeros(n, np.int32)
+        head, choice = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        kids: list[list[int]] = [[] for _ in range(n)]
+        mask = np.eye(n, dtype=bool)
+        mask[:, 0] = True
+        path = np.zeros((n, self.depth), np.int32)
+        for p, i in index.items():
+            parent[i] = index.get(p[:-1], 0)
+            kids[parent[i]].append(i)
+            depth[i], head[i], choice[i] = len(p), len(p) - 1, p[-1]
+            for d in range(1, len(p) + 1):
+                mask[i, index[p[:d]]] = True
+            path[i] = [index[p[: d + 1]] if d < len(p) else i for d in range(self.depth)]
+        children = np.full((n, max(map(len, kids))), -1, np.int32)
+        for i, k in enumerate(kids):
+            children[i, : len(k)] = k
+        return dict(
+            parent=parent, depth=depth, head=head, choice=choice, mask=mask, path=path,
+            children=children,
+        )  # fmt: skip
+
+
+def node_tokens(spec: TreeSpec, head_logits, last):
+    """The verification input [B, N+1]: ``last`` [B] then each node's candidate from
+    ``head_logits`` [B, H, V] (H >= depth)."""
+    t = spec.tables
+    _, top = jax.lax.top_k(head_logits[:, : spec.depth], spec.top)  # [B, depth, top]
+    nodes = top[:, t["head"][1:], t["choice"][1:]]  # [B, N]
+    return jnp.concatenate([last[:, None], nodes.astype(jnp.int32)], axis=1)
+
+
+def accept_tree(spec: TreeSpec, tokens, p, key):
+    """Recursive rejection sampling down the tree (SpecInfer's rule for deterministic drafts).
+
+    tokens [B, N+1] (root first), p [B, N+1, V] the target's distributions after each node ->
+    (best [B], the last accepted node; n [B] its depth; path [B, depth] its path's tokens;
+    nxt [B], one more token). At node u with r = p_u, its children c_1, c_2, .. (distinct
+    tokens, q one-hot) are tried in order: accept c_j with probability r(c_j), else
+    r <- normalize(r without c_j) and try the next; an accepted child continues from its own p;
+    when every child is rejected (or u is a leaf) next ~ r. Each emitted token is distributed
+    exactly as the target's; greedy (one-hot p) keeps the child equal to the argmax.
+    """
+    t = spec.tables
+    B = tokens.shape[0]
+    rows = jnp.arange(B)
+    children = jnp.asarray(t["children"])  # [N+1, M], -1 padded
+    M = children.shape[1]
+    keys = jax.random.split(key, spec.depth * M + 1)
+    cur = jnp.zeros((B,), jnp.int32)
+    alive = jnp.ones((B,), bool)
+    r = p[:, 0]
+    for d in range(spec.depth):
+        moved, nxt_node = jnp.zeros((B,), bool), cur
+        for j in range(M):
+            child = children[cur, j]
+            tok = tokens[rows, jnp.maximum(child, 0)]
+            r_tok = r[rows, tok] / jnp.maximum(jnp.sum(r, -1), 1e-30)
+            tried = alive & ~moved & (child >= 0)
+            ok = tried & (jax.random.uniform(keys[d * M + j], (B,)) < r_tok)
+            removed = r.at[rows, tok].set(0.0)
+            r = jnp.where((tried & ~ok)[:, None], removed, r)  # rejected: drop the token
+            moved, nxt_node = moved | ok, jnp.where(ok, child, nxt_node)
+        cur = jnp.where(moved, nxt_node, cur)
+        r = jnp.where(moved[:, None], p[rows, cur], r)
+        alive = moved
+    r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, p[rows, cur])
+    nxt = jax.random.categorical(keys[-1], jnp.log(r), axis=-1).astype(jnp.int32)
+    path = jnp.take_along_axis(tokens, jnp.asarray(t["path"])[cur], axis=1)
+    return cur, jnp.asarray(t["depth"])[cur], path, nxt
+
+
+def compact_path(spec: TreeSpec, cache: KVCache, start, best):
+    """Moves the K/V of ``best``'s path (slots ``start + path node``) to ``start + 1 .. start +
+    depth`` in every layer; start [B] = the root's slot. Lengths are not changed."""
+    src = start[:, None] + jnp.asarray(spec.tables["path"])[best]  # [B, depth]
+    dst = start[:, None] + 1 + jnp.arange(spec.depth, dtype=jnp.int32)
+    s0, s1 = _slots(cache, src)
+    d0, d1 = _slots(cache, dst)
+
+    def move(x):
+        return x.at[d0, d1].set(x[s0, s1], mode="drop")
+
+    return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+
+
+def _slots(cache: KVCache, pos):
+    """(idx0, idx1) [B, T] into a layer's cache array for logical positions pos [B, T]."""
+    if cache.block_table is None:
+        return jnp.broadcast_to(jnp.arange(pos.shape[0])[:, None], pos.shape), pos
+    P = cache.k[0].shape[1]
+    page = jnp.take_along_axis(cache.block_table, pos // P, axis=1, mode="clip")
+    return page, pos % P

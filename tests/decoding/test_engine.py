@@ -1,0 +1,287 @@
+"""The continuous-batching engine on the tiny model: every request's output equals ``generate`` on
+it alone (greedy, and sampled with the same seed) whatever else is batched, with shared prefixes,
+preemption, late arrivals; no page leaks, no recompiles, bad requests rejected at submit.
+
+Every engine here has the same shapes (batch 4, pages of 8, chunks of at most 32 tokens, one of
+two pool sizes), so the whole module compiles a handful of steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decoding import engine_steps
+from decoding.engine import Engine
+from decoding.generate import generate
+from decoding.sampling import SamplingConfig
+
+MAX_NEW = 14
+PAGE = 8
+BIG_POOL, SMALL_POOL = 48, 12
+MAX_SEQ = 64  # a block table of 8 pages
+
+_rng = np.random.default_rng(0)
+_SHARED = _rng.integers(0, 256, 21).tolist()  # 2 full pages of 8 and a partial one
+PROMPTS = [
+    _SHARED + _rng.integers(0, 256, 6).tolist(),
+    _SHARED + _rng.integers(0, 256, 19).tolist(),
+    _SHARED[:16],  # exactly the two shared full pages
+    _rng.integers(0, 256, 45).tolist(),  # two chunks of at most 32
+    [5],
+    _SHARED[:11] + [3, 3, 3],
+]
+TOP_P = SamplingConfig(temperature=1.0, top_p=0.9)
+
+
+def make_engine(model, num_pages=BIG_POOL, **kwargs) -> Engine:
+    return Engine(
+        model, max_batch=4, num_pages=num_pages, page_size=PAGE, max_prefill_tokens=32,
+        max_seq_len=MAX_SEQ, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(tiny_model):
+    """``generate`` on each prompt alone; greedy, so a shorter run is a prefix of it."""
+    refs = [generate(tiny_model, [p], max_new_tokens=MAX_NEW).tokens[0] for p in PROMPTS]
+    assert len({tuple(r) for r in refs}) == len(refs)  # not degenerate
+    return refs
+
+
+def assert_clean(eng: Engine) -> None:
+    """Nothing running or waiting, and every page back in the pool (free or cached)."""
+    s = eng.stats()
+    assert (s["running"], s["waiting"], s["pages_used"]) == (0, 0, 0)
+    assert s["pages_free"] + s["pages_cached"] == s["pages_total"]
+    assert all(eng.allocator.refcount(p) == 0 for p in range(s["pages_total"]))
+
+
+def run_schedule(eng: Engine, schedule):
+    """schedule: (arrival step, prompt index, max_new_tokens) -> ({rid: (index, n)}, streamed)."""
+    pending = sorted(schedule, key=lambda a: a[0])
+    ids, streamed, step = {}, {}, 0
+    while pending or eng.busy:
+        while pending and pending[0][0] <= step:
+            _, i, n = pending.pop(0)
+            ids[eng.submit(PROMPTS[i], n)] = (i, n)
+        for rid, tokens in eng.step().items():
+            streamed.setdefault(rid, []).extend(tokens)
+        step += 1
+    return ids, streamed
+
+
+def test_greedy_equals_generate_alone(tiny_model, greedy_refs):
+    eng = make_engine(tiny_model)
+    ids = [eng.submit(p, MAX_NEW) for p in PROMPTS]
+    out = eng.run_until_done()
+    assert [out[r] for r in ids] == greedy_refs
+    s = eng.stats()
+    assert s["decode_steps"] < len(PROMPTS) * MAX_NEW  # rows were batched
+    assert s["generated_tokens"] == len(PROMPTS) * MAX_NEW
+    assert_clean(eng)
+
+
+def test_shared_prefix_pages_reused(tiny_model, greedy_refs):
+    eng = make_engine(tiny_model)
+    first = eng.submit(PROMPTS[0], MAX_NEW)
+    eng.step()  # its 27-token prompt is prefilled: pages 0..2 registered
+    ids = [first] + [eng.submit(p, MAX_NEW) for p in PROMPTS[1:3]]
+    out = eng.run_until_done()
+    assert [out[r] for r in ids] == greedy_refs[:3]
+    s = eng.stats()
+    # Prompt 1 reuses the two shared pages; prompt 2 (exactly those pages) reuses both and copies
+    # the last one before feeding its last token (copy on write).
+    assert s["prefix_cache_hits"] == 4 and s["page_copies"] == 1
+    prompt_tokens = sum(len(p) for p in PROMPTS[:3])
+    assert s["prefill_tokens"] == prompt_tokens - 3 - 16 - 15
+    assert_clean(eng)
+
+
+def test_burst_with_a_common_prefix_computes_it_once(tiny_model, greedy_refs):
+    """Submitted together: the second request waits one step for the first one's pages."""
+    eng = make_engine(tiny_model)
+    ids = [eng.submit(p, MAX_NEW) for p in (PROMPTS[0], PROMPTS[1], PROMPTS[4])]
+    assert set(eng.step()) == {ids[0]}  # prompt 1 waits for the shared pages, prompt 4 behind it
+    assert eng.stats()["waiting"] == 2
+    out = eng.run_until_done()
+    assert [out[r] for r in ids] == [greedy_refs[0], greedy_refs[1], greedy_refs[4]]
+    s = eng.stats()
+    assert s["prefix_cache_hits"] == 2 and s["prefill_tokens"] == 26 + 23
+
+
+def test_cached_pages_survive_reuse_and_finish(tiny_model, greedy_refs):
+    """A prompt served twice from the cache (copy on write each time) still gives the same
+    tokens: the cached pages were never written."""
+    eng = make_engine(tiny_model)
+    outs = []
+    for _ in range(3):
+        rid = eng.submit(PROMPTS[2], MAX_NEW)
+        outs.append(eng.run_until_done()[rid])
+    assert outs == [greedy_refs[2]] * 3
+    assert eng.stats()["page_copies"] == 2
+    assert_clean(eng)
+
+
+def test_preemption_under_a_small_pool(tiny_model, greedy_refs, monkeypatch):
+    eng = make_engine(tiny_model, num_pages=SMALL_POOL)
+    victims = []
+    preempt = eng._preempt
+
+    def spy(req):  # the victim is always the most recently admitted running request
+        victims.append(req.admitted == max(r.admitted for r in eng._running))
+        preempt(req)
+
+    monkeypatch.setattr(eng, "_preempt", spy)
+    ids = [eng.submit(p, MAX_NEW) for p in PROMPTS]
+    out = eng.run_until_done()
+    assert [out[r] for r in ids] == greedy_refs
+    s = eng.stats()
+    assert s["preemptions"] == len(victims) > 0 and all(victims)
+    assert s["evictions"] > 0
+    assert_clean(eng)
+
+
+def test_arrivals_between_steps_stream_every_token(tiny_model, greedy_refs):
+    eng = make_engine(tiny_model)
+    schedule = [(0, 3, MAX_NEW), (0, 4, 5), (2, 0, 9), (3, 1, MAX_NEW), (7, 5, 1), (9, 2, 4)]
+    ids, streamed = run_schedule(eng, schedule)
+    out = eng.run_until_done()
+    for rid, (i, n) in ids.items():
+        assert out[rid] == streamed[rid] == greedy_refs[i][:n]
+    assert_clean(eng)
+
+
+def test_eos_stops_a_request(tiny_model, greedy_refs):
+    eng = make_engine(tiny_model)
+    eos = greedy_refs[3][4]
+    want = greedy_refs[3][: greedy_refs[3].index(eos) + 1]
+    rid = eng.submit(PROMPTS[3], MAX_NEW, eos_id=eos)
+    other = eng.submit(PROMPTS[0], MAX_NEW)
+    out = eng.run_until_done()
+    assert out[rid] == want and out[other] == greedy_refs[0]
+
+
+def test_no_recompiles_as_requests_come_and_go(tiny_model):
+    eng = make_engine(tiny_model)
+    run_schedule(eng, [(0, 0, 3), (0, 3, 2), (2, 2, 2)])  # warm: decode, both buckets, a copy
+    before = dict(engine_steps.TRACES)
+    run_schedule(eng, [(0, 1, 6), (1, 3, 2), (2, 4, 9), (4, 5, 3), (4, 0, 5), (6, 2, 2)])
+    assert dict(engine_steps.TRACES) == before
+    assert eng.stats()["page_copies"] == 2
+
+
+def test_sampled_tokens_do_not_depend_on_the_batch(tiny_model):
+    """Same seed, same tokens: alone, or batched with other requests (other rows, other steps,
+    other sampling configs), and the same as ``generate`` on the request alone."""
+
+    def sampled(eng, seed):
+        return eng.submit(PROMPTS[1], MAX_NEW, sampling=TOP_P, seed=seed)
+
+    alone = make_engine(tiny_model)
+    rid = sampled(alone, 7)
+    solo = alone.run_until_done()[rid]
+    want = generate(tiny_model, [PROMPTS[1]], max_new_tokens=MAX_NEW, sampling=TOP_P, seed=7)
+    assert solo == want.tokens[0]
+
+    crowd = make_engine(tiny_model)
+    others = [crowd.submit(p, MAX_NEW, sampling=TOP_P, seed=s) for s, p in enumerate(PROMPTS[3:])]
+    crowd.step()
+    rid, rid8 = sampled(crowd, 7), sampled(crowd, 8)
+    greedy = crowd.submit(PROMPTS[0], MAX_NEW)  # the engine's default: greedy
+    out = crowd.run_until_done()
+    assert out[rid] == solo and out[rid8] != solo
+    assert out[greedy] == generate(tiny_model, [PROMPTS[0]], max_new_tokens=MAX_NEW).tokens[0]
+    assert all(len(out[r]) == MAX_NEW for r in others)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "match"),
+    [
+        ([], {}, "must not be empty"),
+        ([1, 264], {}, r"outside the vocabulary \[0, 264\)"),
+        ([1, -1], {}, "outside the vocabulary"),
+        ("abc", {}, "prompt_tokens must be a list"),
+        ([1.5, 2], {}, "prompt_tokens must hold ints"),
+        (np.zeros((2, 2), np.int32), {}, "1-D int array"),
+        ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ([1, 2], {"max_new_tokens": 2.0}, "max_new_tokens must be an int"),
+        ([1] * 95, {"max_new_tokens": 8}, "num_pages=12"),  # 102 positions > 12 pages of 8
+        ([1] * 60, {"max_new_tokens": 8}, "exceeds max_seq_len 64"),
+        ([1, 2], {"eos_id": 264}, "eos_id"),
+        ([1, 2], {"seed": -1}, "seed"),
+    ],
+)
+def test_bad_requests_rejected_others_unharmed(tiny_model, greedy_refs, prompt, kwargs, match):
+    eng = make_engine(tiny_model, num_pages=SMALL_POOL)
+    good = eng.submit(PROMPTS[0], MAX_NEW)
+    eng.step()
+    args = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        eng.submit(prompt, args.pop("max_new_tokens"), **args)
+    assert eng.stats()["waiting"] == 0
+    assert eng.run_until_done() == {good: greedy_refs[0]}
+
+
+def test_bad_engine_arguments(tiny_model):
+    with pytest.raises(TypeError, match="sampling"):
+        make_engine(tiny_model).submit([1], 2, sampling="greedy")
+    with pytest.raises(ValueError, match="num_pages"):
+        make_engine(tiny_model, num_pages=0)
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        Engine(tiny_model, num_pages=4, max_prefill_tokens=0)
+    with pytest.raises(TypeError, match="model"):
+        Engine("model", num_pages=4)
+    with pytest.raises(ValueError, match="max_seq_len must be in"):
+        Engine(tiny_model, num_pages=4, max_seq_len=513)
+
+
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    schedule=st.lists(
+        st.tuples(st.integers(0, 12), st.integers(0, len(PROMPTS) - 1), st.integers(1, MAX_NEW)),
+        min_size=1,
+        max_size=8,
+    ),
+    small=st.booleans(),
+)
+def test_random_arrival_schedules(tiny_model, greedy_refs, schedule, small):
+    eng = make_engine(tiny_model, num_pages=SMALL_POOL if small else BIG_POOL)
+    ids, streamed = run_schedule(eng, schedule)
+    for rid, (i, n) in ids.items():
+        assert streamed[rid] == greedy_refs[i][:n]
+    assert eng.run_until_done() == streamed
+    assert_clean(eng)
+
+
+@pytest.mark.slow
+def test_shipped_model_sampled_with_shared_prefixes_and_preemption():
+    """The shipped code-draft model on real code prompts sharing a header, sampled (min-p) with
+    EOS, in a pool small enough to preempt: every request equals ``generate`` on it alone."""
+    from models import pretrained
+
+    model, tok = pretrained("code-draft")
+    header = "import os\nimport sys\n\n\ndef main(argv):\n    "
+    prompts = [header + s for s in ("return 0\n", "for arg in argv:", "if not argv:", "x = ")]
+    prompts += ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
+    prompts = [[tok.bos_id] + tok.encode(p) for p in prompts]
+    sampling = SamplingConfig(temperature=1.0, min_p=0.1)
+    eng = Engine(model, max_batch=4, num_pages=24, page_size=8, max_prefill_tokens=32)
+    ids = [
+        eng.submit(p, 96, sampling=sampling, eos_id=tok.eos_id, seed=s)
+        for s, p in enumerate(prompts)
+    ]
+    for p in prompts[:2]:  # a second wave hits the header pages in the cache
+        ids.append(eng.submit(p, 96, sampling=sampling, eos_id=tok.eos_id, seed=11))
+    out = eng.run_until_done()
+    seeds = list(range(len(prompts))) + [11, 11]
+    for rid, p, s in zip(ids, prompts + prompts[:2], seeds, strict=True):
+        want = generate(model, [p], max_new_tokens=96, sampling=sampling, eos_id=tok.eos_id, seed=s)
+        assert out[rid] == want.tokens[0]
+    stats = eng.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert_clean(eng)

@@ -1,0 +1,168 @@
+"""Medusa drafting: greedy identical to ``generate(target)`` (ragged batch, EOS, both caches),
+sampling exactly the target's distribution (chi-square), usage errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_transformer
+from flax import nnx
+from test_speculative import NEW, PROMPTS, reference  # noqa: F401 (a fixture)
+from test_speculative_exact import SMALL, T07_TOPK, T1, _check
+
+from decoding import Medusa, TreeSpec, generate, speculative_generate
+from decoding.tree import _slots, compact_path
+from models import KVCache, MedusaHeads
+
+
+def random_heads(target, num_heads=4, seed=0, scale=0.3):
+    """Heads initialised from the target's LM head, their residual layers random."""
+    heads = MedusaHeads(target.config, num_heads, rngs=nnx.Rngs(seed)).init_from(target)
+    for i, head in enumerate(heads.heads):
+        shape = head.res.kernel.shape
+        head.res.kernel.set_value(scale * jax.random.normal(jax.random.key(seed + i), shape))
+    return heads
+
+
+@pytest.mark.parametrize(
+    "k, cache", [(4, "paged"), pytest.param(2, "contiguous", marks=pytest.mark.slow)]
+)
+def test_chain_greedy_equals_generate(tiny_model, reference, k, cache):  # noqa: F811
+    eos, want = reference
+    draft = Medusa(random_heads(tiny_model))
+    res = speculative_generate(
+        tiny_model, draft, PROMPTS, num_draft_tokens=k, max_new_tokens=NEW, eos_id=eos,
+        cache=cache,
+    )  # fmt: skip
+    assert res.tokens == want
+    assert res.stats["num_draft_tokens"] == k
+    assert 0 <= res.stats["acceptance_rate"] <= 1
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    return random_transformer(10, num_layers=2, **SMALL)
+
+
+def test_chain_sampling_is_exact_t1(small_target):
+    _check(small_target, Medusa(random_heads(small_target, 3, seed=5, scale=1.0)), 3, T1)
+
+
+SMALL_TREE = TreeSpec(((0,), (1,), (0, 0), (0, 1), (1, 0)))
+
+
+def test_tree_sampling_is_exact_t1(small_target):
+    heads = random_heads(small_target, 2, seed=7, scale=1.0)
+    # k = the node count: sizes the test's cache for the tree's verification (5 + 1 slots).
+    _check(small_target, Medusa(heads, tree=SMALL_TREE), SMALL_TREE.num_nodes, T1)
+
+
+@pytest.mark.slow
+def test_tree_sampling_is_exact_t07_top_k(small_target):
+    heads = random_heads(small_target, 2, seed=8, scale=1.0)
+    _check(small_target, Medusa(heads, tree=SMALL_TREE), SMALL_TREE.num_nodes, T07_TOPK)
+
+
+@pytest.mark.slow
+def test_chain_sampling_is_exact_t07_top_k(small_target):
+    _check(small_target, Medusa(random_heads(small_target, 2, seed=6, scale=1.0)), 2, T07_TOPK)
+
+
+def test_bad_arguments(tiny_model):
+    heads = random_heads(tiny_model, 2)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        speculative_generate(tiny_model, Medusa(heads), PROMPTS, num_draft_tokens=3,
+                             max_new_tokens=2)  # fmt: skip
+    with pytest.raises(TypeError, match="heads"):
+        Medusa(tiny_model)
+    with pytest.raises(ValueError, match="num_heads"):
+        MedusaHeads(tiny_model.config, 0, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("cache", ["paged", pytest.param("contiguous", marks=pytest.mark.slow)])
+def test_tree_greedy_equals_generate(tiny_model, reference, cache):  # noqa: F811
+    eos, want = reference
+    heads = random_heads(tiny_model, 3, scale=0.05)
+    draft = Medusa(heads, tree=TreeSpec.default(3))
+    res = speculative_generate(tiny_model, draft, PROMPTS, max_new_tokens=NEW, eos_id=eos,
+                               cache=cache)  # fmt: skip
+    assert res.tokens == want
+    assert res.stats["num_draft_tokens"] == 3
+    assert res.stats["tokens_per_target_call"] > 1.0, res.stats  # some nodes were accepted
+
+
+@pytest.mark.parametrize(
+    "paths, needle",
+    [((), "non-empty"), (((0, 0),), "no parent"), (((0,), (0,)), "duplicates"),
+     (((0,), (-1,)), "ints >= 0"), (((),), "non-empty tuple of ints")],
+)  # fmt: skip
+def test_bad_tree_spec(paths, needle):
+    with pytest.raises(ValueError, match=needle):
+        TreeSpec(paths)
+
+
+def test_tree_spec_tables():
+    spec = TreeSpec(((1,), (0,), (0, 0), (1, 0), (0, 0, 0)))
+    assert spec.paths == ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))
+    t = spec.tables
+    assert t["parent"].tolist() == [-1, 0, 0, 1, 2, 3]
+    assert t["depth"].tolist() == [0, 1, 1, 2, 2, 3]
+    assert t["path"][5].tolist() == [1, 3, 5] and t["path"][4].tolist() == [2, 4, 4]
+    assert t["mask"][5].tolist() == [True, True, False, True, False, True]
+    assert TreeSpec.default(4).num_nodes == 18 and TreeSpec.default(4).depth == 4
+
+
+def test_tree_usage_errors(tiny_model):
+    heads = random_heads(tiny_model, 2)
+    with pytest.raises(ValueError, match="tree of depth 3"):
+        speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(3)), PROMPTS,
+                             max_new_tokens=2)  # fmt: skip
+    with pytest.raises(ValueError, match="tree's depth 2"):
+        speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(2)), PROMPTS,
+                             num_draft_tokens=1, max_new_tokens=2)  # fmt: skip
+    with pytest.raises(TypeError, match="tree"):
+        Medusa(heads, tree=((0,),))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_compact_path_moves_the_accepted_path(tiny_model, paged):
+    """Slot s of every layer holds the value s; after compaction slots start + 1 .. start + d
+    hold the accepted path's nodes' slots, the rest is untouched."""
+    spec = TreeSpec(((0,), (1,), (0, 0), (1, 0), (1, 1), (1, 0, 0)))
+    B, S, P = 2, 16, 4
+    c = tiny_model.config
+    if paged:
+        table = jnp.asarray(np.random.default_rng(0).permutation(B * S // P).reshape(B, S // P))
+        cache = KVCache.paged(c, B * S // P, P, table)
+    else:
+        cache = KVCache.contiguous(c, B, S)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.float32), (B, S))
+    i0, i1 = _slots(cache, jnp.broadcast_to(jnp.arange(S), (B, S)))
+    fill = lambda x: x.at[i0, i1].set(pos[..., None, None] + 0 * x[i0, i1])  # noqa: E731
+    cache = cache.replace(k=tuple(map(fill, cache.k)), v=tuple(map(fill, cache.v)))
+    start, best = jnp.asarray([3, 7]), jnp.asarray([6, 4])  # node 6 = (1, 0, 0), 4 = (1, 0)
+    out = compact_path(spec, cache, start, best)
+    got = np.asarray(out.k[-1][i0, i1][..., 0, 0])
+    want = np.tile(np.arange(S, dtype=np.float32), (B, 1))
+    want[0, 4:7] = [3 + 2, 3 + 4, 3 + 6]  # nodes 2, 4, 6 of row 0 moved after the root
+    want[1, 8:10] = [7 + 2, 7 + 4]
+    want[1, 10] = 7 + 4  # past the path's depth: node 4 again (rolled back later)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [None, TreeSpec.default(4)], ids=["chain", "tree"])
+def test_shipped_heads_greedy_equals_generate(tree):
+    """The shipped heads on the shipped target accept real runs (so the tree's compaction is
+    exercised on long accepted paths), and the output is still exactly greedy's."""
+    from models import pretrained
+
+    target, tok = pretrained("code-target")
+    heads, _ = pretrained("code-target-medusa")
+    prompts = [[tok.bos_id] + tok.encode(t) for t in ("    def __init__(self, name):\n", "import")]
+    want = generate(target, prompts, max_new_tokens=40).tokens
+    res = speculative_generate(target, Medusa(heads, tree=tree), prompts, max_new_tokens=40)
+    assert res.tokens == want
+    assert res.stats["tokens_per_target_call"] > 1.5, res.stats

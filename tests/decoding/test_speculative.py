@@ -1,0 +1,158 @@
+"""Speculative decoding, greedy: identical to ``generate(target)`` for every draft kind, ragged
+batches with EOS, both caches; consistent stats; n-gram lookup; usage errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_transformer
+
+from decoding import EarlyExit, PromptLookup, generate, speculative_generate
+from decoding.drafts import lookup
+
+# Ragged (B = 3, padded to 4); repeated n-grams so that prompt lookup finds matches.
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [100, 50, 3, 3, 3, 3, 3, 3, 9]]
+NEW = 14
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return random_transformer(1, num_layers=1)
+
+
+def _draft(name, draft_model):
+    return {"model": draft_model, "lookup": PromptLookup(), "early-exit": EarlyExit(1)}[name]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Greedy ``generate`` with an EOS that row 0 produces at its 5th token."""
+    eos = generate(tiny_model, PROMPTS, max_new_tokens=NEW).tokens[0][4]
+    return eos, generate(tiny_model, PROMPTS, max_new_tokens=NEW, eos_id=eos).tokens
+
+
+def _check_greedy(tiny_model, draft_model, reference, name, k, cache):
+    eos, want = reference
+    res = speculative_generate(
+        tiny_model,
+        _draft(name, draft_model),
+        PROMPTS,
+        num_draft_tokens=k,
+        max_new_tokens=NEW,
+        eos_id=eos,
+        cache=cache,
+    )
+    assert res.tokens == want
+    assert len(res.tokens[0]) == 5 and res.tokens[0][-1] == eos
+    assert max(len(t) for t in want) == NEW  # some row runs to exactly max_new_tokens
+    return res
+
+
+@pytest.mark.parametrize(
+    "name, k, cache",
+    [("model", 3, "paged"), ("lookup", 5, "contiguous"), ("early-exit", 1, "paged")],
+)
+def test_greedy_equals_generate(tiny_model, draft_model, reference, name, k, cache):
+    _check_greedy(tiny_model, draft_model, reference, name, k, cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("name", ["model", "lookup", "early-exit"])
+def test_greedy_equals_generate_all(tiny_model, draft_model, reference, name, k, cache):
+    _check_greedy(tiny_model, draft_model, reference, name, k, cache)
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_model, reference):
+    k, (eos, want) = 3, reference
+    res = speculative_generate(
+        tiny_model, tiny_model, PROMPTS, num_draft_tokens=k, max_new_tokens=NEW, eos_id=eos
+    )
+    s = res.stats
+    assert res.tokens == want
+    assert s["acceptance_rate"] == 1.0 and s["num_draft_tokens"] == k
+    # 1 token from prefill, then k + 1 per step (the last step cut at max_new_tokens).
+    assert s["target_calls"] == -(-(NEW - 1) // (k + 1)) == s["steps"] - 1
+    assert s["draft_calls"] == 1 + k * s["target_calls"]  # prefill + k per step
+
+
+def test_stats_are_consistent(tiny_model, draft_model):
+    """Same shapes as the greedy model-draft test above (no recompilation), without EOS."""
+    k = 3
+    res = speculative_generate(
+        tiny_model, draft_model, PROMPTS, num_draft_tokens=k, max_new_tokens=NEW
+    )
+    s, B = res.stats, len(PROMPTS)
+    assert s["steps"] == s["target_calls"] + 1 and s["new_tokens"] == B * NEW
+    row_steps = (s["new_tokens"] - B) / s["tokens_per_target_call"]
+    assert s["target_calls"] <= row_steps + 1e-9 <= B * s["target_calls"] + 2e-9
+    accepted = s["acceptance_rate"] * k * row_steps
+    assert 0 <= accepted <= k * row_steps
+    # Each step emits accepted + 1 tokens per row; only a row's last step may be cut.
+    overshoot = accepted + row_steps - (s["new_tokens"] - B)
+    assert -1e-6 <= overshoot <= B * k + 1e-6
+    assert s["draft_calls"] == 1 + k * s["target_calls"]
+
+
+def _lookup_reference(seq, n_known, k, min_ngram, max_ngram):
+    """The n-gram rule in plain Python, for one row."""
+    s = list(seq[:n_known])
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n_known < n:
+            continue
+        tail = s[-n:]
+        starts = [i for i in range(n_known - n) if s[i : i + n] == tail]
+        if starts:
+            c = starts[-1] + n
+            return [s[min(c + j, n_known - 1)] for j in range(k)]
+    return [s[-1]] * k
+
+
+def test_lookup_matches_a_plain_python_reference():
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 4, size=(64, 24)).astype(np.int32)
+    n_known = rng.integers(1, 25, size=64).astype(np.int32)
+    for mn, mx, k in [(1, 3, 4), (2, 2, 1)]:
+        fn = jax.jit(lookup, static_argnums=(2, 3, 4))
+        got = np.asarray(fn(jnp.asarray(seq), jnp.asarray(n_known), k, mn, mx))
+        want = [_lookup_reference(seq[b], n_known[b], k, mn, mx) for b in range(64)]
+        assert got.tolist() == want
+
+
+def test_bad_arguments_raise(tiny_model):
+    other_vocab = random_transformer(2, vocab_size=32, num_layers=1)
+    with pytest.raises(ValueError, match="vocab"):
+        speculative_generate(tiny_model, other_vocab, PROMPTS, max_new_tokens=2)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        speculative_generate(
+            tiny_model, PromptLookup(), PROMPTS, max_new_tokens=2, num_draft_tokens=0
+        )
+    with pytest.raises(ValueError, match="num_layers"):
+        speculative_generate(tiny_model, EarlyExit(2), PROMPTS, max_new_tokens=2)
+    with pytest.raises(ValueError, match="num_layers"):
+        EarlyExit(0)
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookup(max_ngram=1, min_ngram=2)
+    with pytest.raises(TypeError, match="draft"):
+        speculative_generate(tiny_model, "code-draft", PROMPTS, max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(tiny_model, PromptLookup(), PROMPTS, max_new_tokens=0)
+
+
+def test_early_exit_equals_the_target_when_the_skipped_layer_is_a_no_op():
+    """With the last block's output projections zeroed the first L - 1 blocks compute the same
+    hidden state as all L: the early-exit draft, reading and writing the shared cache, must then
+    agree with the target on every token (acceptance 1), which wrong cache positions would break.
+    """
+    target = random_transformer(3)
+    last = target.layers[target.config.num_layers - 1]
+    for p in (last.attn.o_proj.kernel, last.mlp.down_proj.kernel):
+        p[...] = jnp.zeros_like(p[...])
+    res = speculative_generate(
+        target, EarlyExit(1), PROMPTS, num_draft_tokens=3, max_new_tokens=NEW, cache="contiguous"
+    )
+    assert res.stats["acceptance_rate"] == 1.0
+    assert len({tuple(t) for t in res.tokens}) == len(PROMPTS)  # not degenerate

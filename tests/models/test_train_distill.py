@@ -1,0 +1,73 @@
+"""Distillation (``python -m models.train --distill-from``): the KL loss and its train step."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import Transformer, TransformerConfig, data, save_hf_checkpoint, train
+
+
+def _batch(B=2, T=32, seed=0):
+    stream = np.random.default_rng(seed).integers(0, 256, size=4000).astype(np.uint16)
+    stream[::37] = 256
+    return data.windows(stream, np.array([5, 900][:B]), T)
+
+
+def _tiny(seed, **overrides):
+    config = TransformerConfig.preset("tiny", attn_impl="xla", **overrides)
+    return Transformer(config, rngs=nnx.Rngs(seed))
+
+
+def test_distill_loss_is_zero_for_the_teacher_itself_and_positive_otherwise():
+    teacher, student = _tiny(0, num_layers=1), _tiny(1, num_layers=1)
+    graphdef, _ = nnx.split(teacher)
+    batch = _batch()
+
+    @jax.jit
+    def kl(teacher_state, student_state, temperature):
+        t_logits = nnx.merge(graphdef, teacher_state)(batch[0], segment_ids=batch[2])
+        model = nnx.merge(graphdef, student_state)
+        return train.distill_loss_fn(model, t_logits, batch, temperature)
+
+    t_state, s_state = nnx.state(teacher), nnx.state(student)
+    assert abs(float(kl(t_state, t_state, 1.0))) < 1e-5
+    assert float(kl(t_state, s_state, 2.0)) > 1e-4
+
+
+def test_distill_steps_move_the_student_towards_the_teacher():
+    teacher, student = _tiny(0, num_layers=1), _tiny(1, num_layers=1)
+    t_graphdef, t_state = nnx.split(teacher)
+    graphdef, params, rest = nnx.split(student, nnx.Param, ...)
+    tc = train.TrainConfig(steps=10, lr=1e-2, warmup=1)
+    tx = train.optimizer(tc)
+    opt_state = tx.init(params)
+    step = train.make_train_step(graphdef, tx, teacher_graphdef=t_graphdef)
+    batch = _batch()
+    losses = []
+    for _ in range(tc.steps):
+        params, opt_state, loss = step(params, rest, opt_state, batch, t_state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0], losses
+    logits = teacher(batch[0], segment_ids=batch[2])
+    kl = train.distill_loss_fn(nnx.merge(graphdef, params, rest), logits, batch)
+    np.testing.assert_allclose(float(kl), losses[-1], rtol=0.5)
+    assert jax.tree.leaves(t_state)  # the teacher's state is only read
+
+
+@pytest.mark.slow
+def test_cli_distill_from_a_checkpoint(tmp_path):
+    args = [
+        "--preset", "tiny", "--batch", "2", "--seq-len", "32", "--eval-every", "1",
+        "--eval-batches", "1", "--max-corpus-bytes", "40000", "--attn-impl", "xla",
+    ]  # fmt: skip
+    teacher = tmp_path / "teacher"
+    train.main([*args, "--steps", "1", "--out", str(teacher)])
+    student = tmp_path / "student"
+    train.main([*args, "--steps", "2", "--distill-from", str(teacher), "--out", str(student)])
+    assert (student / "training.json").exists()
+    other_vocab = tmp_path / "other-vocab"
+    save_hf_checkpoint(_tiny(0, vocab_size=64), str(other_vocab))
+    with pytest.raises(ValueError, match="distill-from"):
+        out = str(tmp_path / "unused")
+        train.main([*args, "--steps", "1", "--out", out, "--distill-from", str(other_vocab)])
