@@ -64,15 +64,18 @@ class BlockSizes:
         element size grow, and 8 warps share them where 4 spilled (D <= 64 forward and D > 128
         backward on sm_80; D > 128 backward on sm_90). One table serves both architectures.
 
-        ====================  =============  ==============  =====
-        dtype, Dp             forward q x k  backward q x k  warps
-        ====================  =============  ==============  =====
-        16-bit, Dp <= 128     128 x 64       64 x 32         8
-        16-bit, Dp = 256      64 x 32        32 x 32         8
-        float32, Dp <= 64     64 x 32        32 x 32         4
-        float32, Dp = 128     32 x 32        32 x 32         8
-        float32, Dp = 256     32 x 32        16 x 16         8
-        ====================  =============  ==============  =====
+        ====================  =============  ==============  =====  ======
+        dtype, Dp             forward q x k  backward q x k  warps  stages
+        ====================  =============  ==============  =====  ======
+        16-bit, Dp <= 128     128 x 64       64 x 32         8      2
+        16-bit, Dp = 256      64 x 32        32 x 32         8      1
+        float32, Dp <= 64     64 x 32        32 x 32         4      2
+        float32, Dp = 128     32 x 32        32 x 32         8      2
+        float32, Dp = 256     32 x 32        16 x 16         8      1
+        ====================  =============  ==============  =====  ======
+
+        At Dp = 256 the K/V loads are not software-pipelined (``num_stages=1``): the forward
+        spilled with two stages on both architectures.
         """
         Dp = padded_head_dim(_check_head_dim(head_dim))
         if jnp.dtype(dtype).itemsize >= 4:
@@ -80,10 +83,14 @@ class BlockSizes:
                 return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=4)
             if Dp <= 128:
                 return cls(block_q=32, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8)
-            return cls(block_q=32, block_k=32, block_q_bwd=16, block_k_bwd=16, num_warps=8)
+            return cls(
+                block_q=32, block_k=32, block_q_bwd=16, block_k_bwd=16, num_warps=8, num_stages=1
+            )
         if Dp <= 128:
             return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=32, num_warps=8)
-        return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8)
+        return cls(
+            block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8, num_stages=1
+        )
 
 
 def decode_blocks(rows: int, head_dim: int, dtype) -> tuple[int, int, int, int]:
