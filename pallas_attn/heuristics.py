@@ -96,7 +96,8 @@ class BlockSizes:
 def decode_blocks(rows: int, head_dim: int, dtype) -> tuple[int, int, int, int]:
     """``(block_m, block_n, num_warps, num_stages)`` of the split-KV decode kernel.
 
-    ``rows = G * Tq`` packed query rows; ``block_m`` packed rows and ``block_n`` keys per tile.
+    ``rows = G * Tq`` packed query rows; ``block_m`` (at most 32: 64 spilled on sm_80 at D = 64)
+    packed rows and ``block_n`` keys per tile.
     Keys are gathered row by row (a pointer per element), so the K/V tiles cost registers as well
     as the accumulator: the tiles shrink with Dp and the element size (16 keys at Dp = 256 keep
     D = 192, whose masked lanes cost most, at 184 registers on sm_80), and for float32 or
@@ -105,7 +106,7 @@ def decode_blocks(rows: int, head_dim: int, dtype) -> tuple[int, int, int, int]:
     """
     Dp = padded_head_dim(_check_head_dim(head_dim))
     half = jnp.dtype(dtype).itemsize < 4
-    block_m = min(shapes.next_pow2(rows, floor=16), 64 if Dp <= 64 else 32)
+    block_m = min(shapes.next_pow2(rows, floor=16), 32)
     if half:
         block_n = 64 if Dp <= 128 else 16
     else:

@@ -106,14 +106,14 @@ def test_defaults_reject_bad_head_dims(head_dim):
     [
         # Decode of one token, G = 4: one 16-row tile, 64-key tiles, pipelined.
         (4, 128, jnp.bfloat16, (16, 64, 4, 2)),
-        # 128 packed rows: 64-row tiles at Dp <= 64, 32-row tiles above.
-        (128, 64, jnp.bfloat16, (64, 64, 4, 2)),
+        # 128 packed rows: 32-row tiles.
+        (128, 64, jnp.bfloat16, (32, 64, 4, 2)),
         (128, 80, jnp.float16, (32, 64, 4, 2)),
         # Dp = 256 (D = 160 pads to 256): 16-key tiles, loads not pipelined.
         (128, 160, jnp.bfloat16, (32, 16, 4, 1)),
         # float32: 16-key tiles except at Dp <= 32, never pipelined.
-        (128, 32, jnp.float32, (64, 32, 4, 1)),
-        (40, 64, jnp.float32, (64, 16, 4, 1)),
+        (128, 32, jnp.float32, (32, 32, 4, 1)),
+        (40, 64, jnp.float32, (32, 16, 4, 1)),
         (128, 256, jnp.float32, (32, 16, 4, 1)),
     ],
 )
