@@ -6,7 +6,13 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on local disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-all lint format clean
+# make gpu-compile: a second venv with JAX's CUDA plugin and ptxas at the CPU venv's jax version, so
+# the CPU venv never loads the plugin; it compiles every kernel for H100/H200/A100 without a GPU.
+CUDA_VENV := .venv-cuda
+CUDA_PY := $(CUDA_VENV)/bin/python
+GPU_COMPILE_ARGS ?=
+
+.PHONY: demo test test-all lint format clean gpu-compile
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,5 +43,17 @@ test: lint
 test-all: lint
 	$(PY) -m pytest -n 2 -q
 
+$(CUDA_VENV)/.installed: $(VENV)/.installed pyproject.toml
+	test -x $(CUDA_PY) || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_PY) -m pip install -q --upgrade pip
+	v=$$($(PY) -c "import jax; print(jax.__version__)") && $(CUDA_PY) -m pip install -q \
+		"jax==$$v" "jaxlib==$$v" "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" nvidia-cuda-nvcc-cu12
+	$(CUDA_PY) -m pip install -q -e .
+	touch $@
+
+gpu-compile: $(CUDA_VENV)/.installed
+	JAX_PLATFORMS=cpu $(CUDA_PY) -m benchmarks.gpu_compile $(GPU_COMPILE_ARGS)
+	JAX_PLATFORMS=cpu $(CUDA_PY) -m benchmarks.gpu_suite --deviceless
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CUDA_VENV) .pytest_cache .ruff_cache

@@ -14,6 +14,17 @@ from pallas_attn import shapes
 DEFAULT_NUM_SMS = 132
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """Dp: the head dim the Pallas kernels see, the next power of two >= 16 (Triton's ``dot``)."""
+    return shapes.next_pow2(head_dim, floor=16)
+
+
+def _check_head_dim(head_dim) -> int:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 1 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be an int in [1, 256], got {head_dim!r}")
+    return head_dim
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes of the flash-attention kernels; frozen and hashable, so jit caches by it.
@@ -21,9 +32,8 @@ class BlockSizes:
     Attributes:
       block_q, block_k: forward tile, rows of Q by rows of K/V.
       block_q_bwd, block_k_bwd: backward tiles (dK/dV and dQ kernels).
-      num_warps: warps per Triton program (4 for 64-row tiles, 8 for 128-row tiles), used by
-        the forward and both backward kernels.
-      num_stages: software-pipelining depth of the K/V loads (2-3 on Hopper).
+      num_warps: warps per Triton program, used by the forward and both backward kernels.
+      num_stages: software-pipelining depth of the K/V loads.
 
     The Pallas kernels need powers of two >= 16 (Triton's ``dot``) and shrink a tile to the
     smallest such power covering the sequence (T = 7 runs 16-row tiles); the "xla" path uses only
@@ -45,13 +55,63 @@ class BlockSizes:
 
     @classmethod
     def get_default(cls, head_dim: int = 64, dtype=jnp.bfloat16) -> BlockSizes:
-        """Defaults by head dim and dtype: smaller tiles where registers/shared memory run out."""
-        wide = jnp.dtype(dtype).itemsize >= 4 or head_dim > 128
-        if wide:
-            return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=4)
-        if head_dim <= 64:
-            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4)
-        return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=8)
+        """Defaults by padded head dim Dp and dtype, chosen so that every kernel compiles without
+        register spills on sm_90 (H100/H200) and sm_80 (A100).
+
+        Checked by ``make gpu-compile`` (ptxas on the real kernels, every D and mask; see the
+        README's GPU section). The accumulators live in registers, ``[block, Dp]`` float32 per
+        program (two of them, dK and dV, in the dK/dV kernel), so the tiles shrink as Dp and the
+        element size grow, and 8 warps share them where 4 spilled (D <= 64 forward and D > 128
+        backward on sm_80; D > 128 backward on sm_90). One table serves both architectures.
+
+        ====================  =============  ==============  =====  ======
+        dtype, Dp             forward q x k  backward q x k  warps  stages
+        ====================  =============  ==============  =====  ======
+        16-bit, Dp <= 128     128 x 64       64 x 32         8      2
+        16-bit, Dp = 256      64 x 32        32 x 32         8      1
+        float32, Dp <= 64     64 x 32        32 x 32         4      2
+        float32, Dp = 128     32 x 32        32 x 32         8      2
+        float32, Dp = 256     32 x 32        16 x 16         8      1
+        ====================  =============  ==============  =====  ======
+
+        At Dp = 256 the K/V loads are not software-pipelined (``num_stages=1``): the forward
+        spilled with two stages on both architectures.
+        """
+        Dp = padded_head_dim(_check_head_dim(head_dim))
+        if jnp.dtype(dtype).itemsize >= 4:
+            if Dp <= 64:  # with 8 warps ptxas held sm_80 to 128 registers and the forward spilled
+                return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=4)
+            if Dp <= 128:
+                return cls(block_q=32, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8)
+            return cls(
+                block_q=32, block_k=32, block_q_bwd=16, block_k_bwd=16, num_warps=8, num_stages=1
+            )
+        if Dp <= 128:
+            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=32, num_warps=8)
+        return cls(
+            block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8, num_stages=1
+        )
+
+
+def decode_blocks(rows: int, head_dim: int, dtype) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, num_warps, num_stages)`` of the split-KV decode kernel.
+
+    ``rows = G * Tq`` packed query rows; ``block_m`` (at most 32: 64 spilled on sm_80 at D = 64)
+    packed rows and ``block_n`` keys per tile.
+    Keys are gathered row by row (a pointer per element), so the K/V tiles cost registers as well
+    as the accumulator: the tiles shrink with Dp and the element size (16 keys at Dp = 256 keep
+    D = 192, whose masked lanes cost most, at 184 registers on sm_80), and for float32 or
+    Dp = 256 the loads are not software-pipelined (``num_stages=1``: half the registers). 8 warps
+    made ptxas spill heavily on sm_80, so 4. Checked like :meth:`BlockSizes.get_default`.
+    """
+    Dp = padded_head_dim(_check_head_dim(head_dim))
+    half = jnp.dtype(dtype).itemsize < 4
+    block_m = min(shapes.next_pow2(rows, floor=16), 32)
+    if half:
+        block_n = 64 if Dp <= 128 else 16
+    else:
+        block_n = 32 if Dp <= 32 else 16
+    return block_m, block_n, 4, 2 if half and Dp <= 128 else 1
 
 
 def num_splits_heuristic(
@@ -98,15 +158,6 @@ def xla_cache_block(S: int, cap: int = 512) -> int | None:
         if S % bk == 0:
             return bk
     return None
-
-
-def decode_blocks(rows: int, D: int, dtype) -> tuple[int, int, int]:
-    """``(block_m, block_n, num_warps)`` of the decode kernel for ``rows = G * Tq`` packed query rows
-    and head dim D."""
-    block_m = min(shapes.next_pow2(rows, floor=16), 64)
-    wide = jnp.dtype(dtype).itemsize >= 4 or D > 128
-    block_n = 32 if wide else 64
-    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8
 
 
 def num_sms() -> int:

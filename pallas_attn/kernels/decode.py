@@ -59,7 +59,7 @@ class DecodeConfig:
         """Tiles for q [B, Tq, Hq, D] over ``capacity`` keys per row; ``num_splits`` 0 = heuristic."""
         B, Tq, Hq, D = q_shape
         G = Hq // Hkv
-        block_m, block_n, num_warps = heuristics.decode_blocks(G * Tq, D, dtype)
+        block_m, block_n, num_warps, num_stages = heuristics.decode_blocks(G * Tq, D, dtype)
         programs = B * Hkv * pl.cdiv(G * Tq, block_m)
         return cls(
             softmax_scale=softmax_scale,
@@ -70,6 +70,7 @@ class DecodeConfig:
             block_n=block_n,
             num_splits=heuristics.choose_splits(num_splits, programs, capacity, block_n),
             num_warps=num_warps,
+            num_stages=num_stages,
         )
 
 
