@@ -23,7 +23,6 @@ over ``max length`` slots per running request (contiguous preallocation, the see
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -136,10 +135,9 @@ def plot(series, rows, path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__, runs=1, quick="16 requests at scale 4")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--scale", type=int, default=1, help="divide every length by this")
-    parser.add_argument("--quick", action="store_true", help="16 requests at scale 4")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.scale = 16, 4
@@ -159,7 +157,6 @@ def main() -> None:
     static_s, static_util = run_static(model, requests)
     rows.append(dict(method="static generate", tokens_per_s=useful / static_s, wall_s=static_s,
                      kv_util_mean=static_util))  # fmt: skip
-    common.print_table(rows, list(rows[0]))
     speedups = {r["method"]: r["tokens_per_s"] * static_s / useful for r in rows[:2]}
     print(f"engine speed-up over static batching: {speedups}")
     settings = dict(
@@ -168,9 +165,11 @@ def main() -> None:
         prompt_tokens=sum(len(p) for p, _ in requests), quick=args.quick, config="tiny",
         greedy=True, loadavg=os.getloadavg(),
     )  # fmt: skip
-    path = common.write_results(
+    path = common.finish(
+        args,
         "engine_cpu",
         rows,
+        list(rows[0]),
         settings=settings,
         speedup_over_static=speedups,
         series=series,
@@ -182,7 +181,7 @@ def main() -> None:
         ),
     )
     plot(series, rows, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    print(f"wrote {path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

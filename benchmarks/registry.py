@@ -35,6 +35,7 @@ SCRIPTS = (
     Script("attention", quick=("--quick", "--runs", "1")),
     Script("decode", quick=("--quick", "--runs", "2")),
     Script("generate", quick=("--quick", "--runs", "1")),
+    Script("engine"),
     Script("speculative", quick=("--quick", "--runs", "1", "--no-hf")),
 )
 
