@@ -80,6 +80,7 @@ def write(device: str, rows: list[dict], summary: list[dict], wall_s: float, ful
         wall_s=round(wall_s, 1),
         load_average_1min=os.getloadavg()[0],
         ok=sum(r["status"] == "ok" for r in rows),
+        xla_kernel_spills=sum(len(r.get("xla_spills", ())) for r in rows),
         unsupported=sum(r["status"] == "unsupported" for r in rows),
         total=len(rows),
         summary=summary,
@@ -138,6 +139,9 @@ def main(argv=None) -> int:
             if r["status"] not in ("ok", "unsupported"):
                 bad += 1
                 print(f"{device} {r['id']}: {r['status']} {r['error'] or ''}", file=sys.stderr)
+            for k in r.get("xla_spills", ()):  # XLA's own kernels: reported, not ours to tile
+                print(f"{device} {r['id']}: XLA kernel {k['name']} spills "
+                      f"{k.get('spill_stores', 0)} B stores / {k.get('spill_loads', 0)} B loads")  # fmt: skip
         common.print_table(
             summary, ["device", "kernel", "cases", "max_regs", "max_smem_KiB", "spilled"]
         )
