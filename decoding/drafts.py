@@ -57,7 +57,8 @@ DEFAULT_K = {"model": 2, "prompt-lookup": 2, "early-exit": 1}
 class Proposal(NamedTuple):
     """What a draft kind proposes for one verification step.
 
-    tokens: [B, k] int32; q: [B, k, V] float32, the distribution each token was drawn from;
+    tokens: [B, k] int32; q: [B, k, V] float32, the distribution each token was drawn from
+    (None when greedy: the greedy rule compares tokens only);
     state: the draft's new state; cache: the target's cache (changed only by a draft that shares
     it); calls: int, draft forward calls made.
     """
@@ -111,7 +112,7 @@ def autoregressive_proposal(step, cache, x0, k: int, sampling: SamplingConfig, k
     keys = jax.random.split(key, k)
 
     def draw(logits, j):
-        q = probabilities(logits, sampling)
+        q = None if sampling.greedy else probabilities(logits, sampling)  # greedy: unused
         return sample(logits, keys[j], sampling), q
 
     def body(carry, j):
@@ -123,7 +124,7 @@ def autoregressive_proposal(step, cache, x0, k: int, sampling: SamplingConfig, k
     (logits, cache), (toks, qs) = jax.lax.scan(body, (logits[:, -1], cache), jnp.arange(k - 1))
     last_tok, last_q = draw(logits, k - 1)
     tokens = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
-    q = jnp.concatenate([jnp.moveaxis(qs, 0, 1), last_q[:, None]], axis=1)
+    q = None if sampling.greedy else jnp.concatenate([jnp.moveaxis(qs, 0, 1), last_q[:, None]], 1)
     return tokens, q, cache
 
 
@@ -260,7 +261,8 @@ class PromptLookup:
     def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
         V = ctx.target.config.vocab_size
         tokens = lookup(ctx.seq, ctx.cache.lengths + 1, k, self.min_ngram, self.max_ngram)
-        return Proposal(tokens, jax.nn.one_hot(tokens, V, dtype=jnp.float32), None, ctx.cache, 0)
+        q = None if sampling.greedy else jax.nn.one_hot(tokens, V, dtype=jnp.float32)
+        return Proposal(tokens, q, None, ctx.cache, 0)
 
 
 def lookup(seq, length, k: int, min_ngram: int, max_ngram: int):

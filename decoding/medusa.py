@@ -30,7 +30,7 @@ from flax import nnx
 
 from decoding import tree
 from decoding.drafts import Context, Proposal, _check_vocab
-from decoding.sampling import SamplingConfig, probabilities, sample
+from decoding.sampling import SamplingConfig, argmax, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
 
@@ -52,12 +52,12 @@ def verify_chain(target, last, prop: Proposal, sampling: SamplingConfig, key, hi
 
     Returns (n [B], nxt [B], cache, hidden states [B, k+1, dim] or None).
     """
-    from decoding.speculative import accept
+    from decoding.speculative import verify
 
     tokens = jnp.concatenate([last, prop.tokens], 1)
     out = target(tokens, cache=prop.cache, return_hidden=hidden)
     logits, cache = out[:2]
-    n, nxt = accept(probabilities(logits, sampling), prop.q, prop.tokens, key)
+    n, nxt = verify(logits, prop.q, prop.tokens, sampling, key)
     return n, nxt, cache, out[2] if hidden else None
 
 
@@ -150,7 +150,8 @@ class MedusaDraft:
         logits = self.head_logits(ctx.params, ctx.state, k)  # [B, k, V]
         B, _, V = logits.shape
         tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
-        return Proposal(tokens, probabilities(logits, sampling), ctx.state, ctx.cache, 1)
+        q = None if sampling.greedy else probabilities(logits, sampling)  # greedy: unused
+        return Proposal(tokens, q, ctx.state, ctx.cache, 1)
 
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
         rows = jnp.arange(last.shape[0])
@@ -171,7 +172,10 @@ class MedusaDraft:
         logits, cache, hidden = target(
             tokens, positions, cache=prop.cache, return_hidden=True, tree_mask=mask
         )
-        p = probabilities(logits, sampling)
-        best, n, path, nxt = tree.accept_tree(spec, tokens, p, key)
+        if sampling.greedy:
+            best, n, path, nxt = tree.accept_tree_greedy(spec, tokens, argmax(logits))
+        else:
+            p = probabilities(logits, sampling)
+            best, n, path, nxt = tree.accept_tree(spec, tokens, p, key)
         cache = tree.compact_path(spec, cache, start, best)
         return Verified(path, n, nxt, cache, hidden[jnp.arange(B), best])

@@ -37,7 +37,7 @@ from decoding.generate import (
     prefill,
 )
 from decoding.medusa import Medusa
-from decoding.sampling import SamplingConfig, probabilities
+from decoding.sampling import SamplingConfig, argmax, probabilities
 from models import KVCache, Transformer
 from models.shard import replicated
 
@@ -100,6 +100,24 @@ def accept(p, q, draft_tokens, key):
     return n, nxt
 
 
+def accept_greedy(best, draft_tokens):
+    """The greedy limit of :func:`accept`, with no randomness and no [V]-sized work: best [B, k+1]
+    the target's argmax after each verified input -> (n [B], the leading draft tokens equal to the
+    target's argmax; next [B], the argmax after them)."""
+    k = draft_tokens.shape[1]
+    n = jnp.sum(jnp.cumprod(draft_tokens == best[:, :k], axis=1), axis=1).astype(jnp.int32)
+    return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
+
+
+def verify(logits, q, draft_tokens, sampling: SamplingConfig, key):
+    """The target's logits [B, k+1, V] after ``[last, d_1 .. d_k]`` -> (n, next): :func:`accept`
+    on ``p = probabilities(logits)``, or :func:`accept_greedy` when ``sampling`` is greedy (q is
+    then unused and may be None)."""
+    if sampling.greedy:
+        return accept_greedy(argmax(logits), draft_tokens)
+    return accept(probabilities(logits, sampling), q, draft_tokens, key)
+
+
 def _emitted(draft_tokens, n, nxt, num_new, done, eos_id, max_new_tokens):
     """Tokens a step appends per row -> (tokens [B, k+1], count [B], hit_eos [B]).
 
@@ -131,7 +149,7 @@ def speculative_step(
         drafted, n, nxt, cache, draft_state = v
     else:
         logits, cache = target(jnp.concatenate([last, prop.tokens], 1), cache=prop.cache)
-        n, nxt = accept(probabilities(logits, sampling), prop.q, prop.tokens, key_accept)
+        n, nxt = verify(logits, prop.q, prop.tokens, sampling, key_accept)
         drafted, draft_state = prop.tokens, prop.state
     k = drafted.shape[1]
     live = ~state.done

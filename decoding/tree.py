@@ -161,6 +161,23 @@ def accept_tree(spec: TreeSpec, tokens, p, key):
     return cur, jnp.asarray(t["depth"])[cur], path, nxt
 
 
+def accept_tree_greedy(spec: TreeSpec, tokens, best_tok):
+    """:func:`accept_tree`'s greedy limit, without randomness: best_tok [B, N+1] the target's
+    argmax after each node. From the root, move to the child whose token is the current node's
+    argmax (children hold distinct tokens) while there is one; next = the argmax there."""
+    t = spec.tables
+    rows = jnp.arange(tokens.shape[0])
+    children = jnp.asarray(t["children"])  # [N+1, M], -1 padded
+    cur = jnp.zeros(rows.shape, jnp.int32)
+    for _ in range(spec.depth):
+        kids = children[cur]  # [B, M]
+        kid_tok = jnp.take_along_axis(tokens, jnp.maximum(kids, 0), axis=1)
+        hit = (kids >= 0) & (kid_tok == best_tok[rows, cur][:, None])
+        cur = jnp.where(jnp.any(hit, 1), kids[rows, jnp.argmax(hit, 1)], cur)
+    path = jnp.take_along_axis(tokens, jnp.asarray(t["path"])[cur], axis=1)
+    return cur, jnp.asarray(t["depth"])[cur], path, best_tok[rows, cur]
+
+
 def compact_path(spec: TreeSpec, cache: KVCache, start, best):
     """Moves the K/V of ``best``'s path (slots ``start + path node``) to ``start + 1 .. start +
     depth`` in every layer; start [B] = the root's slot. Lengths are not changed."""

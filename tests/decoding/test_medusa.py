@@ -166,3 +166,23 @@ def test_shipped_heads_greedy_equals_generate(tree):
     res = speculative_generate(target, Medusa(heads, tree=tree), prompts, max_new_tokens=40)
     assert res.tokens == want
     assert res.stats["tokens_per_target_call"] > 1.5, res.stats
+
+
+def test_greedy_tree_rule_is_the_limit_of_the_sampling_rule():
+    """accept_tree_greedy == accept_tree on one-hot p (random node tokens, often equal to the
+    argmax so paths of every depth are accepted)."""
+    from decoding.sampling import argmax
+    from decoding.tree import accept_tree, accept_tree_greedy
+
+    spec = TreeSpec.default(4)
+    rng = np.random.default_rng(0)
+    B, N1, V = 64, spec.num_nodes + 1, 5
+    tokens = jnp.asarray(rng.integers(0, V, (B, N1)), jnp.int32)
+    logits = jnp.asarray(rng.normal(size=(B, N1, V)), jnp.float32)
+    best = argmax(logits)
+    p = jax.nn.one_hot(best, V)
+    want = accept_tree(spec, tokens, p, jax.random.key(0))
+    got = accept_tree_greedy(spec, tokens, best)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(jnp.max(got[1])) >= 2  # some rows accepted a path of depth >= 2

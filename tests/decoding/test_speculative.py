@@ -156,3 +156,29 @@ def test_early_exit_equals_the_target_when_the_skipped_layer_is_a_no_op():
     )
     assert res.stats["acceptance_rate"] == 1.0
     assert len({tuple(t) for t in res.tokens}) == len(PROMPTS)  # not degenerate
+
+
+def test_greedy_rule_is_the_limit_of_the_sampling_rule():
+    """accept_greedy (argmax compare, no randomness) == accept on one-hot p and q, for random
+    logits with ties and drafts that agree with the target for a random prefix."""
+    from decoding.sampling import SamplingConfig, argmax, probabilities
+    from decoding.speculative import accept, accept_greedy, verify
+
+    rng = np.random.default_rng(0)
+    B, k, V = 64, 4, 7
+    logits = jnp.asarray(rng.integers(0, 3, (B, k + 1, V)), jnp.float32)  # many ties
+    best = np.asarray(argmax(logits))
+    agree = rng.integers(0, k + 1, B)
+    draft = np.where(np.arange(k) < agree[:, None], best[:, :k], rng.integers(0, V, (B, k)))
+    draft = jnp.asarray(draft, jnp.int32)
+    greedy = SamplingConfig()
+    n, nxt = accept_greedy(jnp.asarray(best), draft)
+    n2, nxt2 = accept(
+        probabilities(logits, greedy), jax.nn.one_hot(draft, V), draft, jax.random.key(1)
+    )
+    np.testing.assert_array_equal(n, n2)
+    np.testing.assert_array_equal(nxt, nxt2)
+    assert np.all(np.asarray(n) >= np.minimum(agree, k))
+    n3, nxt3 = verify(logits, None, draft, greedy, None)
+    np.testing.assert_array_equal(n3, n)
+    np.testing.assert_array_equal(nxt3, nxt)
