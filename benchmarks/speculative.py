@@ -10,6 +10,9 @@ held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy
   theory (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance at rate a (Leviathan et al., eq. 1);
 * wall-time speed-up over plain ``decoding.generate`` measured in the same run (median of
   ``--runs`` calls per prompt after a warm-up that compiles; summed over prompts);
+* ``verify_cost``: the target's cached forward of the k + 1 verified tokens over a plain decode
+  step (T = 1), timed in the same run (:func:`forward_costs`), and ``bound`` = tokens per call
+  / verify_cost: the decode-loop speed-up that even a free draft could not beat;
 * ``match``: greedy tokens equal plain ``generate``'s (1.0 expected);
 * ``transformers``' assisted generation on the same weights (``assistant_model=`` with a constant
   ``num_assistant_tokens = k``, ``prompt_lookup_num_tokens=k``, ``assistant_early_exit=L``):
@@ -172,6 +175,44 @@ def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, timing, hf_plain_s):
     return dict(hf_tok_s=len(ids) * new / total, hf_speedup=hf_plain_s / total)
 
 
+def forward_costs(target, widths, *, length: int = 160, steps: int = 32, runs: int = 5) -> dict:
+    """{T: seconds of one cached forward of T tokens through ``target``} (B = 1, a paged cache
+    holding ``length`` tokens; a jitted loop of ``steps`` calls, median of ``runs``).
+
+    T = 1 is a plain decode step, T = k + 1 a verification step: with t(T) these costs and
+    tokens per call a, no draft, however cheap, can make the decode loop faster than
+    ``a * t(1) / t(k + 1)`` (the ``bound`` column).
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models import KVCache
+
+    graphdef, params = nnx.split(target)
+    P, pages = 16, 2 * length // 16
+    table = np.arange(pages, dtype=np.int32)[None]
+    cache = KVCache.paged(target.config, pages, P, table).replace(
+        lengths=jnp.full((1,), length, jnp.int32)
+    )
+    costs = {}
+    for T in widths:
+
+        @jax.jit
+        def loop(params, cache, T=T):
+            model = nnx.merge(graphdef, params)
+
+            def body(_, carry):
+                cache, tok = carry
+                logits, new = model(jnp.broadcast_to(tok, (1, T)), cache=cache)
+                return new.replace(lengths=cache.lengths), jnp.argmax(logits[:, -1], -1)[:, None]
+
+            return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((1, 1), jnp.int32)))
+
+        costs[T] = common.time_fn(loop, params, cache, runs=runs, warmup=1) / steps
+    return costs
+
+
 def baselines(target, hf, ids, sampling, new, timing):
     """Plain ``generate`` and plain transformers ``generate`` over all prompts."""
     import torch
@@ -199,8 +240,18 @@ def baselines(target, hf, ids, sampling, new, timing):
     return dict(seconds=ours_s, tokens=tokens, hf_seconds=hf_s)
 
 
-def sweep(models_, ids, modes, kinds, ks, new: int, timing) -> list[dict]:
-    """One row per (mode, kind, k); ``models_`` = (target, draft, hf, hf_draft or None)."""
+def verify_width(kind: str, k: int) -> int:
+    """Tokens of one verification call: k + 1, or the tree's nodes + 1."""
+    if kind == "medusa-tree":
+        import decoding
+
+        return decoding.TreeSpec.default(MEDUSA_HEADS).num_nodes + 1
+    return k + 1
+
+
+def sweep(models_, ids, modes, kinds, ks, new: int, timing, costs) -> list[dict]:
+    """One row per (mode, kind, k); ``models_`` = (target, draft, hf, hf_draft or None);
+    ``costs``: :func:`forward_costs` of the target at every verification width."""
     from decoding import SamplingConfig
 
     target, draft_model, hf, hf_draft = models_
@@ -218,6 +269,10 @@ def sweep(models_, ids, modes, kinds, ks, new: int, timing) -> list[dict]:
                     row = dict(mode=mode, kind=kind, k=k)
                     row.update(
                         ours(target, draft_model, ids, kind, k, sampling, new, timing, plain)
+                    )
+                    t = costs[verify_width(kind, k)]
+                    row.update(
+                        verify_cost=t / costs[1], bound=row["tokens_per_call"] * costs[1] / t
                     )
                     if hf_draft is not None:
                         args = (hf, hf_draft, ids, kind, k, sampling.greedy, new, timing)
@@ -288,16 +343,23 @@ def main() -> None:
     hf = load(str(shipped_path("code-target"))).float().eval()
     hf_draft = None if args.no_hf else load(draft_dir).float().eval()
     load_start = os.getloadavg()
+    widths = sorted({1} | {verify_width(kind, k) for kind in kinds for k in ks})
+    costs = forward_costs(target, widths)
     rows = sweep((target, draft_model, hf, hf_draft), ids, modes, kinds, ks, new,
-                 (args.runs, args.warmup))  # fmt: skip
+                 (args.runs, args.warmup), costs)  # fmt: skip
     columns = ["mode", "kind", "k", "acceptance", "tokens_per_call", "theory", "tok_s",
-               "plain_tok_s", "speedup", "match", "hf_tok_s", "hf_speedup"]  # fmt: skip
+               "plain_tok_s", "speedup", "verify_cost", "bound", "match", "hf_tok_s",
+               "hf_speedup"]  # fmt: skip
     settings = dict(prompts=texts, new_tokens=new, batch=1, dtype="float32", draft=draft_dir,
                     torch=torch.__version__, torch_threads=torch.get_num_threads(),
-                    loadavg_start=load_start)  # fmt: skip
+                    loadavg_start=load_start,
+                    forward_ms={T: 1e3 * c for T, c in costs.items()})  # fmt: skip
     note = (
         "Shared 2-core CPU: wall times are noisy; acceptance and tokens per call are not. "
-        "Speed-ups are against plain generate measured in the same run."
+        "Speed-ups are against plain generate measured in the same run. verify_cost: the "
+        "target's forward of the verified tokens over a plain decode step (settings.forward_ms, "
+        "same run); bound = tokens_per_call / verify_cost, the decode-loop speed-up no draft, "
+        "however cheap, could beat at this acceptance."
     )
     common.finish(args, args.name, rows, columns, settings=settings, note=note)
 
