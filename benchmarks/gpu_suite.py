@@ -15,6 +15,10 @@ Sections, one JSON (``benchmarks/results/gpu_suite_<device>.json``) and one prin
   (:func:`benchmarks.decode.run`).
 * ``generate``: ``decoding.generate`` tokens/s of a llama-3-8b-shaped model (random bf16 weights,
   paged cache), B = 8, 512-token prompts, 128 new tokens, greedy.
+* ``speculative``: greedy ``speculative_generate`` speed-up over plain ``generate`` on the
+  shipped code models (prompt lookup, Medusa chain and calibrated tree, the distilled draft),
+  with ``match`` (identical tokens) and tokens per target call (:func:`run_speculative`; not
+  part of ``--deviceless``).
 
 ``--deviceless`` compiles the same programs (the ``check`` kernels, the Pallas/XLA/cuDNN
 attention programs, the decode steps, the generation prefill and loop, at the same shapes) on a
@@ -242,6 +246,38 @@ def run_generate(runs: int) -> list[dict]:
     ]  # fmt: skip
 
 
+SPEC_CASES = (("prompt-lookup", 3), ("medusa", 2), ("medusa-tree:4", 2), ("code-draft", 3))
+
+
+def run_speculative(runs: int, attn_impl: str = "pallas") -> list[dict]:
+    """Greedy ``speculative_generate`` on the shipped code models (Pallas attention) against
+    plain ``generate`` in the same run: 2 held-out code prompts, 128 new tokens, batch 1. On a
+    GPU a verification of k + 1 tokens costs about what a decode step does, which is where
+    speculative decoding is meant to pay (on the 2-core CPU it costs 1.4-2x a step)."""
+    import decoding
+    import models
+    from benchmarks import speculative as spec
+
+    target, tok = models.pretrained("code-target", attn_impl=attn_impl)
+    draft = models.pretrained("code-draft", attn_impl=attn_impl)[0]
+    ids = [[tok.bos_id] + tok.encode(t) for t in spec.code_prompts(2)]
+    timing, new = (runs, 1), spec.NEW_TOKENS
+    plain = dict(seconds=0.0, tokens=[])
+    for row in ids:
+        s, res = spec.timed(
+            lambda row=row: decoding.generate(target, [row], max_new_tokens=new), timing
+        )
+        plain["seconds"] += s
+        plain["tokens"].append(res.tokens)
+    rows = []
+    for kind, k in SPEC_CASES:
+        r = spec.ours(target, draft, ids, kind, k, decoding.SamplingConfig(), new, timing, plain)
+        rows.append(dict(section="speculative", name=f"{kind} k={k}", value=r["speedup"],
+                         unit="x plain", ok=True, match=r["match"],
+                         tokens_per_call=r["tokens_per_call"]))  # fmt: skip
+    return rows
+
+
 def run_gpu(runs: int) -> list[dict]:
     rows = run_checks()
     attn_rows, _ = attention.run_gpu(runs, configs=ATTN_CONFIGS, tokens=ATTN_TOKENS)
@@ -255,7 +291,7 @@ def run_gpu(runs: int) -> list[dict]:
         name = f"B{r['B']} S{r['S']} {r['layout']} splits {r['num_splits']}"
         rows.append(dict(section="decode", name=name, value=r.get("GB_per_s"), unit="GB/s",
                          vs=r.get("vs_copy"), ok="error" not in r))  # fmt: skip
-    return rows + run_generate(runs)
+    return rows + run_generate(runs) + run_speculative(runs)
 
 
 def run_deviceless(jobs: int) -> list[dict]:

@@ -3,8 +3,9 @@
 On the shipped byte-level models (target ``code-target``, float32) and code prompts cut from
 held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy, temperature
 0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``, ``medusa``: the shipped
-``code-target-medusa`` heads as a chain, k <= 4, and ``medusa-tree``: the same heads with
-``TreeSpec.default(4)``, k = 4) and k = 1..8:
+``code-target-medusa`` heads as a chain, k <= 4; ``medusa-tree``: the same heads with
+``TreeSpec.default(4)``, k = 4; ``medusa-tree:N``: the N-node tree built from the heads'
+calibrated rank accuracy, at its own depth) and k = 1..8:
 
 * acceptance a (accepted / proposed draft tokens) and tokens per target call, next to the
   theory (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance at rate a (Leviathan et al., eq. 1);
@@ -42,13 +43,37 @@ KINDS = (
     "medusa-tree",
 )  # fmt: skip
 MEDUSA_HEADS = 4  # the shipped code-target-medusa: k <= 4
+NEW_TOKENS = 128
 
 
 def skipped(kind: str, k: int) -> bool:
-    """Medusa chains need k <= its heads; the tree (``TreeSpec.default(4)``) has k = 4."""
-    if kind == "medusa-tree":
-        return k != MEDUSA_HEADS
+    """Medusa chains need k <= its heads; a tree runs once, at k = its depth."""
+    if kind.startswith("medusa-tree"):
+        return k != medusa_tree(kind).depth
     return kind == "medusa" and k > MEDUSA_HEADS
+
+
+def medusa_tree(kind: str):
+    """``medusa-tree``: ``TreeSpec.default(4)`` (18 nodes); ``medusa-tree:N``: the N nodes most
+    likely to be accepted (``TreeSpec.from_accuracies``) by the shipped heads' rank accuracy
+    calibrated on other prompts (:func:`calibration`)."""
+    import decoding
+
+    if kind == "medusa-tree":
+        return decoding.TreeSpec.default(MEDUSA_HEADS)
+    return decoding.TreeSpec.from_accuracies(calibration(), int(kind.partition(":")[2]))
+
+
+@functools.cache
+def calibration() -> tuple:
+    """The shipped heads' rank accuracy on the target's greedy continuations of 4 held-out
+    prompts that the benchmark does not time (the 5th to 8th of :func:`code_prompts`)."""
+    import models
+    from decoding.medusa import rank_accuracy
+
+    target, tok = models.pretrained("code-target")
+    ids = [[tok.bos_id] + tok.encode(t) for t in code_prompts(8)[4:]]
+    return tuple(map(tuple, rank_accuracy(target, medusa_heads(), ids)))
 
 
 PROMPT_BYTES = 96
@@ -85,8 +110,8 @@ def make_draft(kind: str, draft_model):
 
     if kind == "medusa":
         return decoding.Medusa(medusa_heads())
-    if kind == "medusa-tree":
-        return decoding.Medusa(medusa_heads(), tree=decoding.TreeSpec.default(MEDUSA_HEADS))
+    if kind.startswith("medusa-tree"):
+        return decoding.Medusa(medusa_heads(), tree=medusa_tree(kind))
     if kind == "code-draft":
         return draft_model
     if kind == "prompt-lookup":
@@ -175,9 +200,10 @@ def hf_assisted(hf, hf_draft, ids, kind, k, greedy, new, timing, hf_plain_s):
     return dict(hf_tok_s=len(ids) * new / total, hf_speedup=hf_plain_s / total)
 
 
-def forward_costs(target, widths, *, length: int = 160, steps: int = 32, runs: int = 5) -> dict:
+def forward_costs(target, widths, *, length: int = 160, steps: int = 48, runs: int = 7) -> dict:
     """{T: seconds of one cached forward of T tokens through ``target``} (B = 1, a paged cache
-    holding ``length`` tokens; a jitted loop of ``steps`` calls, median of ``runs``).
+    holding ``length`` tokens; a jitted loop of ``steps`` calls; ``runs`` rounds that time every
+    T in turn, so drifting load hits all alike; medians).
 
     T = 1 is a plain decode step, T = k + 1 a verification step: with t(T) these costs and
     tokens per call a, no draft, however cheap, can make the decode loop faster than
@@ -192,25 +218,29 @@ def forward_costs(target, widths, *, length: int = 160, steps: int = 32, runs: i
     graphdef, params = nnx.split(target)
     P, pages = 16, 2 * length // 16
     table = np.arange(pages, dtype=np.int32)[None]
-    cache = KVCache.paged(target.config, pages, P, table).replace(
-        lengths=jnp.full((1,), length, jnp.int32)
-    )
-    costs = {}
-    for T in widths:
+    cache = KVCache.paged(target.config, pages, P, table)
+    cache = cache.replace(lengths=jnp.full((1,), length, jnp.int32))
 
-        @jax.jit
-        def loop(params, cache, T=T):
-            model = nnx.merge(graphdef, params)
+    def loop(params, cache, T):
+        model = nnx.merge(graphdef, params)
 
-            def body(_, carry):
-                cache, tok = carry
-                logits, new = model(jnp.broadcast_to(tok, (1, T)), cache=cache)
-                return new.replace(lengths=cache.lengths), jnp.argmax(logits[:, -1], -1)[:, None]
+        def body(_, carry):
+            cache, tok = carry
+            logits, new = model(jnp.broadcast_to(tok, (1, T)), cache=cache)
+            return new.replace(lengths=cache.lengths), jnp.argmax(logits[:, -1], -1)[:, None]
 
-            return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((1, 1), jnp.int32)))
+        return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((1, 1), jnp.int32)))
 
-        costs[T] = common.time_fn(loop, params, cache, runs=runs, warmup=1) / steps
-    return costs
+    compiled = {
+        T: jax.jit(loop, static_argnums=2).lower(params, cache, T).compile() for T in widths
+    }
+    times = {T: [] for T in widths}
+    for _ in range(runs):
+        for T, fn in compiled.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(params, cache))
+            times[T].append(time.perf_counter() - start)
+    return {T: statistics.median(ts) / steps for T, ts in times.items()}
 
 
 def baselines(target, hf, ids, sampling, new, timing):
@@ -242,10 +272,8 @@ def baselines(target, hf, ids, sampling, new, timing):
 
 def verify_width(kind: str, k: int) -> int:
     """Tokens of one verification call: k + 1, or the tree's nodes + 1."""
-    if kind == "medusa-tree":
-        import decoding
-
-        return decoding.TreeSpec.default(MEDUSA_HEADS).num_nodes + 1
+    if kind.startswith("medusa-tree"):
+        return medusa_tree(kind).num_nodes + 1
     return k + 1
 
 
@@ -325,7 +353,7 @@ def main() -> None:
         ["code-draft", "prompt-lookup", "early-exit:4", "medusa", "medusa-tree"] if quick else KINDS
     )
     ks = args.ks or ([2, 4] if quick else list(range(1, 9)))
-    new = args.new_tokens or (48 if quick else 128)
+    new = args.new_tokens or (48 if quick else NEW_TOKENS)
     modes = ["greedy"] if quick else ["greedy", "t0.8"]
 
     import torch
@@ -343,6 +371,8 @@ def main() -> None:
     hf = load(str(shipped_path("code-target"))).float().eval()
     hf_draft = None if args.no_hf else load(draft_dir).float().eval()
     load_start = os.getloadavg()
+    tree_depths = [medusa_tree(kind).depth for kind in kinds if kind.startswith("medusa-tree")]
+    ks = sorted(set(ks) | set(tree_depths))  # a tree runs at its own depth
     widths = sorted({1} | {verify_width(kind, k) for kind in kinds for k in ks})
     costs = forward_costs(target, widths)
     rows = sweep((target, draft_model, hf, hf_draft), ids, modes, kinds, ks, new,

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from decoding import tree
@@ -139,7 +140,7 @@ class MedusaDraft:
 
     def head_logits(self, params, h, k: int):
         """h [B, dim] -> the first k heads' logits [B, k, V] float32."""
-        return nnx.merge(self.graphdef, params)(h[:, None])[:, 0, :k]
+        return nnx.merge(self.graphdef, params)(h[:, None], num=k)[:, 0]
 
     def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
         if self.tree is not None:
@@ -179,3 +180,37 @@ class MedusaDraft:
             best, n, path, nxt = tree.accept_tree(spec, tokens, p, key)
         cache = tree.compact_path(spec, cache, start, best)
         return Verified(path, n, nxt, cache, hidden[jnp.arange(B), best])
+
+
+def rank_accuracy(
+    target, heads: MedusaHeads, prompts, *, max_new_tokens: int = 128, ranks: int = 4
+):
+    """[heads][ranks] table: how often head d's c-th best candidate is the right token on the
+    target's own greedy continuations of ``prompts`` (what it will verify), for
+    :meth:`TreeSpec.from_accuracies`.
+
+    The continuations come from ``decoding.generate``; one uncached forward of each
+    prompt + continuation gives the hidden states; at every generated position t head d is
+    scored against token t + 2 + d. Ties rank a token after every strictly larger logit.
+    """
+    from decoding.generate import generate
+
+    res = generate(target, prompts, max_new_tokens=max_new_tokens)
+    H = heads.num_heads
+    hits = np.zeros((H, ranks))
+    total = np.zeros(H)
+    for prompt, new in zip(prompts, res.tokens, strict=True):
+        seq = jnp.asarray([list(prompt) + list(new)], jnp.int32)
+        _, h = target(seq, return_hidden=True)
+        logits = heads(h)[0]  # [T, H, V]
+        T = seq.shape[1]
+        for d in range(H):
+            t = np.arange(len(prompt) - 1, T - 2 - d)  # positions with a known answer
+            if t.size == 0:
+                continue
+            right = seq[0, t + 2 + d]
+            lg = logits[t, d]  # [n, V]
+            rank = jnp.sum(lg > jnp.take_along_axis(lg, right[:, None], 1), axis=1)
+            hits[d] += np.bincount(np.asarray(rank), minlength=ranks + 1)[:ranks]
+            total[d] += t.size
+    return (hits / np.maximum(total, 1)[:, None]).tolist()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,36 @@ class TreeSpec:
             ]
             paths += frontier
         return cls(tuple(paths))
+
+    @classmethod
+    def from_accuracies(cls, rank_accuracy, num_nodes: int) -> TreeSpec:
+        """The ``num_nodes`` paths most likely to be accepted (Medusa's tree construction):
+        ``rank_accuracy[d][c]`` is the probability that head d's c-th best candidate is the
+        right token (e.g. :func:`decoding.medusa.rank_accuracy`); a path's probability is the
+        product over its choices (heads taken as independent), and the expected tokens per
+        verification is 1 + the sum over the tree's paths. Best-first, so parents always come
+        with their children."""
+        acc = [[float(a) for a in row] for row in rank_accuracy]
+        if not acc or any(not row or any(not 0.0 <= a <= 1.0 for a in row) for row in acc):
+            raise ValueError("rank_accuracy must be a non-empty [heads][ranks] table in [0, 1]")
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
+        frontier = [(-acc[0][c], (c,)) for c in range(len(acc[0]))]
+        heapq.heapify(frontier)
+        paths = []
+        while frontier and len(paths) < num_nodes:
+            neg, path = heapq.heappop(frontier)
+            paths.append(path)
+            if len(path) < len(acc):  # its children: the next head's candidates
+                for c, a in enumerate(acc[len(path)]):
+                    heapq.heappush(frontier, (neg * a, path + (c,)))
+        return cls(tuple(paths))
+
+    def expected_tokens(self, rank_accuracy) -> float:
+        """1 + the summed acceptance probability of every path (see :meth:`from_accuracies`)."""
+        return 1.0 + sum(
+            float(np.prod([rank_accuracy[d][c] for d, c in enumerate(p)])) for p in self.paths
+        )
 
     @property
     def num_nodes(self) -> int:

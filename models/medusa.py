@@ -66,8 +66,10 @@ class MedusaHeads(nnx.Module):
         self.num_heads = num_heads
         self.heads = nnx.List([MedusaHead(config, rngs=rngs) for _ in range(num_heads)])
 
-    def __call__(self, h):
-        return jnp.stack([head(h) for head in self.heads], axis=-2)
+    def __call__(self, h, num: int | None = None):
+        """Logits of every head, or of the first ``num`` (a drafting step that needs only k)."""
+        heads = list(self.heads)[: self.num_heads if num is None else num]
+        return jnp.stack([head(h) for head in heads], axis=-2)
 
     def init_from(self, target) -> MedusaHeads:
         """Copies ``target``'s LM head ([dim, V]) into every head's; returns ``self``."""

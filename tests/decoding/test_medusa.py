@@ -186,3 +186,31 @@ def test_greedy_tree_rule_is_the_limit_of_the_sampling_rule():
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
     assert int(jnp.max(got[1])) >= 2  # some rows accepted a path of depth >= 2
+
+
+def test_tree_from_accuracies_takes_the_most_likely_paths():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.0], [0.4, 0.1, 0.1]]
+    spec = TreeSpec.from_accuracies(acc, 5)
+    # path probabilities: (0,) .6, (0,0) .3, (1,) .2, (0,1) .18, (0,0,0) .12, (2,) .1, ...
+    assert spec.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    assert spec.expected_tokens(acc) == pytest.approx(1 + 0.6 + 0.2 + 0.3 + 0.18 + 0.12)
+    chain = TreeSpec.from_accuracies([[0.9], [0.9], [0.9]], 3)
+    assert chain.paths == ((0,), (0, 0), (0, 0, 0))
+    assert TreeSpec.from_accuracies(acc, 100).num_nodes == 3 + 9 + 27  # every path
+    for bad in ([], [[]], [[1.5]]):
+        with pytest.raises(ValueError, match="rank_accuracy"):
+            TreeSpec.from_accuracies(bad, 3)
+    with pytest.raises(ValueError, match="num_nodes"):
+        TreeSpec.from_accuracies(acc, 0)
+
+
+def test_rank_accuracy_is_a_distribution_over_ranks(tiny_model):
+    from decoding.medusa import rank_accuracy
+
+    heads = MedusaHeads(tiny_model.config, 3, rngs=nnx.Rngs(0)).init_from(tiny_model)
+    acc = np.asarray(rank_accuracy(tiny_model, heads, [[1, 2, 3], [4, 5]], max_new_tokens=12))
+    assert acc.shape == (3, 4)
+    assert np.all(acc >= 0) and np.all(acc.sum(1) <= 1 + 1e-9)
+    # head logits computed for the first k only equal the full computation's
+    h = jnp.ones((1, 2, tiny_model.config.dim))
+    np.testing.assert_array_equal(heads(h, num=2), heads(h)[..., :2, :])
