@@ -151,28 +151,6 @@ def xla_blocks(T: int, S: int) -> tuple[int, int]:
     return min(512, shapes.round_up(T, 8)), min(512, shapes.round_up(S, 8))
 
 
-XLA_SINGLE_PASS_SCORES = 1 << 15  # Tq * S at most: scores of one (row, head) in one pass
-XLA_SINGLE_PASS_KEYS = 1 << 18  # B * S * Hkv * D at most: the masked copy of K or V (1 MiB f32)
-
-
-def xla_cache_blocks(Tq: int, keys_shape) -> tuple[int | None, int | None]:
-    """``(block_q, block_k)`` of the "xla" KV-cache path for keys ``[B, S, Hkv, D]`` (None:
-    :func:`xla_blocks`'s default).
-
-    Decode and verification against a small cache (``Tq * S <= XLA_SINGLE_PASS_SCORES`` and
-    the keys no more than ``XLA_SINGLE_PASS_KEYS`` elements) take all keys in one masked pass:
-    on CPU a loop over key blocks costs more than the keys it skips, and the pass's masked copy
-    of K and V is small. Otherwise blocks that divide S (:func:`xla_cache_block`), so memory
-    stays one block and no padded copy of the cache is made.
-    """
-    B, S, Hkv, D = keys_shape
-    block_q = Tq if Tq <= 256 else None  # no padding of Tq = 1
-    S8 = shapes.round_up(S, 8)
-    if Tq * S8 <= XLA_SINGLE_PASS_SCORES and B * S8 * Hkv * D <= XLA_SINGLE_PASS_KEYS:
-        return block_q, S8
-    return block_q, xla_cache_block(S)
-
-
 def xla_cache_block(S: int, cap: int = 512) -> int | None:
     """Largest multiple of 8 <= cap dividing S (so the XLA path never pads a copy of a cache), or
     None (the default of :func:`xla_blocks`)."""

@@ -152,7 +152,8 @@ def _jnp(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_c
     if impl == "reference":
         out, lse = reference.attention(q, k_rows, v_rows, **kw)
     else:
-        block_q, block_k = heuristics.xla_cache_blocks(q.shape[1], k_rows.shape)
+        block_q = q.shape[1] if q.shape[1] <= 256 else None  # decode: no padding of Tq = 1
+        block_k = heuristics.xla_cache_block(k_rows.shape[1])
         out, lse = xla.attention(q, k_rows, v_rows, block_q=block_q, block_k=block_k, **kw)
     return out, lse, k_cache, v_cache
 

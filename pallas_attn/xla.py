@@ -157,16 +157,11 @@ def _forward(static: _Static, q, k, v, ranges: shapes.RowRanges):
             s, _ = _scores(static, q_i, k_j)
             return softmax.step(carry, s, v_j, _pv, _tile_mask(static, ranges, i, j))
 
-        init = softmax.init((B, Hkv, Hq // Hkv, bq), D)
-        if Sp == bk:  # one key block (decode, verification): one masked pass, no loop
-            return softmax.finalize(*body(0, init))
         jlo, jhi = _kv_block_range(static, ranges, i, Sp // bk)
+        init = softmax.init((B, Hkv, Hq // Hkv, bq), D)
         return softmax.finalize(*lax.fori_loop(jlo, jhi, body, init))
 
-    if Tp == bq:  # one query block: no lax.map around it
-        out, lse = jax.tree.map(lambda x: x[None], q_block(0))
-    else:
-        out, lse = lax.map(q_block, jnp.arange(Tp // bq))  # [nq, B, Hkv, G, bq, (D)]
+    out, lse = lax.map(q_block, jnp.arange(Tp // bq))  # [nq, B, Hkv, G, bq, (D)]
     out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(B, Tp, Hq, D)
     lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(B, Hq, Tp)
     return out.astype(q.dtype), lse

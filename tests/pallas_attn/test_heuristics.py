@@ -7,7 +7,7 @@ Notation: ``programs = batch * kv_heads * m_blocks``, ``eff(n) = w / ceil(w)`` w
 import jax.numpy as jnp
 import pytest
 
-from pallas_attn import BlockSizes, heuristics, num_splits_heuristic
+from pallas_attn import BlockSizes, num_splits_heuristic
 from pallas_attn.heuristics import decode_blocks, padded_head_dim
 
 SMS = 132
@@ -153,17 +153,3 @@ def test_default_tiles_match_reference_interpret(case, dtype):
     from attn_utils import check_against_reference
 
     check_against_reference(dict(case, blocks=_default_tiles(case["D"], dtype)), dtype, "interpret")
-
-
-@pytest.mark.parametrize(
-    "Tq,shape,want",
-    [
-        (1, (1, 288, 4, 32), (1, 288)),  # decode, small cache: one pass
-        (4, (8, 190, 2, 32), (4, 192)),  # verification: S rounded up to a multiple of 8
-        (1, (2, 4096, 2, 32), (1, 512)),  # big cache: blocks that divide S
-        (64, (1, 1024, 4, 32), (64, 512)),  # long Tq: blocks
-        (300, (1, 1000, 4, 32), (None, 200)),
-    ],
-)
-def test_xla_cache_blocks(Tq, shape, want):
-    assert heuristics.xla_cache_blocks(Tq, shape) == want

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from attn_utils import max_err, numpy_attention
 
-from pallas_attn import attention_with_kvcache, heuristics
+from pallas_attn import attention_with_kvcache
 
 FP8 = jnp.float8_e4m3fn
 
@@ -574,22 +574,3 @@ def test_interpret_is_deterministic():
     a, b = call(inp, "interpret", num_splits=3), call(inp, "interpret", num_splits=3)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(_bits(x), _bits(y))
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        Case(Tq=5, Tn=5, Hq=4, Hkv=1, D=40, S=1032, causal=True, leftpad=True),
-        Case(Tq=1, Tn=1, Hq=4, Hkv=2, S=1040, page=16, window=(37, 0), causal=True),
-    ],
-    ids=repr,
-)
-@pytest.mark.parametrize("single_pass", [True, False])
-def test_xla_single_pass_and_block_loop_agree(case, single_pass, monkeypatch):
-    """The "xla" path's two schedules (one masked pass over a small cache, or a loop over key
-    blocks that skips invisible ones: heuristics.xla_cache_blocks) against the reference."""
-    limit = 1 << 40 if single_pass else 0
-    monkeypatch.setattr(heuristics, "XLA_SINGLE_PASS_KEYS", limit)
-    monkeypatch.setattr(heuristics, "XLA_SINGLE_PASS_SCORES", limit)
-    jax.clear_caches()  # the schedule is chosen at trace time
-    check_impls(case, seed=5)
