@@ -9,8 +9,9 @@ calibrated rank accuracy, at its own depth) and k = 1..8:
 
 * acceptance a (accepted / proposed draft tokens) and tokens per target call, next to the
   theory (1 - a^(k+1)) / (1 - a) for i.i.d. acceptance at rate a (Leviathan et al., eq. 1);
-* wall-time speed-up over plain ``decoding.generate`` measured in the same run (median of
-  ``--runs`` calls per prompt after a warm-up that compiles; summed over prompts);
+* wall-time speed-up over plain ``decoding.generate``, the two called alternately (median of
+  ``--runs`` pairs per prompt after a warm-up pair that compiles; summed over prompts), so a
+  drift in the machine's speed hits both;
 * ``verify_cost``: the target's cached forward of the k + 1 verified tokens over a plain decode
   step (T = 1), timed in the same run (:func:`forward_costs`), and ``bound`` = tokens per call
   / verify_cost: the decode-loop speed-up that even a free draft could not beat;
@@ -133,25 +134,45 @@ def timed(fn, timing: tuple[int, int]):
     return statistics.median(times), res
 
 
+def timed_pair(fa, fb, timing: tuple[int, int]):
+    """``fa`` and ``fb`` called alternately: (median seconds of fa, of fb, fb's last result).
+    Pairing in time keeps a ratio of the two honest when the machine's speed drifts."""
+    runs, warmup = timing
+    for _ in range(warmup):
+        fa(), fb()
+    ta, tb, res = [], [], None
+    for _ in range(runs):
+        start = time.perf_counter()
+        fa()
+        mid = time.perf_counter()
+        res = fb()
+        ta.append(mid - start)
+        tb.append(time.perf_counter() - mid)
+    return statistics.median(ta), statistics.median(tb), res
+
+
 def theory(a: float, k: int) -> float:
     """Expected tokens per target call at i.i.d. acceptance rate a: (1 - a^(k+1)) / (1 - a)."""
     return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
 
 def ours(target, draft_model, ids, kind, k, sampling, new, timing, plain):
-    """One row for our speculative decoding over all prompts ``ids``."""
-    from decoding import speculative_generate
+    """One row for our speculative decoding over all prompts ``ids``: each prompt's calls
+    alternate with plain ``generate`` calls (:func:`timed_pair`), and the speed-up is the ratio
+    of those paired medians, summed over prompts."""
+    from decoding import generate, speculative_generate
 
-    total, acc, prop, tpc, match = 0.0, [], [], [], []
+    total, plain_s, acc, prop, tpc, match = 0.0, 0.0, [], [], [], []
     for row, ref in zip(ids, plain["tokens"], strict=True):
-        s, res = timed(
+        p, s, res = timed_pair(
+            lambda row=row: generate(target, [row], max_new_tokens=new, sampling=sampling),
             lambda row=row: speculative_generate(
                 target, make_draft(kind, draft_model), [row], num_draft_tokens=k,
                 max_new_tokens=new, sampling=sampling,
             ),
             timing,
         )  # fmt: skip
-        total += s
+        total, plain_s = total + s, plain_s + p
         st = res.stats
         acc.append(st["acceptance_rate"] * st["num_draft_tokens"] * st["target_calls"])
         prop.append(st["num_draft_tokens"] * st["target_calls"])
@@ -163,7 +184,8 @@ def ours(target, draft_model, ids, kind, k, sampling, new, timing, plain):
         tokens_per_call=statistics.mean(tpc),
         theory=theory(a, k),
         tok_s=len(ids) * new / total,
-        speedup=plain["seconds"] / total,
+        plain_tok_s=len(ids) * new / plain_s,
+        speedup=plain_s / total,
         match=float(np.mean(match)) if sampling.greedy else None,
     )
 
@@ -244,17 +266,13 @@ def forward_costs(target, widths, *, length: int = 160, steps: int = 48, runs: i
 
 
 def baselines(target, hf, ids, sampling, new, timing):
-    """Plain ``generate`` and plain transformers ``generate`` over all prompts."""
+    """Plain ``generate``'s tokens (what greedy rows must match) and plain transformers
+    ``generate``'s seconds over all prompts."""
     import torch
 
     from decoding import generate
 
-    ours_s, tokens = 0.0, []
-    for row in ids:
-        s, res = timed(
-            lambda row=row: generate(target, [row], max_new_tokens=new, sampling=sampling), timing
-        )
-        ours_s, tokens = ours_s + s, tokens + [res.tokens]
+    tokens = [generate(target, [row], max_new_tokens=new, sampling=sampling).tokens for row in ids]
     kwargs = dict(
         max_new_tokens=new, min_new_tokens=new, do_sample=not sampling.greedy, pad_token_id=258
     )
@@ -267,7 +285,7 @@ def baselines(target, hf, ids, sampling, new, timing):
             hf_s += timed(
                 lambda x=x: hf.generate(x, attention_mask=torch.ones_like(x), **kwargs), timing
             )[0]
-    return dict(seconds=ours_s, tokens=tokens, hf_seconds=hf_s)
+    return dict(tokens=tokens, hf_seconds=hf_s)
 
 
 def verify_width(kind: str, k: int) -> int:
@@ -305,8 +323,7 @@ def sweep(models_, ids, modes, kinds, ks, new: int, timing, costs) -> list[dict]
                     if hf_draft is not None:
                         args = (hf, hf_draft, ids, kind, k, sampling.greedy, new, timing)
                         row.update(hf_assisted(*args, plain["hf_seconds"]))
-                    row.update(plain_tok_s=len(ids) * new / plain["seconds"],
-                               hf_plain_tok_s=len(ids) * new / plain["hf_seconds"])  # fmt: skip
+                    row.update(hf_plain_tok_s=len(ids) * new / plain["hf_seconds"])
                     rows.append(row)
                     bar.update()
     return rows
@@ -386,7 +403,8 @@ def main() -> None:
                     forward_ms={T: 1e3 * c for T, c in costs.items()})  # fmt: skip
     note = (
         "Shared 2-core CPU: wall times are noisy; acceptance and tokens per call are not. "
-        "Speed-ups are against plain generate measured in the same run. verify_cost: the "
+        "Speed-ups are against plain generate called alternately with each row's calls. "
+        "verify_cost: the "
         "target's forward of the verified tokens over a plain decode step (settings.forward_ms, "
         "same run); bound = tokens_per_call / verify_cost, the decode-loop speed-up no draft, "
         "however cheap, could beat at this acceptance."
