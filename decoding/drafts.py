@@ -44,14 +44,16 @@ from decoding.sampling import SamplingConfig, probabilities, sample
 from models import KVCache
 from models.transformer import rope_tables
 
-# k used when ``num_draft_tokens=None``, per kind: the k maximising the expected speed-up
-# tokens_per_call(k) * t_verify(1) / (t_verify(k + 1) + k * t_draft), with the tokens per target
-# call measured by ``benchmarks/speculative.py`` (greedy, shipped code-target, k = 1, 2, 3, 4:
-# distilled code-draft 1.68, 2.22, 2.39, 2.52; prompt lookup 1.49, 1.71, 1.88, 2.04; early exit
-# after 4 layers 1.47, 1.73, 1.80, 1.88) and step costs on CPU (target 2.0 ms + 0.26 ms per extra
-# verified token, code-draft 0.3 ms, early exit after 4 of 8 layers ~1 ms). Wall times on the
-# shared CPU were too noisy to pick k directly; see the README's Speculative decoding section.
-DEFAULT_K = {"model": 2, "prompt-lookup": 2, "early-exit": 1}
+# k used when ``num_draft_tokens=None``, per kind: the k with the best wall-time speed-up over
+# plain decoding in ``python -m benchmarks.speculative --kinds code-draft prompt-lookup
+# early-exit:4 medusa ... --ks 1 2 3 4 --prompts 2 --runs 3`` (benchmarks/results/
+# speculative_cpu.json, quiet 2-core CPU, 2026-11-30; each speed-up paired in time with plain
+# generate), greedy first, T = 0.8 as the tie-break. Greedy, k = 1, 2, 3, 4: prompt lookup
+# 1.18, 1.16, 1.30, 1.33x (an earlier quiet run: 1.08, 1.07, 1.21, 1.17x, so k = 3); distilled
+# code-draft 0.82, 0.87, 0.86, 0.89x (T = 0.8: 0.93, 0.75, 0.95, 0.89x, so k = 3); early exit
+# after 4 of 8 layers 0.86, 0.78, 0.50, 0.57x; Medusa chain 1.12, 1.15, 1.06, 1.00x. On a faster
+# verifier (a GPU, a bandwidth-bound target) larger k pay more: re-run the benchmark there.
+DEFAULT_K = {"model": 3, "prompt-lookup": 3, "early-exit": 1, "medusa": 2}
 
 
 class Proposal(NamedTuple):

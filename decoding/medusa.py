@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from decoding import tree
-from decoding.drafts import Context, Proposal, _check_vocab
+from decoding.drafts import DEFAULT_K, Context, Proposal, _check_vocab
 from decoding.sampling import SamplingConfig, argmax, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
@@ -64,8 +64,9 @@ def verify_chain(target, last, prop: Proposal, sampling: SamplingConfig, key, hi
 
 class Medusa:
     """A draft kind for ``speculative_generate``: ``Medusa(heads)`` with ``heads`` a
-    ``models.MedusaHeads`` trained for the target (its ``num_heads`` is the default and largest
-    ``num_draft_tokens``); ``Medusa(heads, tree=TreeSpec.default(4))`` drafts a token tree
+    ``models.MedusaHeads`` trained for the target (its ``num_heads`` is the largest
+    ``num_draft_tokens``, ``drafts.DEFAULT_K["medusa"]`` the default); ``Medusa(heads,
+    tree=TreeSpec.default(4))`` or ``tree=TreeSpec.from_accuracies(...)`` drafts a token tree
     (``decoding.tree``; k = the tree's depth)."""
 
     def __init__(self, heads: MedusaHeads, tree: TreeSpec | None = None):
@@ -98,7 +99,9 @@ class MedusaDraft:
 
     @property
     def default_num_draft_tokens(self) -> int:
-        return self.num_heads if self.tree is None else self.tree.depth
+        if self.tree is not None:
+            return self.tree.depth
+        return min(DEFAULT_K["medusa"], self.num_heads)
 
     @property
     def verify_width(self) -> int:
