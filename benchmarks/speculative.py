@@ -14,7 +14,8 @@ calibrated rank accuracy, at its own depth) and k = 1..8:
   drift in the machine's speed hits both;
 * ``verify_cost``: the target's cached forward of the k + 1 verified tokens over a plain decode
   step (T = 1), timed in the same run (:func:`forward_costs`), and ``bound`` = tokens per call
-  / verify_cost: the decode-loop speed-up that even a free draft could not beat;
+  / verify_cost: the decode-loop speed-up of a free draft if a step cost only its target
+  forward (a guide, not a ceiling: real steps add sampling and bookkeeping on both sides);
 * ``match``: greedy tokens equal plain ``generate``'s (1.0 expected);
 * ``transformers``' assisted generation on the same weights (``assistant_model=`` with a constant
   ``num_assistant_tokens = k``, ``prompt_lookup_num_tokens=k``, ``assistant_early_exit=L``):
@@ -228,8 +229,8 @@ def forward_costs(target, widths, *, length: int = 160, steps: int = 48, runs: i
     T in turn, so drifting load hits all alike; medians).
 
     T = 1 is a plain decode step, T = k + 1 a verification step: with t(T) these costs and
-    tokens per call a, no draft, however cheap, can make the decode loop faster than
-    ``a * t(1) / t(k + 1)`` (the ``bound`` column).
+    tokens per call a, a free draft would make a decode loop of bare forwards
+    ``a * t(1) / t(k + 1)`` times faster (the ``bound`` column).
     """
     import jax
     import jax.numpy as jnp
@@ -406,8 +407,8 @@ def main() -> None:
         "Speed-ups are against plain generate called alternately with each row's calls. "
         "verify_cost: the "
         "target's forward of the verified tokens over a plain decode step (settings.forward_ms, "
-        "same run); bound = tokens_per_call / verify_cost, the decode-loop speed-up no draft, "
-        "however cheap, could beat at this acceptance."
+        "same run); bound = tokens_per_call / verify_cost, the decode-loop speed-up of a free "
+        "draft if a step cost only its target forward (a guide, not a ceiling)."
     )
     common.finish(args, args.name, rows, columns, settings=settings, note=note)
 
