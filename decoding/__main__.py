@@ -1,5 +1,6 @@
 """Command line: ``python -m decoding "def fibonacci(n):" --max-new-tokens 200``
-(``--speculative code-draft|prompt-lookup|early-exit:L [--num-draft-tokens K]``).
+(``--speculative code-draft|prompt-lookup|early-exit:L|medusa|medusa-tree
+[--num-draft-tokens K]``).
 
 Prints the prompt with its continuation, then one stats line (prefill ms, decode tokens/s).
 Bad arguments give an argparse usage error (exit status 2), never a traceback.
@@ -14,8 +15,10 @@ import sys
 import models
 from decoding.drafts import EarlyExit, PromptLookup
 from decoding.generate import generate
+from decoding.medusa import Medusa
 from decoding.sampling import SamplingConfig, check_seed
 from decoding.speculative import speculative_generate
+from decoding.tree import TreeSpec
 from models.pretrained import SHIPPED, checkpoint_arg
 
 
@@ -43,23 +46,29 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+SPECULATIVE = ("code-draft", "prompt-lookup", "medusa", "medusa-tree")
+
+
 def _speculative(text: str) -> str:
-    """``code-draft``, ``prompt-lookup`` or ``early-exit:L`` (L >= 1)."""
+    """One of :data:`SPECULATIVE` or ``early-exit:L`` (L >= 1)."""
     kind, _, layers = text.partition(":")
-    if text in ("code-draft", "prompt-lookup") or (kind == "early-exit" and layers.isdigit()):
-        if kind != "early-exit" or int(layers) >= 1:
-            return text
+    if text in SPECULATIVE or (kind == "early-exit" and layers.isdigit() and int(layers) >= 1):
+        return text
     raise argparse.ArgumentTypeError(
-        f"expected code-draft, prompt-lookup or early-exit:L with L >= 1, got {text!r}"
+        f"expected one of {', '.join(SPECULATIVE)} or early-exit:L with L >= 1, got {text!r}"
     )
 
 
 def _draft(spec: str):
-    """The ``speculative_generate`` draft for a ``--speculative`` value."""
+    """The ``speculative_generate`` draft for a ``--speculative`` value (``medusa``: the
+    shipped code-target-medusa heads as a chain; ``medusa-tree``: as ``TreeSpec.default(4)``)."""
     if spec == "code-draft":
         return models.pretrained("code-draft")[0]
     if spec == "prompt-lookup":
         return PromptLookup()
+    if spec.startswith("medusa"):
+        heads = models.pretrained("code-target-medusa")[0]
+        return Medusa(heads, tree=TreeSpec.default(heads.num_heads) if spec != "medusa" else None)
     return EarlyExit(num_layers=int(spec.partition(":")[2]))
 
 
@@ -93,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative",
         type=_speculative,
         default=None,
-        metavar="{code-draft,prompt-lookup,early-exit:L}",
+        metavar="{code-draft,prompt-lookup,early-exit:L,medusa,medusa-tree}",
         help="speculative decoding with this draft (same output distribution, fewer target calls)",
     )
     parser.add_argument(

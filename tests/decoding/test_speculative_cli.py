@@ -38,3 +38,16 @@ def test_speculative_run_prints_acceptance(tiny_model, tmp_path, capsys):
         main([*argv, "--speculative", "early-exit:2"])
     assert exc.value.code == 2
     assert "num_layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["medusa", "medusa-tree"])
+def test_medusa_on_the_shipped_target_and_a_mismatched_model(spec, tiny_model, tmp_path, capsys):
+    argv = ["def f(x):", "--max-new-tokens", "5", "--speculative", spec]
+    assert main([*argv, "--model", "code-target"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def f(x):") and "tokens/target call" in err
+    save_hf_checkpoint(tiny_model, str(tmp_path))  # heads for code-target do not fit it
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--model", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "Medusa heads" in capsys.readouterr().err
