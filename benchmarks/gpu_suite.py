@@ -246,7 +246,7 @@ def run_generate(runs: int) -> list[dict]:
     ]  # fmt: skip
 
 
-SPEC_CASES = (("prompt-lookup", 3), ("medusa", 2), ("medusa-tree:4", 2), ("code-draft", 3))
+SPEC_CASES = (("prompt-lookup", 3), ("medusa", 3), ("medusa-tree:4", 2), ("code-draft", 3))
 
 
 def run_speculative(runs: int, attn_impl: str = "pallas") -> list[dict]:
