@@ -188,8 +188,14 @@ def accept_tree(spec: TreeSpec, tokens, p, key):
         alive = moved
     r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, p[rows, cur])
     nxt = jax.random.categorical(keys[-1], jnp.log(r), axis=-1).astype(jnp.int32)
-    path = jnp.take_along_axis(tokens, jnp.asarray(t["path"])[cur], axis=1)
-    return cur, jnp.asarray(t["depth"])[cur], path, nxt
+    return _outcome(spec, tokens, cur, nxt)
+
+
+def _outcome(spec: TreeSpec, tokens, best, nxt):
+    """What both acceptance rules return: (best, its depth n, its path's tokens, nxt)."""
+    t = spec.tables
+    path = jnp.take_along_axis(tokens, jnp.asarray(t["path"])[best], axis=1)
+    return best, jnp.asarray(t["depth"])[best], path, nxt
 
 
 def accept_tree_greedy(spec: TreeSpec, tokens, best_tok):
@@ -205,8 +211,7 @@ def accept_tree_greedy(spec: TreeSpec, tokens, best_tok):
         kid_tok = jnp.take_along_axis(tokens, jnp.maximum(kids, 0), axis=1)
         hit = (kids >= 0) & (kid_tok == best_tok[rows, cur][:, None])
         cur = jnp.where(jnp.any(hit, 1), kids[rows, jnp.argmax(hit, 1)], cur)
-    path = jnp.take_along_axis(tokens, jnp.asarray(t["path"])[cur], axis=1)
-    return cur, jnp.asarray(t["depth"])[cur], path, best_tok[rows, cur]
+    return _outcome(spec, tokens, cur, best_tok[rows, cur])
 
 
 def compact_path(spec: TreeSpec, cache: KVCache, start, best):

@@ -68,8 +68,7 @@ class MedusaHeads(nnx.Module):
 
     def __call__(self, h, num: int | None = None):
         """Logits of every head, or of the first ``num`` (a drafting step that needs only k)."""
-        heads = list(self.heads)[: self.num_heads if num is None else num]
-        return jnp.stack([head(h) for head in heads], axis=-2)
+        return jnp.stack([head(h) for head in list(self.heads)[:num]], axis=-2)
 
     def init_from(self, target) -> MedusaHeads:
         """Copies ``target``'s LM head ([dim, V]) into every head's; returns ``self``."""
