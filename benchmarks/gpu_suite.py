@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -199,9 +201,10 @@ def run_checks() -> list[dict]:
     rows = []
     for name, (case, dtype) in CHECKS.items():
         inputs = jax.jit(functools.partial(_check_inputs, case, dtype))()
-        got = {
-            how: jax.jit(_attend_vjp(case, how))(*inputs) for how in ("pallas", "same", "oracle")
-        }
+        got = {}
+        for how in ("pallas", "same", "oracle"):  # the oracle at full float32 (not TF32) dots
+            with jax.default_matmul_precision("highest" if how == "oracle" else None):
+                got[how] = jax.jit(_attend_vjp(case, how))(*inputs)
         ratios = {}
         for i, what in enumerate(("out", "lse", "dq", "dk", "dv")):
             factor, floor = (2, FLOOR[dtype]) if i < 2 else (3, 10 * FLOOR[dtype])
@@ -215,7 +218,8 @@ def run_checks() -> list[dict]:
     for name, case in KV_CHECKS.items():
         args = jax.jit(functools.partial(_kv_inputs, case))()
         out, _ = jax.jit(_kv_step("pallas"))(args)
-        ref, _ = jax.jit(_kv_step("reference"))(args)
+        with jax.default_matmul_precision("highest"):
+            ref, _ = jax.jit(_kv_step("reference"))(args)
         bound = {BF16: 3e-2, F16: 4e-3}[case["dtype"]]
         value = _max_err(out, ref) / bound
         rows.append(dict(section="check", name=name, value=value, unit="err/bound", ok=value <= 1))
@@ -274,20 +278,49 @@ def run_speculative(runs: int, attn_impl: str = "pallas") -> list[dict]:
     return rows
 
 
-def run_gpu(runs: int) -> list[dict]:
-    rows = run_checks()
+def run_attention(runs: int) -> list[dict]:
+    rows = []
     attn_rows, _ = attention.run_gpu(runs, configs=ATTN_CONFIGS, tokens=ATTN_TOKENS)
     for r in attn_rows:
         tag = f"{r['impl']} T{r['T']} D{r['D']} {'causal' if r['causal'] else 'full'}"
         for key in ("fwd_TFLOPs", "fwd_bwd_TFLOPs"):
             value, ratio = r.get(key), r.get(f"{key}_vs_cudnn")
             rows.append(dict(section="attention", name=f"{key[:-7]} {tag}", value=value,
-                             unit="TFLOP/s", vs=ratio, ok="error" not in r))  # fmt: skip
+                             unit="TFLOP/s", vs=ratio, ok="error" not in r,
+                             error=r.get("error")))  # fmt: skip
+    return rows
+
+
+def run_decode(runs: int) -> list[dict]:
+    rows = []
     for r in decode.run(DECODE_CONFIGS, "pallas", jnp.bfloat16, runs, bundled=False):
         name = f"B{r['B']} S{r['S']} {r['layout']} splits {r['num_splits']}"
         rows.append(dict(section="decode", name=name, value=r.get("GB_per_s"), unit="GB/s",
-                         vs=r.get("vs_copy"), ok="error" not in r))  # fmt: skip
-    return rows + run_generate(runs) + run_speculative(runs)
+                         vs=r.get("vs_copy"), ok="error" not in r,
+                         error=r.get("error")))  # fmt: skip
+    return rows
+
+
+SECTIONS = {
+    "check": lambda runs: run_checks(),
+    "decode": run_decode,
+    "attention": run_attention,
+    "speculative": run_speculative,
+    "generate": run_generate,
+}
+
+
+def run_section(name: str, runs: int) -> list[dict]:
+    """One section's rows; an exception becomes one failed row holding its traceback, so the
+    sections after it still run and the JSON says what broke."""
+    try:
+        return SECTIONS[name](runs)
+    except Exception:  # noqa: BLE001 - reported in the results, not swallowed
+        import traceback
+
+        err = traceback.format_exc()
+        print(err, file=sys.stderr, flush=True)
+        return [dict(section=name, name="error", value=None, unit="", ok=False, error=err[-4000:])]
 
 
 def run_deviceless(jobs: int) -> list[dict]:
@@ -310,16 +343,30 @@ def main(argv=None) -> int:
     p.add_argument("--deviceless", action="store_true", help="compile only, for the H200 target")
     p.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated, from {','.join(SECTIONS)}; rows of other sections "
+                        "already in the JSON are kept")  # fmt: skip
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = p.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    if bad := [s for s in sections if s not in SECTIONS]:
+        p.error(f"--sections: unknown {bad}; choose from {list(SECTIONS)}")
+    meta = dict(runs=args.runs, load_average_1min=os.getloadavg()[0])
     if args.deviceless:
         rows, name = run_deviceless(args.jobs), "gpu_suite_deviceless"
+        path = common.write_results(name, rows, results_dir=args.out, **meta)
     elif jax.default_backend() != "gpu":
         p.error("no GPU visible: run on a GPU, or pass --deviceless")
     else:
-        rows = run_gpu(args.runs)
         name = "gpu_suite_" + jax.devices()[0].device_kind.replace(" ", "_").lower()
+        path = (common.RESULTS_DIR if args.out is None else Path(args.out)) / f"{name}.json"
+        kept = json.loads(path.read_text())["rows"] if path.exists() else []
+        rows = [r for r in kept if r["section"] not in sections]
+        for section in sections:  # the JSON is rewritten after each section
+            print(f"== section {section}", flush=True)
+            rows = [r for r in rows if r["section"] != section] + run_section(section, args.runs)
+            common.write_results(name, rows, results_dir=path.parent, **meta)
     common.print_table(rows, ["section", "name", "value", "unit", "vs", "ok"])
-    path = common.write_results(name, rows, runs=args.runs, load_average_1min=os.getloadavg()[0])
     failed = [r["name"] for r in rows if not r["ok"]]
     print(f"wrote {path}; {len(rows) - len(failed)} ok, {len(failed)} failed {failed or ''}")
     return 1 if failed else 0

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One lease of a lent GPU, as one command (installs nothing; under 8 minutes):
+#   bash benchmarks/gpu_lease.sh [OUT_DIR]
+# The compiled-kernel tests (tests/pallas_attn/test_gpu_compiled.py), then each section of
+# benchmarks.gpu_suite in its own process under its own time limit, so a hang or a crash in one
+# leaves the others' results. Writes into OUT_DIR (default $OUT, else benchmarks/results):
+# gpu_env.txt, gpu_tests.log, gpu_tests.xml, gpu_suite_<device>.json, gpu_lease.log.
+set -u
+out=${1:-${OUT:-benchmarks/results}}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+start=$(date +%s)
+
+step() {  # step LIMIT_S CMD...: runs CMD under a time limit, logs its exit status and time
+    local limit=$1 t0 rc
+    shift
+    t0=$(date +%s)
+    echo "== $(date -u +%T) start (limit ${limit}s): $*"
+    timeout -k 5 "$limit" "$@"
+    rc=$?
+    echo "== $(date -u +%T) rc=$rc after $(($(date +%s) - t0))s: $*"
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem \
+        --format=csv
+    $py -c "import sys, jax, jaxlib, flax, optax, numpy; print(sys.version); \
+print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, \
+'optax', optax.__version__, 'numpy', numpy.__version__); print(jax.devices())"
+    nproc
+} >"$out/gpu_env.txt" 2>&1
+
+{
+    cat "$out/gpu_env.txt"
+    # Several pytest workers share the GPU: no preallocation.
+    XLA_PYTHON_CLIENT_PREALLOCATE=false step 100 $py -m pytest -q -n 6 -p no:cacheprovider \
+        tests/pallas_attn/test_gpu_compiled.py --junitxml="$out/gpu_tests.xml" >"$out/gpu_tests.log" 2>&1
+    tail -n 40 "$out/gpu_tests.log"
+    for s in check:50 decode:40 attention:80 speculative:80 generate:70; do
+        step "${s#*:}" $py -m benchmarks.gpu_suite --sections "${s%%:*}" --out "$out"
+    done
+    echo "== total $(($(date +%s) - start))s"
+} 2>&1 | tee "$out/gpu_lease.log"

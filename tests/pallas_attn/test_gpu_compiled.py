@@ -1,0 +1,96 @@
+"""The compiled Pallas kernels (``impl="pallas"``, Triton) on a real GPU; skipped elsewhere.
+
+The same checks the interpreted kernels get on CPU, with the float32 oracle computed at
+``highest`` matmul precision: on a GPU a float32 dot defaults to TF32 in XLA and in Triton alike,
+so the same-precision reference (default precision) sets the tolerance and the oracle does not.
+``python -m pytest tests/pallas_attn/test_gpu_compiled.py`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from attn_utils import (
+    BF16,
+    CASES,
+    F16,
+    F32,
+    case_id,
+    check_against_reference,
+    check_fully_masked_rows,
+    max_err,
+)
+from test_kvcache import HAND, INTERPRET, Case, _bits, _tol, call, make_inputs, sampled_cases
+
+from pallas_attn import BlockSizes
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+DTYPES = [F32, BF16, F16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("case", [c for c, _ in CASES], ids=[case_id(c) for c, _ in CASES])
+def test_flash_matches_reference(case, dtype):
+    check_against_reference(case, dtype, "pallas")
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", [c for c, _ in CASES], ids=[case_id(c) for c, _ in CASES])
+def test_flash_default_tiles_match_reference(case, dtype):
+    """The kernels at the tiles users get (``block_sizes=None``), not the tests' 16-row ones."""
+    check_against_reference({**case, "blocks": None}, dtype, "pallas")
+
+
+def test_flash_fully_masked_rows():
+    check_fully_masked_rows("pallas", BlockSizes(16, 16, 16, 16))
+
+
+def check_kvcache(case: Case, seed: int, **extra):
+    """Out and lse within 2x the same-precision reference's error (against the ``highest``
+    oracle) plus ``_tol``; the caches bit-identical to the reference's."""
+    inp = make_inputs(case, seed=seed)
+    got = call(inp, "pallas", **extra)
+    same = call(inp, "reference")
+    with jax.default_matmul_precision("highest"):
+        oracle = call(inp, "reference")
+    for name in ("out", "lse"):
+        err = max_err(getattr(got, name), getattr(oracle, name))
+        base = max_err(getattr(same, name), getattr(oracle, name))
+        assert err <= 2 * base + _tol(case), f"{name}: {err:.3g} > 2 x {base:.3g} + {_tol(case)}"
+    for a, b in ((got.k_cache, same.k_cache), (got.v_cache, same.v_cache)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("case", HAND + INTERPRET + sampled_cases(16, seed=11), ids=repr)
+def test_kvcache_matches_reference(case):
+    check_kvcache(case, seed=12)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 8])
+def test_kvcache_num_splits(num_splits):
+    case = Case(Tq=5, Tn=1, Hq=4, Hkv=2, S=600, leftpad=True, causal=True, window=(450, 0))
+    check_kvcache(case, seed=13, num_splits=num_splits)
+
+
+def test_kvcache_paged_equals_contiguous():
+    case = Case(Tq=5, Tn=5, Hq=4, Hkv=2, S=96, page=16, leftpad=True, causal=True)
+    paged = make_inputs(case, seed=14)
+    contiguous = dataclasses.replace(
+        paged,
+        k_cache=paged.k_log,
+        v_cache=paged.v_log,
+        kwargs={k: w for k, w in paged.kwargs.items() if k != "block_table"},
+    )
+    a, b = call(paged, "pallas"), call(contiguous, "pallas")
+    assert max_err(a.out, b.out) <= _tol(case) and max_err(a.lse, b.lse) <= _tol(case)
+
+
+def test_kvcache_deterministic():
+    inp = make_inputs(Case(Tq=5, Tn=5, S=400, page=16, causal=True), seed=15)
+    a, b = call(inp, "pallas", num_splits=3), call(inp, "pallas", num_splits=3)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(_bits(x), _bits(y))
