@@ -11,13 +11,19 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 start=$(date +%s)
+# Which parts: GPU_TESTS=0 skips the tests; GPU_SECTIONS lists section:limit_s pairs. Rows of
+# sections not rerun are kept from benchmarks/results/gpu_suite_<device>.json when out is elsewhere.
+tests=${GPU_TESTS:-1}
+sections=${GPU_SECTIONS:-check:90 decode:40 attention:80 speculative:100 generate:70}
+if [[ $out != benchmarks/results ]]; then cp benchmarks/results/gpu_suite_nvidia_h*.json "$out"/ 2>/dev/null; fi
 
-step() {  # step LIMIT_S CMD...: runs CMD under a time limit, logs its exit status and time
-    local limit=$1 t0 rc
+step() {  # step LIMIT_S [-s SIGNAL] CMD...: runs CMD under a time limit, logs its status and time
+    local limit=$1 t0 rc sig=TERM
     shift
+    if [[ $1 == -s ]]; then sig=$2; shift 2; fi
     t0=$(date +%s)
     echo "== $(date -u +%T) start (limit ${limit}s): $*"
-    timeout -k 5 "$limit" "$@"
+    timeout -s "$sig" -k 10 "$limit" "$@"
     rc=$?
     echo "== $(date -u +%T) rc=$rc after $(($(date +%s) - t0))s: $*"
 }
@@ -34,10 +40,15 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
 {
     cat "$out/gpu_env.txt"
     # Several pytest workers share the GPU: no preallocation.
-    XLA_PYTHON_CLIENT_PREALLOCATE=false step 100 $py -m pytest -q -n 6 -p no:cacheprovider \
-        tests/pallas_attn/test_gpu_compiled.py --junitxml="$out/gpu_tests.xml" >"$out/gpu_tests.log" 2>&1
-    tail -n 40 "$out/gpu_tests.log"
-    for s in check:50 decode:40 attention:80 speculative:80 generate:70; do
+    # Several pytest workers share the GPU: no preallocation. At the limit pytest gets SIGINT, so
+    # it still prints the failures so far.
+    if [[ $tests == 1 ]]; then
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step 130 -s INT $py -m pytest -q -n 12 -rfE \
+            --tb=short -p no:cacheprovider tests/pallas_attn/test_gpu_compiled.py \
+            --junitxml="$out/gpu_tests.xml" >"$out/gpu_tests.log" 2>&1
+        grep -v PytestBenchmarkWarning "$out/gpu_tests.log" | grep -v "warner(" | tail -n 60
+    fi
+    for s in $sections; do
         step "${s#*:}" $py -m benchmarks.gpu_suite --sections "${s%%:*}" --out "$out"
     done
     echo "== total $(($(date +%s) - start))s"

@@ -215,6 +215,7 @@ def run_checks() -> list[dict]:
         value = ratios[worst]
         rows.append(dict(section="check", name=name, value=value, unit="err/bound", ok=value <= 1,
                          worst=worst))  # fmt: skip
+        print(rows[-1], flush=True)
     for name, case in KV_CHECKS.items():
         args = jax.jit(functools.partial(_kv_inputs, case))()
         out, _ = jax.jit(_kv_step("pallas"))(args)
@@ -223,6 +224,7 @@ def run_checks() -> list[dict]:
         bound = {BF16: 3e-2, F16: 4e-3}[case["dtype"]]
         value = _max_err(out, ref) / bound
         rows.append(dict(section="check", name=name, value=value, unit="err/bound", ok=value <= 1))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -250,7 +252,7 @@ def run_generate(runs: int) -> list[dict]:
     ]  # fmt: skip
 
 
-SPEC_CASES = (("prompt-lookup", 3), ("medusa", 3), ("medusa-tree:4", 2), ("code-draft", 3))
+SPEC_CASES = (("prompt-lookup", 3), ("medusa", 3), ("medusa-tree:4", None), ("code-draft", 3))
 
 
 def run_speculative(runs: int, attn_impl: str = "pallas") -> list[dict]:
@@ -271,6 +273,8 @@ def run_speculative(runs: int, attn_impl: str = "pallas") -> list[dict]:
     )
     rows = []
     for kind, k in SPEC_CASES:
+        if kind.startswith("medusa-tree"):  # calibrated here, so its depth is this run's
+            k = spec.medusa_tree(kind).depth
         r = spec.ours(target, draft, ids, kind, k, decoding.SamplingConfig(), new, timing, plain)
         rows.append(dict(section="speculative", name=f"{kind} k={k}", value=r["speedup"],
                          unit="x plain", ok=True, match=r["match"],

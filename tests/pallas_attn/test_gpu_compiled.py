@@ -38,9 +38,8 @@ def test_flash_matches_reference(case, dtype):
     check_against_reference(case, dtype, "pallas")
 
 
-@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", [c for c, _ in CASES], ids=[case_id(c) for c, _ in CASES])
-def test_flash_default_tiles_match_reference(case, dtype):
+def test_flash_default_tiles_match_reference(case, dtype=BF16):
     """The kernels at the tiles users get (``block_sizes=None``), not the tests' 16-row ones."""
     check_against_reference({**case, "blocks": None}, dtype, "pallas")
 
@@ -65,7 +64,7 @@ def check_kvcache(case: Case, seed: int, **extra):
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-@pytest.mark.parametrize("case", HAND + INTERPRET + sampled_cases(16, seed=11), ids=repr)
+@pytest.mark.parametrize("case", HAND + INTERPRET + sampled_cases(8, seed=11), ids=repr)
 def test_kvcache_matches_reference(case):
     check_kvcache(case, seed=12)
 
