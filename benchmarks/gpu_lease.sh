@@ -11,8 +11,9 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 start=$(date +%s)
-# Which parts: GPU_TESTS=0 skips the tests; GPU_SECTIONS lists section:limit_s pairs. Rows of
-# sections not rerun are kept from benchmarks/results/gpu_suite_<device>.json when out is elsewhere.
+# Which parts: GPU_TESTS=0 skips the tests (GPU_TESTS_K: a pytest -k filter, GPU_TESTS_LIMIT in s);
+# GPU_SECTIONS lists section:limit_s pairs; GPU_CHECKS picks checks by name. Rows not rerun are kept
+# from benchmarks/results/gpu_suite_<device>.json (a row replaces the one of its section and name).
 tests=${GPU_TESTS:-1}
 sections=${GPU_SECTIONS:-check:90 decode:40 attention:80 speculative:100 generate:70}
 if [[ $out != benchmarks/results ]]; then cp benchmarks/results/gpu_suite_nvidia_h*.json "$out"/ 2>/dev/null; fi
@@ -43,13 +44,15 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
     # Several pytest workers share the GPU: no preallocation. At the limit pytest gets SIGINT, so
     # it still prints the failures so far.
     if [[ $tests == 1 ]]; then
-        XLA_PYTHON_CLIENT_PREALLOCATE=false step 130 -s INT $py -m pytest -q -n 12 -rfE \
-            --tb=short -p no:cacheprovider tests/pallas_attn/test_gpu_compiled.py \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step "${GPU_TESTS_LIMIT:-130}" -s INT $py -m pytest -q \
+            -n 12 -rfE --tb=short -p no:cacheprovider -k "${GPU_TESTS_K:-}" \
+            tests/pallas_attn/test_gpu_compiled.py \
             --junitxml="$out/gpu_tests.xml" >"$out/gpu_tests.log" 2>&1
         grep -v PytestBenchmarkWarning "$out/gpu_tests.log" | grep -v "warner(" | tail -n 60
     fi
     for s in $sections; do
-        step "${s#*:}" $py -m benchmarks.gpu_suite --sections "${s%%:*}" --out "$out"
+        step "${s#*:}" $py -m benchmarks.gpu_suite --sections "${s%%:*}" --out "$out" \
+            --checks "${GPU_CHECKS:-}"
     done
     echo "== total $(($(date +%s) - start))s"
 } 2>&1 | tee "$out/gpu_lease.log"

@@ -196,10 +196,14 @@ def _max_err(a, b):
     return float(np.max(np.abs(np.where(finite, a - b, 0.0)), initial=0.0))
 
 
-def run_checks() -> list[dict]:
-    """Each check: max error of the kernel, the same-precision reference's, and pass/fail."""
+def run_checks(emit=print, only: str = "") -> list[dict]:
+    """Each check: max error of the kernel, the same-precision reference's, and pass/fail.
+    ``emit(row)`` sees each row as it lands; ``only``: comma-separated name parts to run."""
     rows = []
+    wanted = lambda name: not only or any(p in name for p in only.split(","))  # noqa: E731
     for name, (case, dtype) in CHECKS.items():
+        if not wanted(name):
+            continue
         inputs = jax.jit(functools.partial(_check_inputs, case, dtype))()
         got = {}
         for how in ("pallas", "same", "oracle"):  # the oracle at full float32 (not TF32) dots
@@ -215,8 +219,10 @@ def run_checks() -> list[dict]:
         value = ratios[worst]
         rows.append(dict(section="check", name=name, value=value, unit="err/bound", ok=value <= 1,
                          worst=worst))  # fmt: skip
-        print(rows[-1], flush=True)
+        emit(rows[-1])
     for name, case in KV_CHECKS.items():
+        if not wanted(name):
+            continue
         args = jax.jit(functools.partial(_kv_inputs, case))()
         out, _ = jax.jit(_kv_step("pallas"))(args)
         with jax.default_matmul_precision("highest"):
@@ -224,7 +230,7 @@ def run_checks() -> list[dict]:
         bound = {BF16: 3e-2, F16: 4e-3}[case["dtype"]]
         value = _max_err(out, ref) / bound
         rows.append(dict(section="check", name=name, value=value, unit="err/bound", ok=value <= 1))
-        print(rows[-1], flush=True)
+        emit(rows[-1])
     return rows
 
 
@@ -306,19 +312,19 @@ def run_decode(runs: int) -> list[dict]:
 
 
 SECTIONS = {
-    "check": lambda runs: run_checks(),
-    "decode": run_decode,
-    "attention": run_attention,
-    "speculative": run_speculative,
-    "generate": run_generate,
+    "check": lambda runs, emit, only: run_checks(emit, only),
+    "decode": lambda runs, emit, only: run_decode(runs),
+    "attention": lambda runs, emit, only: run_attention(runs),
+    "speculative": lambda runs, emit, only: run_speculative(runs),
+    "generate": lambda runs, emit, only: run_generate(runs),
 }
 
 
-def run_section(name: str, runs: int) -> list[dict]:
+def run_section(name: str, runs: int, emit=print, only: str = "") -> list[dict]:
     """One section's rows; an exception becomes one failed row holding its traceback, so the
     sections after it still run and the JSON says what broke."""
     try:
-        return SECTIONS[name](runs)
+        return SECTIONS[name](runs, emit, only)
     except Exception:  # noqa: BLE001 - reported in the results, not swallowed
         import traceback
 
@@ -351,6 +357,7 @@ def main(argv=None) -> int:
                    help=f"comma-separated, from {','.join(SECTIONS)}; rows of other sections "
                         "already in the JSON are kept")  # fmt: skip
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--checks", default="", help="check: only names containing one of these")
     args = p.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     if bad := [s for s in sections if s not in SECTIONS]:
@@ -364,12 +371,20 @@ def main(argv=None) -> int:
     else:
         name = "gpu_suite_" + jax.devices()[0].device_kind.replace(" ", "_").lower()
         path = (common.RESULTS_DIR if args.out is None else Path(args.out)) / f"{name}.json"
-        kept = json.loads(path.read_text())["rows"] if path.exists() else []
-        rows = [r for r in kept if r["section"] not in sections]
-        for section in sections:  # the JSON is rewritten after each section
-            print(f"== section {section}", flush=True)
-            rows = [r for r in rows if r["section"] != section] + run_section(section, args.runs)
+        rows = json.loads(path.read_text())["rows"] if path.exists() else []
+
+        def emit(row):  # a row replaces the one of the same section and name; JSON rewritten
+            nonlocal rows
+            print(row, flush=True)
+            key = (row["section"], row["name"])
+            rows = [r for r in rows if (r["section"], r["name"]) != key] + [row]
             common.write_results(name, rows, results_dir=path.parent, **meta)
+
+        for section in sections:
+            print(f"== section {section}", flush=True)
+            rows = [r for r in rows if (r["section"], r["name"]) != (section, "error")]
+            for row in run_section(section, args.runs, emit, args.checks):
+                emit(row)
     common.print_table(rows, ["section", "name", "value", "unit", "vs", "ok"])
     failed = [r["name"] for r in rows if not r["ok"]]
     print(f"wrote {path}; {len(rows) - len(failed)} ok, {len(failed)} failed {failed or ''}")

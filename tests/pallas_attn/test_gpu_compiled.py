@@ -30,12 +30,23 @@ from pallas_attn import BlockSizes
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 DTYPES = [F32, BF16, F16]
+TF32_FLOOR = 2e-3  # ~4 units of roundoff at |out| ~ 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("case", [c for c, _ in CASES], ids=[case_id(c) for c, _ in CASES])
 def test_flash_matches_reference(case, dtype):
-    check_against_reference(case, dtype, "pallas")
+    # float32 dots run as TF32 (10 mantissa bits, unit roundoff 2^-11) in the kernel, as in XLA;
+    # where XLA skips TF32 (a 1-key row: no product to round), the floor covers the rounding of v.
+    check_against_reference(case, dtype, "pallas", floor=TF32_FLOOR if dtype == F32 else None)
+
+
+@pytest.mark.parametrize("case", [c for c, _ in CASES], ids=[case_id(c) for c, _ in CASES])
+def test_flash_float32_at_highest_precision(case):
+    """Under ``jax.default_matmul_precision("highest")`` the kernels' dots are IEEE float32, so
+    the CPU tests' float32 floor holds."""
+    with jax.default_matmul_precision("highest"):
+        check_against_reference(case, F32, "pallas")
 
 
 @pytest.mark.parametrize("case", [c for c, _ in CASES], ids=[case_id(c) for c, _ in CASES])
@@ -50,7 +61,9 @@ def test_flash_fully_masked_rows():
 
 def check_kvcache(case: Case, seed: int, **extra):
     """Out and lse within 2x the same-precision reference's error (against the ``highest``
-    oracle) plus ``_tol``; the caches bit-identical to the reference's."""
+    oracle) plus ``_tol``; the caches within one unit in the last place of the reference's (Triton
+    and XLA contract the rotary ``x * cos + x' * sin`` into different FMAs, so a value on a
+    rounding boundary of the cache dtype can land one step apart)."""
     inp = make_inputs(case, seed=seed)
     got = call(inp, "pallas", **extra)
     same = call(inp, "reference")
@@ -61,7 +74,19 @@ def check_kvcache(case: Case, seed: int, **extra):
         base = max_err(getattr(same, name), getattr(oracle, name))
         assert err <= 2 * base + _tol(case), f"{name}: {err:.3g} > 2 x {base:.3g} + {_tol(case)}"
     for a, b in ((got.k_cache, same.k_cache), (got.v_cache, same.v_cache)):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        steps = ulp_steps(a, b)
+        assert steps.max() <= 1 and np.mean(steps > 0) < 0.02, (steps.max(), np.mean(steps > 0))
+
+
+def ulp_steps(a, b):
+    """Per element, how many representable values of the dtype lie between a and b."""
+
+    def ordered(x):  # sign-magnitude bits -> integers ordered like the values
+        bits = _bits(x).astype(np.int64)
+        sign = 1 << (8 * np.asarray(x).dtype.itemsize - 1)
+        return np.where(bits & sign, sign - bits, bits)
+
+    return np.abs(ordered(a) - ordered(b))
 
 
 @pytest.mark.parametrize("case", HAND + INTERPRET + sampled_cases(8, seed=11), ids=repr)
