@@ -34,6 +34,7 @@ from decoding import paging
 from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
 from models.shard import mesh_of, replicated
+from models.transformer import decode_layout
 
 PROMPT_BUCKET = 16
 NEW_TOKENS_BUCKET = 64
@@ -170,7 +171,7 @@ def _prefill_jit(
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("state",))
 def _decode_jit(params, state, max_new_tokens, eos_id, *, graphdef, sampling):
-    model = nnx.merge(graphdef, params)
+    model = decode_layout(nnx.merge(graphdef, params))
     return decode(model, state, max_new_tokens=max_new_tokens, eos_id=eos_id, sampling=sampling)
 
 

@@ -40,6 +40,7 @@ from decoding.medusa import Medusa
 from decoding.sampling import SamplingConfig, argmax, probabilities
 from models import KVCache, Transformer
 from models.shard import replicated
+from models.transformer import decode_layout
 
 
 @struct.dataclass
@@ -244,7 +245,7 @@ def _prefill_jit(
     jax.jit, static_argnames=("graphdef", "draft", "k", "sampling"), donate_argnames=("state",)
 )
 def _decode_jit(target_params, params, state, max_new, eos_id, *, graphdef, draft, k, sampling):
-    target = nnx.merge(graphdef, target_params)
+    target = decode_layout(nnx.merge(graphdef, target_params))
     return speculative_decode(
         target, draft, params, state, k=k, eos_id=eos_id, max_new_tokens=max_new,
         sampling=sampling,

@@ -111,8 +111,64 @@ def split_gate_up(w):
     return g[..., 0], g[..., 1]
 
 
-def _linear(d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
+# Few-row products (decode steps of a batch, speculative verification) on CPU: XLA:CPU streams
+# the weights of [M, K] @ [K, N] for 2 <= M <= 64 at about two thirds of the rate it reaches for
+# W^T [N, K] @ x^T [K, M] kept as [N, M] (transposed back after an optimization barrier, or layout
+# assignment folds the transpose into the product again): 16 vs 21 GB/s at M = 8, K = 768,
+# N = 2048 (K = 768..2048, N = 768..32000: 1.3-1.6x). Not at K = 256 (0.9x), nor at M = 1 (both
+# paths equal), nor for small kernels that sit in cache. :func:`decode_layout` turns it on;
+# benchmarks/generate.py measures it ("small" B = 8).
+DECODE_ROWS = (2, 64)
+DECODE_MIN_IN = 512  # in_features
+DECODE_MIN_WEIGHTS = 1 << 19  # kernel elements (2 MiB of float32)
+
+
+class DecodeKernel(nnx.Variable):
+    """A Linear kernel transposed to [out, in], made by :func:`decode_layout` (not a parameter)."""
+
+
+def rows_matmul(x, w_t):
+    """``x [..., K] @ w_t.T`` for ``w_t [N, K]``, as ``(w_t @ x^T)^T`` (see DECODE_ROWS)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    y = lax.dot_general(w_t, x.reshape(-1, K), (((1,), (1,)), ((), ())))
+    return lax.optimization_barrier(y).T.reshape(*lead, w_t.shape[0])
+
+
+def decode_rows(x) -> bool:
+    """Whether ``x [..., K]`` has the few rows that :func:`rows_matmul` is for."""
+    return DECODE_ROWS[0] <= x.size // x.shape[-1] <= DECODE_ROWS[1]
+
+
+class Linear(nnx.Linear):
+    """``nnx.Linear`` (the same parameters and results); after :func:`decode_layout`, inputs of
+    few rows multiply a transposed copy of the kernel (:func:`rows_matmul`)."""
+
+    decode_kernel: DecodeKernel | None = None
+
+    def __call__(self, x, out_sharding=None):
+        if self.decode_kernel is None or not decode_rows(x) or out_sharding is not None:
+            return super().__call__(x, out_sharding)
+        y = rows_matmul(x.astype(self.dtype or x.dtype), self.decode_kernel[...])
+        return y if self.bias is None else y + self.bias[...]
+
+
+def decode_layout(model: nnx.Module) -> nnx.Module:
+    """On CPU, gives each :class:`Linear` of ``model`` with at least DECODE_MIN_IN inputs and
+    DECODE_MIN_WEIGHTS weights a transposed kernel copy for few-row calls; elsewhere a no-op. For
+    a model merged inside a jitted function, before a decode loop: the copies are made once and
+    live in that program."""
+    if jax.default_backend() != "cpu" or getattr(model, "mesh", None) is not None:
+        return model
+    for _, m in nnx.iter_modules(model):
+        if not isinstance(m, Linear):
+            continue
+        if m.in_features >= DECODE_MIN_IN and m.kernel.size >= DECODE_MIN_WEIGHTS:
+            m.decode_kernel = DecodeKernel(m.kernel[...].T)
+    return model
+
+
+def _linear(d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> Linear:
+    return Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=_INIT, rngs=rngs
     )
 

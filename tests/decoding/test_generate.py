@@ -206,3 +206,14 @@ def test_prefill_and_decode_step_compose_and_roll_back(tiny_model, greedy_paged)
     first, again = run(params, tokens, jnp.asarray([len(prompt)], jnp.int32), cache)
     assert first[0, :4].tolist() == greedy_paged.tokens[0][:4]
     np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+
+
+def test_decode_layout_model_greedy_equals_full_forward_argmax():
+    """A model wide enough for ``decode_layout`` (dim 512): the decode loop's transposed-kernel
+    products give the full forward's greedy tokens, batched (few-row products)."""
+    from models import Transformer, TransformerConfig
+
+    config = TransformerConfig.preset("tiny", attn_impl="xla", dim=512, mlp_dim=1024)
+    model = Transformer(config, rngs=nnx.Rngs(3))
+    res = generate(model, PROMPTS, max_new_tokens=8)
+    assert res.tokens == full_forward_greedy(model, PROMPTS, 8)

@@ -162,3 +162,45 @@ def test_cached_forward_through_interpreted_pallas_kernels(paged):
             cache = KVCache.contiguous(model.config, 2, 8)
         outs.append(_decode_all(model, tokens, cache, prefill=5)[0])
     np.testing.assert_allclose(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+def test_decode_layout_same_logits_and_only_for_big_kernels():
+    """``decode_layout`` (CPU): few-row calls multiply transposed kernel copies, with the logits
+    of the plain path; prefill-sized calls and small or narrow kernels keep the plain path."""
+    from models.transformer import DecodeKernel, Linear, decode_layout
+
+    config = TransformerConfig.preset(
+        "tiny", attn_impl="xla", dim=512, mlp_dim=1024, num_layers=2, tie_embeddings=False
+    )
+    plain = Transformer(config, rngs=nnx.Rngs(0))
+    fast = decode_layout(Transformer(config, rngs=nnx.Rngs(0)))
+    made = {
+        "/".join(map(str, path[-2:])): m.decode_kernel is not None
+        for path, m in nnx.iter_modules(fast)
+        if isinstance(m, Linear) and path[:2] in (("layers", 0), ("lm_head",))
+    }
+    # qkv (512 x 1024), gate_up (512 x 2048) and down (1024 x 512) qualify; o (512 x 512, under
+    # 2^19 weights) and the LM head (512 x 259) do not.
+    assert made == {
+        "attn/qkv_proj": True, "attn/o_proj": False, "mlp/gate_up_proj": True,
+        "mlp/down_proj": True, "lm_head": False,
+    }  # fmt: skip
+    for _, m in nnx.iter_modules(fast):
+        if isinstance(m, Linear) and m.decode_kernel is not None:
+            assert isinstance(m.decode_kernel, DecodeKernel)
+            np.testing.assert_array_equal(m.decode_kernel[...], m.kernel[...].T)
+    narrow = decode_layout(Transformer(TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0)))
+    assert all(
+        m.decode_kernel is None for _, m in nnx.iter_modules(narrow) if isinstance(m, Linear)
+    )
+    prompt = _tokens(4, 7)
+    for T in (1, 3):  # decode step and verification-sized calls (4 and 12 rows)
+        cache = KVCache.contiguous(config, 4, 16)
+        _, cache = plain(prompt, cache=cache)
+        a, _ = plain(_tokens(4, T, seed=2), cache=cache)
+        b, _ = fast(_tokens(4, T, seed=2), cache=cache)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # A prefill (28 rows still few) and a long one (4 x 40 rows: the plain path, same numbers).
+    for T in (7, 40):
+        x = _tokens(4, T, seed=3)
+        np.testing.assert_allclose(np.asarray(plain(x)), np.asarray(fast(x)), rtol=1e-5, atol=1e-5)
