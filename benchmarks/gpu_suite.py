@@ -263,7 +263,13 @@ def run_generate(runs: int) -> list[dict]:
     ]  # fmt: skip
 
 
-SPEC_CASES = (("prompt-lookup", 3), ("medusa", 3), ("medusa-tree:4", None), ("code-draft", 3))
+SPEC_CASES = (
+    ("prompt-lookup", 3),
+    ("medusa", 3),
+    ("medusa+lookup", 3),
+    ("medusa-tree:4", None),
+    ("code-draft", 3),
+)
 
 
 def run_speculative(runs: int, attn_impl: str = "pallas") -> list[dict]:

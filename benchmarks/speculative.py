@@ -3,7 +3,9 @@
 On the shipped byte-level models (target ``code-target``, float32) and code prompts cut from
 held-out standard-library files, batch 1, no EOS: for each sampling mode (greedy, temperature
 0.8), draft kind (``code-draft``, ``prompt-lookup``, ``early-exit:L``, ``medusa``: the shipped
-``code-target-medusa`` heads as a chain, k <= 4; ``medusa-tree``: the same heads with
+``code-target-medusa`` heads as a chain, k <= 4; ``medusa+lookup``: that chain taking prompt
+lookup's continuation where the last ``decoding.medusa.LOOKUP_NGRAM`` tokens occurred before;
+``medusa-tree``: the same heads with
 ``TreeSpec.default(4)``, k = 4; ``medusa-tree:N``: the N-node tree built from the heads'
 calibrated rank accuracy, at its own depth) and k = 1..8:
 
@@ -42,7 +44,7 @@ from benchmarks import common
 
 KINDS = (
     "code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6", "medusa",
-    "medusa-tree",
+    "medusa+lookup", "medusa-tree",
 )  # fmt: skip
 MEDUSA_HEADS = 4  # the shipped code-target-medusa: k <= 4
 NEW_TOKENS = 128
@@ -52,7 +54,7 @@ def skipped(kind: str, k: int) -> bool:
     """Medusa chains need k <= its heads; a tree runs once, at k = its depth."""
     if kind.startswith("medusa-tree"):
         return k != medusa_tree(kind).depth
-    return kind == "medusa" and k > MEDUSA_HEADS
+    return kind in ("medusa", "medusa+lookup") and k > MEDUSA_HEADS
 
 
 def medusa_tree(kind: str):
@@ -112,6 +114,10 @@ def make_draft(kind: str, draft_model):
 
     if kind == "medusa":
         return decoding.Medusa(medusa_heads())
+    if kind == "medusa+lookup":
+        from decoding.medusa import LOOKUP_NGRAM
+
+        return decoding.Medusa(medusa_heads(), lookup_ngram=LOOKUP_NGRAM)
     if kind.startswith("medusa-tree"):
         return decoding.Medusa(medusa_heads(), tree=medusa_tree(kind))
     if kind == "code-draft":

@@ -1,5 +1,5 @@
 """Command line: ``python -m decoding "def fibonacci(n):" --max-new-tokens 200``
-(``--speculative code-draft|prompt-lookup|early-exit:L|medusa|medusa-tree
+(``--speculative code-draft|prompt-lookup|early-exit:L|medusa|medusa+lookup|medusa-tree
 [--num-draft-tokens K]``).
 
 Prints the prompt with its continuation, then one stats line (prefill ms, decode tokens/s).
@@ -15,7 +15,7 @@ import sys
 import models
 from decoding.drafts import EarlyExit, PromptLookup
 from decoding.generate import generate
-from decoding.medusa import Medusa
+from decoding.medusa import LOOKUP_NGRAM, Medusa
 from decoding.sampling import SamplingConfig, check_seed
 from decoding.speculative import speculative_generate
 from decoding.tree import TreeSpec
@@ -46,7 +46,7 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-SPECULATIVE = ("code-draft", "prompt-lookup", "medusa", "medusa-tree")
+SPECULATIVE = ("code-draft", "prompt-lookup", "medusa", "medusa+lookup", "medusa-tree")
 
 
 def _speculative(text: str) -> str:
@@ -61,14 +61,18 @@ def _speculative(text: str) -> str:
 
 def _draft(spec: str):
     """The ``speculative_generate`` draft for a ``--speculative`` value (``medusa``: the
-    shipped code-target-medusa heads as a chain; ``medusa-tree``: as ``TreeSpec.default(4)``)."""
+    shipped code-target-medusa heads as a chain; ``medusa+lookup``: that chain with prompt
+    lookup where the last LOOKUP_NGRAM tokens occurred before; ``medusa-tree``: as
+    ``TreeSpec.default(4)``)."""
     if spec == "code-draft":
         return models.pretrained("code-draft")[0]
     if spec == "prompt-lookup":
         return PromptLookup()
     if spec.startswith("medusa"):
         heads = models.pretrained("code-target-medusa")[0]
-        return Medusa(heads, tree=TreeSpec.default(heads.num_heads) if spec != "medusa" else None)
+        if spec == "medusa-tree":
+            return Medusa(heads, tree=TreeSpec.default(heads.num_heads))
+        return Medusa(heads, lookup_ngram=LOOKUP_NGRAM if spec == "medusa+lookup" else None)
     return EarlyExit(num_layers=int(spec.partition(":")[2]))
 
 
@@ -102,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative",
         type=_speculative,
         default=None,
-        metavar="{code-draft,prompt-lookup,early-exit:L,medusa,medusa-tree}",
+        metavar="{code-draft,prompt-lookup,early-exit:L,medusa,medusa+lookup,medusa-tree}",
         help="speculative decoding with this draft (same output distribution, fewer target calls)",
     )
     parser.add_argument(

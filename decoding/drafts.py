@@ -269,9 +269,10 @@ class PromptLookup:
         return Proposal(tokens, q, None, ctx.cache, 0)
 
 
-def lookup(seq, length, k: int, min_ngram: int, max_ngram: int):
+def lookup(seq, length, k: int, min_ngram: int, max_ngram: int, *, return_found: bool = False):
     """The n-gram lookup of :class:`PromptLookup`: seq [B, L], length [B] (known tokens per row)
-    -> [B, k] int32 proposals."""
+    -> [B, k] int32 proposals; with ``return_found``, ``(found [B] bool, proposals)``, found
+    where some n-gram matched."""
     B, L = seq.shape
     pos = jnp.arange(L)
     cont = jnp.full((B,), -1, jnp.int32)  # where the continuation starts; -1 = no match yet
@@ -285,4 +286,5 @@ def lookup(seq, length, k: int, min_ngram: int, max_ngram: int):
         cont = jnp.where(latest >= 0, latest + n, cont)
     idx = jnp.where(cont[:, None] >= 0, cont[:, None] + jnp.arange(k), length[:, None] - 1)
     idx = jnp.minimum(idx, length[:, None] - 1)
-    return jnp.take_along_axis(seq, idx, axis=1).astype(jnp.int32)
+    tokens = jnp.take_along_axis(seq, idx, axis=1).astype(jnp.int32)
+    return (cont >= 0, tokens) if return_found else tokens

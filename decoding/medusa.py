@@ -13,6 +13,12 @@ states; the one at the last accepted input (index n) is the next step's h, so a 
 target call plus the heads. After the target's prefill, h comes from one extra Tq = 1 forward of
 the last prompt token (its cache writes are discarded).
 
+With ``lookup_ngram=n`` (chain only) a row whose last n known tokens occurred earlier in its
+prompt + output proposes what followed them (``drafts.lookup``, prompt lookup's rule) and the
+other rows the heads' tokens: code repeats itself where the heads are weakest, so the two
+complement each other. Which source a row uses depends only on its tokens so far, and its q is
+that source's (one-hot for the lookup), so the verification rule stays exact.
+
 Hooks used by ``speculative.py`` beyond the draft-kind interface of ``decoding.drafts``:
 ``start(target, cache, seq, params)`` (draft state after the target's prefill) and
 ``verify(target, params, last, prop, sampling, key)`` (the verification forward and the
@@ -30,10 +36,16 @@ import numpy as np
 from flax import nnx
 
 from decoding import tree
-from decoding.drafts import DEFAULT_K, Context, Proposal, _check_vocab
+from decoding.drafts import DEFAULT_K, Context, Proposal, _check_vocab, lookup
 from decoding.sampling import SamplingConfig, argmax, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
+
+# The n of ``Medusa(heads, lookup_ngram=n)`` the benchmark and the CLI use: on the target's greedy
+# continuations of 4 calibration prompts (benchmarks.speculative.calibration's) the shipped heads
+# with lookup at n = 2 or 3 give 2.80 tokens per call at k = 3 (heads alone 2.12, prompt lookup
+# alone 2.39); n = 3 takes fewer weak matches.
+LOOKUP_NGRAM = 3
 
 
 class Verified(NamedTuple):
@@ -67,20 +79,31 @@ class Medusa:
     ``models.MedusaHeads`` trained for the target (its ``num_heads`` is the largest
     ``num_draft_tokens``, ``drafts.DEFAULT_K["medusa"]`` the default); ``Medusa(heads,
     tree=TreeSpec.default(4))`` or ``tree=TreeSpec.from_accuracies(...)`` drafts a token tree
-    (``decoding.tree``; k = the tree's depth)."""
+    (``decoding.tree``; k = the tree's depth); ``Medusa(heads, lookup_ngram=3)`` a chain that
+    takes prompt lookup's continuation where the last 3 tokens occurred before (module doc)."""
 
-    def __init__(self, heads: MedusaHeads, tree: TreeSpec | None = None):
+    def __init__(
+        self, heads: MedusaHeads, tree: TreeSpec | None = None, lookup_ngram: int | None = None
+    ):
         if not isinstance(heads, MedusaHeads):
             raise TypeError(f"heads must be a models.MedusaHeads, got {type(heads).__name__}")
         if tree is not None and not isinstance(tree, TreeSpec):
             raise TypeError(f"tree must be a decoding.TreeSpec or None, got {type(tree).__name__}")
-        self.heads, self.tree = heads, tree
+        if lookup_ngram is not None and (
+            isinstance(lookup_ngram, bool) or not isinstance(lookup_ngram, int) or lookup_ngram < 1
+        ):
+            raise ValueError(f"lookup_ngram must be None or an int >= 1, got {lookup_ngram!r}")
+        if lookup_ngram is not None and tree is not None:
+            raise ValueError("lookup_ngram drafts a chain: it cannot be combined with tree")
+        self.heads, self.tree, self.lookup_ngram = heads, tree, lookup_ngram
 
     def split(self) -> tuple[MedusaDraft, Any]:
         """(the static draft kind, the heads' params)."""
         graphdef, params = nnx.split(self.heads)
         c = self.heads.config
-        kind = MedusaDraft(graphdef, self.heads.num_heads, c.dim, c.vocab_size, self.tree)
+        kind = MedusaDraft(
+            graphdef, self.heads.num_heads, c.dim, c.vocab_size, self.tree, self.lookup_ngram
+        )
         return kind, params
 
 
@@ -96,6 +119,7 @@ class MedusaDraft:
     dim: int
     vocab_size: int
     tree: TreeSpec | None = None
+    lookup_ngram: int | None = None
 
     @property
     def default_num_draft_tokens(self) -> int:
@@ -155,6 +179,12 @@ class MedusaDraft:
         B, _, V = logits.shape
         tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
         q = None if sampling.greedy else probabilities(logits, sampling)  # greedy: unused
+        if self.lookup_ngram is not None:
+            n = self.lookup_ngram
+            found, seen = lookup(ctx.seq, ctx.cache.lengths + 1, k, n, n, return_found=True)
+            tokens = jnp.where(found[:, None], seen, tokens)
+            if q is not None:
+                q = jnp.where(found[:, None, None], jax.nn.one_hot(seen, V, dtype=q.dtype), q)
         return Proposal(tokens, q, ctx.state, ctx.cache, 1)
 
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:

@@ -12,7 +12,7 @@ from flax import nnx
 from test_speculative import NEW, PROMPTS, reference  # noqa: F401 (a fixture)
 from test_speculative_exact import SMALL, T07_TOPK, T1, _check
 
-from decoding import Medusa, TreeSpec, generate, speculative_generate
+from decoding import Medusa, SamplingConfig, TreeSpec, generate, speculative_generate
 from decoding.tree import _slots, compact_path
 from models import KVCache, MedusaHeads
 
@@ -214,3 +214,53 @@ def test_rank_accuracy_is_a_distribution_over_ranks(tiny_model):
     # head logits computed for the first k only equal the full computation's
     h = jnp.ones((1, 2, tiny_model.config.dim))
     np.testing.assert_array_equal(heads(h, num=2), heads(h)[..., :2, :])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_chain_with_lookup_greedy_equals_generate(tiny_model, reference, k):  # noqa: F811
+    eos, want = reference
+    draft = Medusa(random_heads(tiny_model), lookup_ngram=2)
+    res = speculative_generate(
+        tiny_model, draft, PROMPTS, num_draft_tokens=k, max_new_tokens=NEW, eos_id=eos
+    )
+    assert res.tokens == want
+    assert res.stats["num_draft_tokens"] == k
+
+
+def test_chain_with_lookup_proposes_the_continuation_where_the_ngram_matched(tiny_model):
+    """Row 0's last 2 tokens occurred before: it proposes what followed them; row 1's did not:
+    it proposes the heads' argmax."""
+    from decoding.drafts import Context
+
+    heads = random_heads(tiny_model, 3)
+    kind, params = Medusa(heads, lookup_ngram=2).split()
+    plain_kind, _ = Medusa(heads).split()
+    seq = jnp.asarray([[5, 6, 7, 8, 9, 5, 6, 0], [1, 2, 3, 4, 5, 6, 7, 0]], jnp.int32)
+    cache = KVCache.contiguous(tiny_model.config, 2, 16).replace(
+        lengths=jnp.asarray([6, 6], jnp.int32)  # seq[b, 6] is the last token, not yet fed
+    )  # row 0 ends 5, 6, as it starts
+    h = jax.random.normal(jax.random.key(0), (2, tiny_model.config.dim))
+    ctx = Context(tiny_model, cache, seq, params, h)
+    key = jax.random.key(1)
+    got = kind.propose(ctx, 3, SamplingConfig(), key).tokens
+    heads_only = plain_kind.propose(ctx, 3, SamplingConfig(), key).tokens
+    np.testing.assert_array_equal(got[0], [7, 8, 9])
+    np.testing.assert_array_equal(got[1], heads_only[1])
+    q = kind.propose(ctx, 3, T1, key).q  # sampling: the lookup row's q is one-hot
+    np.testing.assert_array_equal(q[0], jax.nn.one_hot(jnp.asarray([7, 8, 9]), q.shape[-1]))
+
+
+def test_chain_with_lookup_sampling_is_exact_t1(small_target):
+    # n = 1: most steps find the last token earlier, some do not, so both sources are drawn.
+    heads = random_heads(small_target, 2, seed=9, scale=1.0)
+    _check(small_target, Medusa(heads, lookup_ngram=1), 2, T1)
+
+
+@pytest.mark.parametrize(
+    "kw, needle",
+    [(dict(lookup_ngram=0), "lookup_ngram"), (dict(lookup_ngram=True), "lookup_ngram"),
+     (dict(lookup_ngram=2, tree=TreeSpec.default(2)), "tree")],
+)  # fmt: skip
+def test_lookup_bad_arguments(tiny_model, kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        Medusa(random_heads(tiny_model, 2), **kw)
