@@ -357,6 +357,61 @@ def acceptance_of(checkpoints: list[str], n_prompts: int) -> None:
     common.write_results("speculative_acceptance", rows, loadavg=os.getloadavg(), prompts=len(ids))
 
 
+def _calls(props: dict, s, start: int, k: int) -> int:
+    """Target calls to generate ``s[start:]`` greedily when step j (``s[j]`` the last known
+    token) verifies the k tokens ``props[j]``: the ones ``s`` agrees with, plus the target's."""
+    j, calls = start, 0
+    while j < len(s) - 1:
+        a = 0
+        while a < k and j + 1 + a < len(s) and props[j][a] == s[j + 1 + a]:
+            a += 1
+        j, calls = j + a + 1, calls + 1
+    return calls
+
+
+def sources(k: int = 3, ngrams=(1, 2, 3, 4)) -> list[dict]:
+    """Greedy tokens per target call of the Medusa heads, prompt lookup and the two together
+    (``Medusa(heads, lookup_ngram=n)``), simulated on the target's greedy continuations of the
+    4 calibration prompts and the 4 benchmark prompts (one source per step, as the loop does).
+    Writes ``speculative_sources.json``; ``decoding.medusa.LOOKUP_NGRAM`` comes from it."""
+    import jax.numpy as jnp
+
+    import models
+    from decoding import generate
+    from decoding.drafts import lookup
+
+    target, tok = models.pretrained("code-target")
+    heads, texts = medusa_heads(), code_prompts(8)
+    rows = []
+    for name, part in (("calibration", texts[4:]), ("benchmark", texts[:4])):
+        ids = [[tok.bos_id] + tok.encode(t) for t in part]
+        made, calls, new = {}, {}, generate(target, ids, max_new_tokens=NEW_TOKENS).tokens
+        for prompt, cont in zip(ids, new, strict=True):
+            s = np.asarray(list(prompt) + list(cont))
+            seq, steps = jnp.asarray(s[None], jnp.int32), range(len(prompt), len(s) - 1)
+            _, h = target(seq, return_hidden=True)
+            guess = np.asarray(jnp.argmax(heads(h)[0], -1))  # [T, H]: h_t's head d -> s[t+2+d]
+            props = {
+                "heads": {j: guess[j - 1, :k] for j in steps},
+                "lookup": {j: np.asarray(lookup(seq, jnp.asarray([j + 1]), k, 1, 3)[0])
+                           for j in steps},
+            }  # fmt: skip
+            for n in ngrams:
+                mixed = {}
+                for j in steps:
+                    f, x = lookup(seq, jnp.asarray([j + 1]), k, n, n, return_found=True)
+                    mixed[j] = np.asarray(x[0]) if bool(f[0]) else guess[j - 1, :k]
+                props[f"heads+lookup:{n}"] = mixed
+            for src, prop in props.items():
+                made[src] = made.get(src, 0) + len(cont)
+                calls[src] = calls.get(src, 0) + _calls(prop, s, len(prompt), k)
+        rows += [dict(prompts=name, source=src, k=k, tokens_per_call=made[src] / calls[src])
+                 for src in made]  # fmt: skip
+    common.print_table(rows, ["prompts", "source", "k", "tokens_per_call"])
+    common.write_results("speculative_sources", rows, new_tokens=NEW_TOKENS)
+    return rows
+
+
 def main() -> None:
     parser = common.parser(__doc__, runs=3, quick="one prompt, greedy, k in {2, 4}, 48 tokens")
     parser.add_argument("--kinds", nargs="+", default=None, help=f"default: {' '.join(KINDS)}")
@@ -369,7 +424,10 @@ def main() -> None:
     parser.add_argument(
         "--acceptance-of", nargs="+", metavar="CHECKPOINT", help="only these drafts' acceptance"
     )
+    parser.add_argument("--sources", action="store_true", help="only :func:`sources`")
     args = parser.parse_args()
+    if args.sources:
+        return sources()
     if args.acceptance_of:
         return acceptance_of(args.acceptance_of, args.prompts or 4)
     quick = args.quick
