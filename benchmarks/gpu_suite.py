@@ -365,8 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma-separated, from {','.join(SECTIONS)}; rows of other sections "
-                        "already in the JSON are kept")  # fmt: skip
+                   help=f"comma-separated, from {','.join(SECTIONS)}; a new row replaces the "
+                        "JSON's row of the same section and name, the others stay")  # fmt: skip
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--checks", default="", help="check: only names containing one of these")
     args = p.parse_args(argv)
@@ -383,9 +383,13 @@ def main(argv=None) -> int:
         name = "gpu_suite_" + jax.devices()[0].device_kind.replace(" ", "_").lower()
         path = (common.RESULTS_DIR if args.out is None else Path(args.out)) / f"{name}.json"
         rows = json.loads(path.read_text())["rows"] if path.exists() else []
+        emitted = []  # the row objects themselves (an id could be reused once one is freed)
 
         def emit(row):  # a row replaces the one of the same section and name; JSON rewritten
             nonlocal rows
+            if any(r is row for r in emitted):  # run_checks emits its rows as they land
+                return
+            emitted.append(row)
             print(row, flush=True)
             key = (row["section"], row["name"])
             rows = [r for r in rows if (r["section"], r["name"]) != key] + [row]
