@@ -32,6 +32,7 @@ from flax import nnx
 from jax import lax
 
 import pallas_attn
+from models import rows_matmul
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
 from models.shard import constrain_batch, local_heads
@@ -111,59 +112,59 @@ def split_gate_up(w):
     return g[..., 0], g[..., 1]
 
 
-# Few-row products (decode steps of a batch, speculative verification) on CPU: XLA:CPU streams
-# the weights of [M, K] @ [K, N] for 2 <= M <= 64 at about two thirds of the rate it reaches for
-# W^T [N, K] @ x^T [K, M] kept as [N, M] (transposed back after an optimization barrier, or layout
-# assignment folds the transpose into the product again): 16 vs 21 GB/s at M = 8, K = 768,
-# N = 2048 (K = 768..2048, N = 768..32000: 1.3-1.6x). Not at K = 256 (0.9x), nor at M = 1 (both
-# paths equal), nor for small kernels that sit in cache. :func:`decode_layout` turns it on;
-# benchmarks/generate.py measures it ("small" B = 8).
-DECODE_ROWS = (2, 64)
-DECODE_MIN_IN = 512  # in_features
-DECODE_MIN_WEIGHTS = 1 << 19  # kernel elements (2 MiB of float32)
+# Few-row products (decode steps of a batch, speculative verification) on CPU: XLA:CPU reads the
+# weights of [M, K] @ [K, N] for 2 <= M <= 16 at about half the rate of the packed-panel kernel
+# in models/rows_matmul.py (1.6-2.4x at M = 4..8, 1.0-1.5x at M = 1). :func:`decode_layout`
+# gives each large enough Linear a packed copy, used for calls of at most DECODE_MAX_ROWS rows;
+# benchmarks/generate.py and benchmarks/speculative.py measure it on the models.
+DECODE_MAX_ROWS = rows_matmul.MAX_ROWS
+DECODE_MIN_WEIGHTS = 1 << 17  # kernel elements; smaller ones sit in L1/L2 and gain nothing
 
 
 class DecodeKernel(nnx.Variable):
-    """A Linear kernel transposed to [out, in], made by :func:`decode_layout` (not a parameter)."""
-
-
-def rows_matmul(x, w_t):
-    """``x [..., K] @ w_t.T`` for ``w_t [N, K]``, as ``(w_t @ x^T)^T`` (see DECODE_ROWS)."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    y = lax.dot_general(w_t, x.reshape(-1, K), (((1,), (1,)), ((), ())))
-    return lax.optimization_barrier(y).T.reshape(*lead, w_t.shape[0])
+    """A kernel packed by :func:`models.rows_matmul.pack`, made by :func:`decode_layout` (not a
+    parameter)."""
 
 
 def decode_rows(x) -> bool:
-    """Whether ``x [..., K]`` has the few rows that :func:`rows_matmul` is for."""
-    return DECODE_ROWS[0] <= x.size // x.shape[-1] <= DECODE_ROWS[1]
+    """Whether ``x [..., K]`` has the few rows that :func:`models.rows_matmul.matmul` is for."""
+    return x.size // x.shape[-1] <= DECODE_MAX_ROWS
 
 
 class Linear(nnx.Linear):
     """``nnx.Linear`` (the same parameters and results); after :func:`decode_layout`, inputs of
-    few rows multiply a transposed copy of the kernel (:func:`rows_matmul`)."""
+    few rows multiply a packed copy of the kernel (:func:`models.rows_matmul.matmul`)."""
 
     decode_kernel: DecodeKernel | None = None
 
     def __call__(self, x, out_sharding=None):
         if self.decode_kernel is None or not decode_rows(x) or out_sharding is not None:
             return super().__call__(x, out_sharding)
-        y = rows_matmul(x.astype(self.dtype or x.dtype), self.decode_kernel[...])
+        dt = self.dtype or x.dtype
+        y = rows_matmul.matmul(x.astype(dt), self.decode_kernel[...], self.out_features)
+        y = y.astype(dt)
         return y if self.bias is None else y + self.bias[...]
 
 
+def _packable(w) -> bool:
+    return w.size >= DECODE_MIN_WEIGHTS and w.dtype in (jnp.float32, jnp.bfloat16)
+
+
 def decode_layout(model: nnx.Module) -> nnx.Module:
-    """On CPU, gives each :class:`Linear` of ``model`` with at least DECODE_MIN_IN inputs and
-    DECODE_MIN_WEIGHTS weights a transposed kernel copy for few-row calls; elsewhere a no-op. For
-    a model merged inside a jitted function, before a decode loop: the copies are made once and
-    live in that program."""
+    """On CPU (when :func:`models.rows_matmul.available`), gives each :class:`Linear` of
+    ``model`` with at least DECODE_MIN_WEIGHTS float32/bfloat16 weights a packed kernel copy for
+    few-row calls, and a tied LM head a packed copy of the embedding's transpose; elsewhere a
+    no-op. For a model merged inside a jitted function, before a decode loop: the copies are made
+    once and live in that program."""
     if jax.default_backend() != "cpu" or getattr(model, "mesh", None) is not None:
         return model
+    if not rows_matmul.available():
+        return model
     for _, m in nnx.iter_modules(model):
-        if not isinstance(m, Linear):
-            continue
-        if m.in_features >= DECODE_MIN_IN and m.kernel.size >= DECODE_MIN_WEIGHTS:
-            m.decode_kernel = DecodeKernel(m.kernel[...].T)
+        if isinstance(m, Linear) and _packable(m.kernel[...]):
+            m.decode_kernel = DecodeKernel(rows_matmul.pack(m.kernel[...]))
+        elif isinstance(m, Transformer) and m.lm_head is None and _packable(m.embed.embedding[...]):
+            m.decode_head = DecodeKernel(rows_matmul.pack(m.embed.embedding[...].T))
     return model
 
 
@@ -296,6 +297,8 @@ def _rows_at(x, index):
 class Transformer(nnx.Module):
     """The decoder. ``model.config`` is its :class:`~models.config.TransformerConfig`."""
 
+    decode_head: DecodeKernel | None = None  # tied LM head packed by decode_layout
+
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.config = config
         dt = config.jnp_dtype
@@ -383,7 +386,11 @@ class Transformer(nnx.Module):
 
     def logits(self, h):
         """LM head on final hidden states h [B, T, dim] -> [B, T, V] float32 (with softcap)."""
-        if self.lm_head is None:
+        if self.decode_head is not None and decode_rows(h):
+            logits = rows_matmul.matmul(
+                h.astype(self.embed.dtype), self.decode_head[...], self.config.vocab_size
+            )
+        elif self.lm_head is None:
             logits = self.embed.attend(h)
         else:
             logits = self.lm_head(h)

@@ -165,12 +165,16 @@ def test_cached_forward_through_interpreted_pallas_kernels(paged):
 
 
 def test_decode_layout_same_logits_and_only_for_big_kernels():
-    """``decode_layout`` (CPU): few-row calls multiply transposed kernel copies, with the logits
-    of the plain path; prefill-sized calls and small or narrow kernels keep the plain path."""
-    from models.transformer import DecodeKernel, Linear, decode_layout
+    """``decode_layout`` (CPU): few-row calls multiply packed kernel copies, with the logits of
+    the plain path; calls of more rows and small kernels keep the plain path; a tied LM head
+    gets a packed copy of the embedding's transpose."""
+    from models import rows_matmul
+    from models.transformer import DECODE_MIN_WEIGHTS, DecodeKernel, Linear, decode_layout
 
+    if not rows_matmul.available():
+        pytest.skip("no C++ compiler: decode_layout is a no-op")
     config = TransformerConfig.preset(
-        "tiny", attn_impl="xla", dim=512, mlp_dim=1024, num_layers=2, tie_embeddings=False
+        "tiny", attn_impl="xla", dim=384, mlp_dim=768, num_layers=2, tie_embeddings=False
     )
     plain = Transformer(config, rngs=nnx.Rngs(0))
     fast = decode_layout(Transformer(config, rngs=nnx.Rngs(0)))
@@ -179,19 +183,33 @@ def test_decode_layout_same_logits_and_only_for_big_kernels():
         for path, m in nnx.iter_modules(fast)
         if isinstance(m, Linear) and path[:2] in (("layers", 0), ("lm_head",))
     }
-    # qkv (512 x 1024), gate_up (512 x 2048) and down (1024 x 512) qualify; o (512 x 512, under
-    # 2^19 weights) and the LM head (512 x 259) do not.
+    # qkv (384 x 768), gate_up (384 x 1536), down (768 x 384) and o (384 x 384 = 147456)
+    # qualify; the LM head (384 x 259 = 99456 < 2^17 weights) does not.
+    assert DECODE_MIN_WEIGHTS == 1 << 17
     assert made == {
-        "attn/qkv_proj": True, "attn/o_proj": False, "mlp/gate_up_proj": True,
+        "attn/qkv_proj": True, "attn/o_proj": True, "mlp/gate_up_proj": True,
         "mlp/down_proj": True, "lm_head": False,
     }  # fmt: skip
     for _, m in nnx.iter_modules(fast):
         if isinstance(m, Linear) and m.decode_kernel is not None:
             assert isinstance(m.decode_kernel, DecodeKernel)
-            np.testing.assert_array_equal(m.decode_kernel[...], m.kernel[...].T)
+            np.testing.assert_array_equal(m.decode_kernel[...], rows_matmul.pack(m.kernel[...]))
+    assert fast.decode_head is None  # untied
     narrow = decode_layout(Transformer(TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0)))
-    assert all(
+    assert narrow.decode_head is None and all(
         m.decode_kernel is None for _, m in nnx.iter_modules(narrow) if isinstance(m, Linear)
+    )
+    tied_config = config.replace(tie_embeddings=True, vocab_size=512)
+    tied = decode_layout(Transformer(tied_config, rngs=nnx.Rngs(0)))
+    np.testing.assert_array_equal(
+        tied.decode_head[...], rows_matmul.pack(tied.embed.embedding[...].T)
+    )
+    x = _tokens(4, 2, seed=4)
+    np.testing.assert_allclose(
+        np.asarray(tied(x)),
+        np.asarray(Transformer(tied_config, rngs=nnx.Rngs(0))(x)),
+        rtol=1e-5,
+        atol=1e-5,
     )
     prompt = _tokens(4, 7)
     for T in (1, 3):  # decode step and verification-sized calls (4 and 12 rows)

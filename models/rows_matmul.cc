@@ -1,0 +1,166 @@
+// y[M, N] = x[M, K] @ W[K, N] for few rows M (decode steps, speculative verification) on CPU.
+//
+// W is packed once as panels wp[P, K, 32] (P = ceil(N / 32); panel p holds columns 32p .. 32p + 31,
+// zero-padded), so each panel is one contiguous stream, read once per block of up to 8 rows while
+// 2 x 8 vector accumulators stay in registers. XLA:CPU's own product streams [K, N] weights at
+// about half this rate for 2 <= M <= 16 (measurements in models/rows_matmul.py). float32 x and y,
+// float32 or bfloat16 weights, float32 accumulation. Panels are shared out between the calling
+// thread and XLA's intra-op thread pool. An XLA FFI handler; models/rows_matmul.py builds it.
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;       // floats per vector: one AVX-512 register, two AVX2 ones
+constexpr int kNB = 2 * kLanes;  // panel width (columns)
+constexpr int kMB = 8;           // rows per block
+typedef float vf __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(kLanes * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(kLanes * 4), aligned(4)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf load(const uint16_t* p) {  // bfloat16 is the high half of a float32
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Rows [0, MB) of x (row stride K) times one panel w [K, kNB] -> y[:, 0:cols] (row stride ldy).
+template <int MB, typename W>
+void panel(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t cols) {
+  vf acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    const vf w0 = load(w + k * kNB), w1 = load(w + k * kNB + kLanes);
+    for (int m = 0; m < MB; ++m) {
+      const float xv = x[m * K + k];
+      acc[m][0] += xv * w0;
+      acc[m][1] += xv * w1;
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    float out[kNB];
+    std::memcpy(out, &acc[m][0], sizeof(vf));
+    std::memcpy(out + kLanes, &acc[m][1], sizeof(vf));
+    std::memcpy(y + m * ldy, out, cols * sizeof(float));
+  }
+}
+
+// Panels [p0, p1) for all M rows.
+template <typename W>
+void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p0,
+            int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
+    const W* w = wp + p * K * kNB;
+    for (int64_t m0 = 0; m0 < M; m0 += kMB) {
+      const float* xm = x + m0 * K;
+      float* ym = y + m0 * N + n0;
+      switch (M - m0 < kMB ? M - m0 : kMB) {
+        case 1: panel<1>(xm, K, w, ym, N, cols); break;
+        case 2: panel<2>(xm, K, w, ym, N, cols); break;
+        case 3: panel<3>(xm, K, w, ym, N, cols); break;
+        case 4: panel<4>(xm, K, w, ym, N, cols); break;
+        case 5: panel<5>(xm, K, w, ym, N, cols); break;
+        case 6: panel<6>(xm, K, w, ym, N, cols); break;
+        case 7: panel<7>(xm, K, w, ym, N, cols); break;
+        default: panel<8>(xm, K, w, ym, N, cols); break;
+      }
+    }
+  }
+}
+
+// Chunks of panels claimed from a counter by the calling thread and pool tasks. A task that starts
+// after every chunk is claimed touches no buffer, so the call may return before such a task runs;
+// the shared_ptr keeps the counters alive for it.
+struct Job {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t chunks = 0, per_chunk = 0, P = 0;
+};
+
+template <typename W>
+void work(Job* job, const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N) {
+  for (;;) {
+    const int64_t c = job->next.fetch_add(1, std::memory_order_relaxed);
+    if (c >= job->chunks) return;
+    const int64_t p0 = c * job->per_chunk;
+    const int64_t p1 = p0 + job->per_chunk < job->P ? p0 + job->per_chunk : job->P;
+    panels(x, M, K, wp, y, N, p0, p1);
+    job->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// One thread below these weight bytes: waking another costs more than it saves (a matrix-vector
+// product of a cache-resident matrix is a few microseconds).
+constexpr int64_t kParallelBytes = 1 << 18;
+constexpr int64_t kParallelBytesOneRow = 1 << 20;
+
+template <typename W>
+ffi::Error run(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const W* wp, int64_t P,
+               float* y, int64_t N) {
+  const int64_t threads = pool.num_threads();
+  const int64_t bytes = P * K * kNB * int64_t(sizeof(W));
+  if (threads <= 1 || P < 2 || bytes < (M == 1 ? kParallelBytesOneRow : kParallelBytes)) {
+    panels(x, M, K, wp, y, N, 0, P);
+    return ffi::Error::Success();
+  }
+  auto job = std::make_shared<Job>();
+  job->P = P;
+  job->chunks = P < 4 * threads ? P : 4 * threads;
+  job->per_chunk = (P + job->chunks - 1) / job->chunks;
+  job->chunks = (P + job->per_chunk - 1) / job->per_chunk;
+  for (int64_t t = 1; t < threads; ++t)
+    pool.Schedule([job, x, M, K, wp, y, N] { work(job.get(), x, M, K, wp, y, N); });
+  work(job.get(), x, M, K, wp, y, N);
+  while (job->done.load(std::memory_order_acquire) < job->chunks) relax();
+  return ffi::Error::Success();
+}
+
+ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wp,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = wp.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kNB || wd[1] != xd[1] ||
+      yd[0] != xd[0] || (yd[1] + kNB - 1) / kNB != wd[0])
+    return ffi::Error::InvalidArgument(
+        "rows_matmul: want x [M, K], wp [ceil(N / 32), K, 32], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], P = wd[0], N = yd[1];
+  switch (wp.element_type()) {
+    case ffi::DataType::F32:
+      return run(pool, x.typed_data(), M, K, static_cast<const float*>(wp.untyped_data()), P,
+                 y->typed_data(), N);
+    case ffi::DataType::BF16:
+      return run(pool, x.typed_data(), M, K, static_cast<const uint16_t*>(wp.untyped_data()), P,
+                 y->typed_data(), N);
+    default:
+      return ffi::Error::InvalidArgument("rows_matmul: weights must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasAttnRowsMatmul, RowsMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
