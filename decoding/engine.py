@@ -43,6 +43,7 @@ from decoding import engine_steps
 from decoding.paging import BlockTables, PageAllocator, block_hashes, pages_for
 from decoding.sampling import SamplingConfig
 from models import KVCache
+from models.transformer import decode_kernels
 
 MIN_CHUNK = 16  # the smallest prefill chunk bucket
 COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
@@ -141,6 +142,7 @@ class Engine:
         self.tables = BlockTables(self.allocator, self.max_batch, self.max_pages)
         self._scratch = num_pages
         graphdef, self._params = nnx.split(model)
+        self._kernels = decode_kernels(model)  # packed weights for few-row steps (CPU)
         self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef)
         pool = KVCache.paged(self.config, num_pages + 1, page_size, np.zeros((1, 1), np.int32))
         self._k, self._v = pool.k, pool.v
@@ -365,8 +367,8 @@ class Engine:
             pages = self.tables.rows[b]
             table[b, : len(pages)] = pages
         new, self._k, self._v = self._decode_fn(
-            self._params, self._k, self._v, last, lengths, table, seeds, index, config_idx,
-            configs=tuple(self._configs),
+            self._params, self._kernels, self._k, self._v, last, lengths, table, seeds, index,
+            config_idx, configs=tuple(self._configs),
         )  # fmt: skip
         new = np.asarray(new)
         self._counts["decode_steps"] += 1

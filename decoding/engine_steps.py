@@ -27,6 +27,7 @@ from flax import nnx
 
 from decoding.sampling import SamplingConfig, sample
 from models import KVCache
+from models.transformer import decode_layout
 
 TRACES: collections.Counter = collections.Counter()
 
@@ -61,14 +62,17 @@ def prefill_chunk(graphdef, params, k, v, tokens, start, table):
     return cache.k, cache.v
 
 
-def decode_rows(graphdef, params, k, v, last, lengths, table, seeds, index, config_idx, *, configs):
-    """One token per row: last [B] fed at position lengths [B] through table [B, max_pages].
+def decode_rows(
+    graphdef, params, kernels, k, v, last, lengths, table, seeds, index, config_idx, *, configs
+):
+    """One token per row: last [B] fed at position lengths [B] through table [B, max_pages];
+    ``kernels`` from ``models.transformer.decode_kernels`` (few-row products on CPU).
 
     Returns ``(next tokens [B] int32, k, v)``; seeds [B] uint32, index [B] int32 and
     config_idx [B] int32 pick each row's key and sampling config (see ``sample_rows``).
     """
     TRACES["decode"] += 1
-    model = nnx.merge(graphdef, params)
+    model = decode_layout(nnx.merge(graphdef, params), kernels)
     cache = KVCache(k=k, v=v, lengths=lengths, block_table=table)
     logits, cache = model(last[:, None], cache=cache)
     tokens = sample_rows(logits[:, -1], row_keys(seeds, index), config_idx, configs)
@@ -85,7 +89,7 @@ def jitted(graphdef):
     prefill = jax.jit(functools.partial(prefill_chunk, graphdef), donate_argnums=(1, 2))
     decode = jax.jit(
         functools.partial(decode_rows, graphdef), static_argnames=("configs",),
-        donate_argnums=(1, 2),
+        donate_argnums=(2, 3),
     )  # fmt: skip
     return prefill, decode
 

@@ -34,7 +34,7 @@ from decoding import paging
 from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
 from models.shard import mesh_of, replicated
-from models.transformer import decode_layout
+from models.transformer import decode_kernels, decode_layout
 
 PROMPT_BUCKET = 16
 NEW_TOKENS_BUCKET = 64
@@ -170,8 +170,8 @@ def _prefill_jit(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("state",))
-def _decode_jit(params, state, max_new_tokens, eos_id, *, graphdef, sampling):
-    model = decode_layout(nnx.merge(graphdef, params))
+def _decode_jit(params, kernels, state, max_new_tokens, eos_id, *, graphdef, sampling):
+    model = decode_layout(nnx.merge(graphdef, params), kernels)
     return decode(model, state, max_new_tokens=max_new_tokens, eos_id=eos_id, sampling=sampling)
 
 
@@ -433,7 +433,9 @@ def generate(
         del kv  # donated
         (out, num_new, steps), prefill_s, decode_s, compile_s = _timed_phases(
             lambda: _run(_prefill_jit, args, num_new_max=batch.num_new_max, **static),
-            lambda state: _run(_decode_jit, (params, state, max_new, eos), **static),
+            lambda state: _run(
+                _decode_jit, (params, decode_kernels(model), state, max_new, eos), **static
+            ),
             lambda state: (state.tokens, state.num_new, state.step),
         )
     finally:

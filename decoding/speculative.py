@@ -40,7 +40,7 @@ from decoding.medusa import Medusa
 from decoding.sampling import SamplingConfig, argmax, probabilities
 from models import KVCache, Transformer
 from models.shard import replicated
-from models.transformer import decode_layout
+from models.transformer import decode_kernels, decode_layout
 
 
 @struct.dataclass
@@ -244,8 +244,10 @@ def _prefill_jit(
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "draft", "k", "sampling"), donate_argnames=("state",)
 )
-def _decode_jit(target_params, params, state, max_new, eos_id, *, graphdef, draft, k, sampling):
-    target = decode_layout(nnx.merge(graphdef, target_params))
+def _decode_jit(
+    target_params, kernels, params, state, max_new, eos_id, *, graphdef, draft, k, sampling
+):
+    target = decode_layout(nnx.merge(graphdef, target_params), kernels)
     return speculative_decode(
         target, draft, params, state, k=k, eos_id=eos_id, max_new_tokens=max_new,
         sampling=sampling,
@@ -341,7 +343,12 @@ def speculative_generate(
         seq_len = batch.tokens.shape[1] + batch.num_new_max
         out, prefill_s, decode_s, compile_s = _timed_phases(
             lambda: _run(_prefill_jit, args, seq_len=seq_len, **static),
-            lambda s: _run(_decode_jit, (target_params, params, s, max_new, eos), k=k, **static),
+            lambda s: _run(
+                _decode_jit,
+                (target_params, decode_kernels(target), params, s, max_new, eos),
+                k=k,
+                **static,
+            ),
             lambda s: (s.seq, s.num_new, s.step, s.accepted, s.proposed, s.live_steps,
                        s.draft_calls),
         )  # fmt: skip

@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import warnings
+import weakref
 from pathlib import Path
 
 import jax
@@ -101,15 +102,31 @@ def available() -> bool:
     return True
 
 
-def pack(w) -> jax.Array:
-    """Weights ``w [K, N]`` -> panels ``[ceil(N / PANEL), K, PANEL]`` (zero-padded columns),
-    float32 or bfloat16 (other dtypes are stored as float32)."""
+def pack(w, transpose: bool = False) -> jax.Array:
+    """Weights ``w [K, N]`` (``[N, K]`` with ``transpose``) -> panels ``[ceil(N / PANEL), K,
+    PANEL]`` (zero-padded columns), float32 or bfloat16 (other dtypes are stored as float32)."""
+    if transpose:
+        w = w.T
     K, N = w.shape
     if w.dtype not in (jnp.float32, jnp.bfloat16):
         w = w.astype(jnp.float32)
     P = -(-N // PANEL)
     w = jnp.pad(w, ((0, 0), (0, P * PANEL - N)))
     return w.reshape(K, P, PANEL).transpose(1, 0, 2)
+
+
+_pack = jax.jit(pack, static_argnums=1)
+_PACKED: dict[tuple[int, bool], jax.Array] = {}
+
+
+def packed(w: jax.Array, transpose: bool = False) -> jax.Array:
+    """``pack(w, transpose)`` for a concrete array, made once while ``w`` lives: repeated decode
+    calls on the same weights pack them once (an updated weight is a new array, packed anew)."""
+    key = (id(w), transpose)
+    if (hit := _PACKED.get(key)) is None:
+        hit = _PACKED[key] = _pack(w, transpose)
+        weakref.finalize(w, _PACKED.pop, key, None)
+    return hit
 
 
 def matmul(x, panels, n: int) -> jax.Array:

@@ -150,21 +150,40 @@ def _packable(w) -> bool:
     return w.size >= DECODE_MIN_WEIGHTS and w.dtype in (jnp.float32, jnp.bfloat16)
 
 
-def decode_layout(model: nnx.Module) -> nnx.Module:
-    """On CPU (when :func:`models.rows_matmul.available`), gives each :class:`Linear` of
-    ``model`` with at least DECODE_MIN_WEIGHTS float32/bfloat16 weights a packed kernel copy for
-    few-row calls, and a tied LM head a packed copy of the embedding's transpose; elsewhere a
-    no-op. For a model merged inside a jitted function, before a decode loop: the copies are made
-    once and live in that program."""
+def decode_kernels(model: nnx.Module) -> dict[str, jax.Array]:
+    """Packed copies of ``model``'s weights for few-row products, by module path: each
+    :class:`Linear` kernel of at least DECODE_MIN_WEIGHTS float32/bfloat16 weights, and a tied
+    LM head's embedding (transposed) under ``"embed.T"``. Eager (outside jit), on CPU when
+    :func:`models.rows_matmul.available`, else ``{}``. Cached per weight array
+    (:func:`models.rows_matmul.packed`), so a model decoded again is not packed again. Pass the
+    result into the jitted decode loop and attach it there with :func:`decode_layout`."""
     if jax.default_backend() != "cpu" or getattr(model, "mesh", None) is not None:
-        return model
+        return {}
     if not rows_matmul.available():
-        return model
-    for _, m in nnx.iter_modules(model):
+        return {}
+    out = {}
+    for path, m in nnx.iter_modules(model):
         if isinstance(m, Linear) and _packable(m.kernel[...]):
-            m.decode_kernel = DecodeKernel(rows_matmul.pack(m.kernel[...]))
+            out["/".join(map(str, path))] = rows_matmul.packed(m.kernel[...])
         elif isinstance(m, Transformer) and m.lm_head is None and _packable(m.embed.embedding[...]):
-            m.decode_head = DecodeKernel(rows_matmul.pack(m.embed.embedding[...].T))
+            out["/".join(map(str, (*path, "embed.T")))] = rows_matmul.packed(
+                m.embed.embedding[...], transpose=True
+            )
+    return out
+
+
+def decode_layout(model: nnx.Module, kernels: dict[str, jax.Array]) -> nnx.Module:
+    """Attaches :func:`decode_kernels`' copies to ``model``'s modules (inside the jitted decode
+    loop, where ``kernels`` is an argument); few-row calls then use them."""
+    for path, m in nnx.iter_modules(model):
+        key = "/".join(map(str, path))
+        if isinstance(m, Linear) and key in kernels:
+            m.decode_kernel = DecodeKernel(kernels[key])
+        elif (
+            isinstance(m, Transformer)
+            and (head := "/".join(map(str, (*path, "embed.T")))) in kernels
+        ):
+            m.decode_head = DecodeKernel(kernels[head])
     return model
 
 

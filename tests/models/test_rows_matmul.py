@@ -92,3 +92,21 @@ def test_unavailable_without_compiler(monkeypatch, tmp_path):
         assert rows_matmul.available.__wrapped__() is False
     monkeypatch.setenv("PALLAS_ATTN_ROWS_MATMUL", "0")
     assert rows_matmul.available.__wrapped__() is False
+
+
+def test_packed_once_per_array():
+    """``packed`` packs a concrete array once while it lives; a new array is packed anew, and a
+    dead one's entry goes with it."""
+    import gc
+
+    w = jnp.arange(8 * 40, dtype=jnp.float32).reshape(8, 40)
+    a = rows_matmul.packed(w)
+    assert rows_matmul.packed(w) is a
+    np.testing.assert_array_equal(a, rows_matmul.pack(w))
+    np.testing.assert_array_equal(rows_matmul.packed(w, transpose=True), rows_matmul.pack(w.T))
+    w2 = w + 1
+    np.testing.assert_array_equal(rows_matmul.packed(w2), rows_matmul.pack(w2))
+    key = (id(w2), False)
+    del w2
+    gc.collect()
+    assert key not in rows_matmul._PACKED

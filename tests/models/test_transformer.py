@@ -169,7 +169,16 @@ def test_decode_layout_same_logits_and_only_for_big_kernels():
     the plain path; calls of more rows and small kernels keep the plain path; a tied LM head
     gets a packed copy of the embedding's transpose."""
     from models import rows_matmul
-    from models.transformer import DECODE_MIN_WEIGHTS, DecodeKernel, Linear, decode_layout
+    from models.transformer import (
+        DECODE_MIN_WEIGHTS,
+        DecodeKernel,
+        Linear,
+        decode_kernels,
+        decode_layout,
+    )
+
+    def laid_out(model):
+        return decode_layout(model, decode_kernels(model))
 
     if not rows_matmul.available():
         pytest.skip("no C++ compiler: decode_layout is a no-op")
@@ -177,7 +186,7 @@ def test_decode_layout_same_logits_and_only_for_big_kernels():
         "tiny", attn_impl="xla", dim=384, mlp_dim=768, num_layers=2, tie_embeddings=False
     )
     plain = Transformer(config, rngs=nnx.Rngs(0))
-    fast = decode_layout(Transformer(config, rngs=nnx.Rngs(0)))
+    fast = laid_out(Transformer(config, rngs=nnx.Rngs(0)))
     made = {
         "/".join(map(str, path[-2:])): m.decode_kernel is not None
         for path, m in nnx.iter_modules(fast)
@@ -195,12 +204,12 @@ def test_decode_layout_same_logits_and_only_for_big_kernels():
             assert isinstance(m.decode_kernel, DecodeKernel)
             np.testing.assert_array_equal(m.decode_kernel[...], rows_matmul.pack(m.kernel[...]))
     assert fast.decode_head is None  # untied
-    narrow = decode_layout(Transformer(TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0)))
+    narrow = laid_out(Transformer(TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0)))
     assert narrow.decode_head is None and all(
         m.decode_kernel is None for _, m in nnx.iter_modules(narrow) if isinstance(m, Linear)
     )
     tied_config = config.replace(tie_embeddings=True, vocab_size=512)
-    tied = decode_layout(Transformer(tied_config, rngs=nnx.Rngs(0)))
+    tied = laid_out(Transformer(tied_config, rngs=nnx.Rngs(0)))
     np.testing.assert_array_equal(
         tied.decode_head[...], rows_matmul.pack(tied.embed.embedding[...].T)
     )
