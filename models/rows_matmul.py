@@ -8,98 +8,29 @@ packed as panels [ceil(N / 32), K, 32] (one contiguous stream per 32 columns, ev
 accumulators in registers) at 32-50 GB/s: 1.6-2.4x at M = 4..8, 1.0-1.5x at M = 1 (K = 256..2048,
 N = 256..4096; ``python -m benchmarks.generate`` measures it on the models).
 
-It is an XLA FFI handler, compiled on first use with the system C++ compiler (``$CXX`` or
-``c++``, ``-O3 -march=native``) into ``$PALLAS_ATTN_CACHE`` (default ``~/.cache/pallas_attn``),
-keyed by the source, the flags, jaxlib's FFI headers and the CPU's features. Where it cannot be
-built (no compiler) :func:`available` says so once with a warning and callers keep XLA's product;
-``PALLAS_ATTN_ROWS_MATMUL=0`` turns it off.
+The kernel is ``pallas_attn/native/rows_matmul.cc``, built and registered by
+:mod:`pallas_attn.native` (where it cannot be, :func:`available` is False and callers keep
+XLA's product).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import warnings
 import weakref
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
+
+from pallas_attn import native
 
 PANEL = 32  # columns per panel (kNB in rows_matmul.cc)
 MAX_ROWS = 64
-SOURCE = Path(__file__).with_name("rows_matmul.cc")
 TARGET = "pallas_attn_rows_matmul"
-FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-fPIC", "-shared", "-w")
 
 
-def cache_dir() -> Path:
-    if d := os.environ.get("PALLAS_ATTN_CACHE"):
-        return Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pallas_attn"
-
-
-def _cpu_features() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def build() -> Path:
-    """Compiles ``rows_matmul.cc`` for this machine (once; cached) and returns the library."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler (set $CXX or install g++)")
-    key = hashlib.sha256(
-        "\0".join(
-            [
-                SOURCE.read_text(),
-                cxx,
-                *FLAGS,
-                jaxlib.__version__,
-                jax.ffi.include_dir(),
-                _cpu_features(),
-            ]
-        ).encode()
-    ).hexdigest()[:16]
-    out = cache_dir() / f"rows_matmul-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
-    os.replace(tmp, out)  # atomic: concurrent builders (pytest workers) each land a whole file
-    return out
-
-
-@functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered with XLA's CPU backend (first call builds)."""
-    if os.environ.get("PALLAS_ATTN_ROWS_MATMUL", "1") == "0":
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(
-            TARGET, jax.ffi.pycapsule(lib.PallasAttnRowsMatmul), platform="cpu"
-        )
-    except Exception as e:  # noqa: BLE001 -- any failure means: use XLA's product
-        warnings.warn(
-            f"models.rows_matmul: CPU kernel unavailable, using XLA's product ({e})", stacklevel=2
-        )
-        return False
-    return True
+    """Whether the kernel is built and registered (:func:`pallas_attn.native.available`)."""
+    return native.available()
 
 
 def pack(w, transpose: bool = False) -> jax.Array:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn import cache, heuristics, masks, reference, validation, xla
+from pallas_attn import cache, cpu, heuristics, masks, reference, validation, xla
 
 CACHE_DTYPES = (*validation.FLOAT_DTYPES, cache.FP8_DTYPE)
 
@@ -126,7 +126,9 @@ def attention_with_kvcache(
         _check_tree_mask(tree_mask, B, Tq),
     )  # fmt: skip
     new = (k, v) if Tn else (None, None)
-    if impl in ("reference", "xla"):
+    if impl == "xla" and cpu.eligible(q, k_cache):
+        impl = "native"
+    if impl in ("reference", "xla", "native"):
         out, lse, k_cache, v_cache = _jnp(impl, static, args, q, k_cache, v_cache, *new)
     else:
         out, lse, k_cache, v_cache = _pallas(
@@ -138,14 +140,18 @@ def attention_with_kvcache(
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _jnp(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, k, v):
-    """The plain-jnp paths: the cache write (:func:`cache.write`), a gather of each row's keys,
-    then :func:`pallas_attn.reference.attention` (``"reference"``, the oracle) or the blockwise
-    :func:`pallas_attn.xla.attention` (``"xla"``)."""
+    """The jnp paths: the cache write (:func:`cache.write`), then the native CPU kernel over the
+    cache in place (``"native"``: "xla" on CPU, see :mod:`pallas_attn.cpu`), or a gather of each
+    row's keys and :func:`pallas_attn.reference.attention` (``"reference"``, the oracle) or the
+    blockwise :func:`pallas_attn.xla.attention` (``"xla"``)."""
     q = cache.rotate_queries(static, args, q)
     Tn = 0
     if k is not None:
         Tn = k.shape[1]
         k_cache, v_cache = cache.write(static, args, k_cache, v_cache, k, v)
+    if impl == "native":
+        out, lse = cpu.attention(static, args, q, k_cache, v_cache, Tn)
+        return out, lse, k_cache, v_cache
     k_rows, v_rows = cache.attention_inputs(args, k_cache, v_cache)
     kw = dict(softmax_scale=static.softmax_scale, window=static.window, softcap=static.softcap)
     kw.update(cache.key_range(args, q.shape[1], Tn)._asdict(), tree_mask=args.tree_mask)

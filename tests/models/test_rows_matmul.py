@@ -84,14 +84,16 @@ def test_bad_arguments():
 
 def test_unavailable_without_compiler(monkeypatch, tmp_path):
     """No compiler: build() says why, available() warns and callers keep XLA's product."""
+    from pallas_attn import native
+
     monkeypatch.setenv("PALLAS_ATTN_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match="failed"):
-        rows_matmul.build()
+        native.build()
     with pytest.warns(UserWarning, match="unavailable"):
-        assert rows_matmul.available.__wrapped__() is False
-    monkeypatch.setenv("PALLAS_ATTN_ROWS_MATMUL", "0")
-    assert rows_matmul.available.__wrapped__() is False
+        assert native.available.__wrapped__() is False
+    monkeypatch.setenv("PALLAS_ATTN_NATIVE", "0")
+    assert native.available.__wrapped__() is False
 
 
 def test_packed_once_per_array():

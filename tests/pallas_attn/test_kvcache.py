@@ -3,6 +3,7 @@ cache contents, paged == contiguous, num_splits, donation in place, and bad inpu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from attn_utils import max_err, numpy_attention
 
-from pallas_attn import attention_with_kvcache
+from pallas_attn import attention_with_kvcache, cpu
 
 FP8 = jnp.float8_e4m3fn
 
@@ -332,11 +333,23 @@ def check_impls(case: Case, seed: int):
     assert max_err(res.out, out) <= _tol(case) * 4
     assert max_err(res.lse, lse) <= _tol(case) * 4
     check_caches(case, inp, res, new_k, new_v)
-    got = call(inp, "xla")
-    assert max_err(got.out, res.out) <= _tol(case)
-    assert max_err(got.lse, res.lse) <= _tol(case)
-    for a, b in ((got.k_cache, res.k_cache), (got.v_cache, res.v_cache)):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+    for native in (True, False):  # on CPU: the native kernel, then the blockwise jnp path
+        with native_kernel(native):
+            got = call(inp, "xla")
+        assert max_err(got.out, res.out) <= _tol(case)
+        assert max_err(got.lse, res.lse) <= _tol(case)
+        for a, b in ((got.k_cache, res.k_cache), (got.v_cache, res.v_cache)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@contextlib.contextmanager
+def native_kernel(enabled: bool):
+    """``pallas_attn.cpu.ENABLED`` (the native CPU kernel behind "xla") set for a block."""
+    saved, cpu.ENABLED = cpu.ENABLED, enabled
+    try:
+        yield
+    finally:
+        cpu.ENABLED = saved
 
 
 @pytest.mark.parametrize("case", HAND + sampled_cases(4, seed=1), ids=repr)

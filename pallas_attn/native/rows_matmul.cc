@@ -5,12 +5,12 @@
 // 2 x 8 vector accumulators stay in registers. XLA:CPU's own product streams [K, N] weights at
 // about half this rate for 2 <= M <= 16 (measurements in models/rows_matmul.py). float32 x and y,
 // float32 or bfloat16 weights, float32 accumulation. Panels are shared out between the calling
-// thread and XLA's intra-op thread pool. An XLA FFI handler; models/rows_matmul.py builds it.
-#include <atomic>
+// thread and XLA's intra-op thread pool. An XLA FFI handler: pallas_attn/native.py builds it,
+// models/rows_matmul.py is the Python side.
 #include <cstdint>
 #include <cstring>
-#include <memory>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,12 +37,6 @@ inline vf load(const uint16_t* p) {  // bfloat16 is the high half of a float32
   vf v;
   std::memcpy(&v, &u, sizeof(v));
   return v;
-}
-
-inline void relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
 }
 
 // Rows [0, MB) of x (row stride K) times one panel w [K, kNB] -> y[:, 0:cols] (row stride ldy).
@@ -90,26 +84,6 @@ void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t
   }
 }
 
-// Chunks of panels claimed from a counter by the calling thread and pool tasks. A task that starts
-// after every chunk is claimed touches no buffer, so the call may return before such a task runs;
-// the shared_ptr keeps the counters alive for it.
-struct Job {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t chunks = 0, per_chunk = 0, P = 0;
-};
-
-template <typename W>
-void work(Job* job, const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N) {
-  for (;;) {
-    const int64_t c = job->next.fetch_add(1, std::memory_order_relaxed);
-    if (c >= job->chunks) return;
-    const int64_t p0 = c * job->per_chunk;
-    const int64_t p1 = p0 + job->per_chunk < job->P ? p0 + job->per_chunk : job->P;
-    panels(x, M, K, wp, y, N, p0, p1);
-    job->done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 // One thread below these weight bytes: waking another costs more than it saves (a matrix-vector
 // product of a cache-resident matrix is a few microseconds).
 constexpr int64_t kParallelBytes = 1 << 18;
@@ -118,21 +92,11 @@ constexpr int64_t kParallelBytesOneRow = 1 << 20;
 template <typename W>
 ffi::Error run(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const W* wp, int64_t P,
                float* y, int64_t N) {
-  const int64_t threads = pool.num_threads();
   const int64_t bytes = P * K * kNB * int64_t(sizeof(W));
-  if (threads <= 1 || P < 2 || bytes < (M == 1 ? kParallelBytesOneRow : kParallelBytes)) {
-    panels(x, M, K, wp, y, N, 0, P);
-    return ffi::Error::Success();
-  }
-  auto job = std::make_shared<Job>();
-  job->P = P;
-  job->chunks = P < 4 * threads ? P : 4 * threads;
-  job->per_chunk = (P + job->chunks - 1) / job->chunks;
-  job->chunks = (P + job->per_chunk - 1) / job->per_chunk;
-  for (int64_t t = 1; t < threads; ++t)
-    pool.Schedule([job, x, M, K, wp, y, N] { work(job.get(), x, M, K, wp, y, N); });
-  work(job.get(), x, M, K, wp, y, N);
-  while (job->done.load(std::memory_order_acquire) < job->chunks) relax();
+  const bool parallel = bytes >= (M == 1 ? kParallelBytesOneRow : kParallelBytes);
+  pallas_attn::parallel_for(pool, P, parallel, [&](int64_t p0, int64_t p1) {
+    panels(x, M, K, wp, y, N, p0, p1);
+  });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,92 @@
+"""Native CPU kernels for decoding, as XLA FFI handlers (``pallas_attn/native/*.cc``).
+
+XLA:CPU runs a decode step as hundreds of small ops, each a few microseconds, and its products
+of a few rows read weights at about half the memory's rate. Two kernels take that work where it
+dominates: ``kv_attention.cc`` (attention of a few queries over a KV cache, one pass, in place;
+used by :func:`pallas_attn.attention_with_kvcache`'s "xla" path on CPU, see
+:mod:`pallas_attn.cpu`) and ``rows_matmul.cc`` (few-row products over packed weights, see
+:mod:`models.rows_matmul`).
+
+They are compiled on first use with the system C++ compiler (``$CXX`` or ``c++``, ``-O3
+-march=native``) into one library under ``$PALLAS_ATTN_CACHE`` (default
+``~/.cache/pallas_attn``), keyed by the sources, the flags, jaxlib's FFI headers and the CPU's
+features, and registered with XLA's CPU backend. Where that fails (no compiler)
+:func:`available` warns once and returns False, and callers keep their XLA paths;
+``PALLAS_ATTN_NATIVE=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import jax
+import jaxlib
+
+SOURCES = Path(__file__).with_name("native")
+FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-fPIC", "-shared", "-w")
+TARGETS = {  # FFI target name -> handler symbol
+    "pallas_attn_rows_matmul": "PallasAttnRowsMatmul",
+    "pallas_attn_kv_attention": "PallasAttnKVAttention",
+}
+
+
+def cache_dir() -> Path:
+    if d := os.environ.get("PALLAS_ATTN_CACHE"):
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pallas_attn"
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build() -> Path:
+    """Compiles the kernels for this machine (once; cached) and returns the library's path."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (set $CXX or install g++)")
+    files = sorted(SOURCES.glob("*.cc")) + sorted(SOURCES.glob("*.h"))
+    parts = [f.name + "\0" + f.read_text() for f in files]
+    parts += [cxx, *FLAGS, jaxlib.__version__, jax.ffi.include_dir(), _cpu_features()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    out = cache_dir() / f"pallas_attn_native-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{SOURCES}"]
+    cmd += [str(f) for f in files if f.suffix == ".cc"] + ["-o", str(tmp)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+    os.replace(tmp, out)  # atomic: concurrent builders (pytest workers) each land a whole file
+    return out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are built and registered with XLA's CPU backend (the first call
+    builds them: a few seconds, once per machine)."""
+    if os.environ.get("PALLAS_ATTN_NATIVE", "1") == "0":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        for target, symbol in TARGETS.items():
+            capsule = jax.ffi.pycapsule(getattr(lib, symbol))
+            jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+    except Exception as e:  # noqa: BLE001 -- any failure means: keep the XLA paths
+        warnings.warn(f"pallas_attn.native: CPU kernels unavailable, using XLA ({e})", stacklevel=2)
+        return False
+    return True
