@@ -243,15 +243,17 @@ def forward_costs(target, widths, *, length: int = 160, steps: int = 48, runs: i
     from flax import nnx
 
     from models import KVCache
+    from models.transformer import decode_kernels, decode_layout
 
     graphdef, params = nnx.split(target)
+    kernels = decode_kernels(target)  # what generate's decode loop multiplies with
     P, pages = 16, 2 * length // 16
     table = np.arange(pages, dtype=np.int32)[None]
     cache = KVCache.paged(target.config, pages, P, table)
     cache = cache.replace(lengths=jnp.full((1,), length, jnp.int32))
 
-    def loop(params, cache, T):
-        model = nnx.merge(graphdef, params)
+    def loop(params, kernels, cache, T):
+        model = decode_layout(nnx.merge(graphdef, params), kernels)
 
         def body(_, carry):
             cache, tok = carry
@@ -261,13 +263,14 @@ def forward_costs(target, widths, *, length: int = 160, steps: int = 48, runs: i
         return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((1, 1), jnp.int32)))
 
     compiled = {
-        T: jax.jit(loop, static_argnums=2).lower(params, cache, T).compile() for T in widths
+        T: jax.jit(loop, static_argnums=3).lower(params, kernels, cache, T).compile()
+        for T in widths
     }
     times = {T: [] for T in widths}
     for _ in range(runs):
         for T, fn in compiled.items():
             start = time.perf_counter()
-            jax.block_until_ready(fn(params, cache))
+            jax.block_until_ready(fn(params, kernels, cache))
             times[T].append(time.perf_counter() - start)
     return {T: statistics.median(ts) / steps for T, ts in times.items()}
 

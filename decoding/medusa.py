@@ -40,6 +40,7 @@ from decoding.drafts import DEFAULT_K, Context, Proposal, _check_vocab, lookup
 from decoding.sampling import SamplingConfig, argmax, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
+from models.transformer import decode_kernels, decode_layout
 
 # The n of ``Medusa(heads, lookup_ngram=n)`` the benchmark and the CLI use: the best on the
 # target's greedy continuations of the 4 calibration prompts (``python -m benchmarks.speculative
@@ -98,13 +99,14 @@ class Medusa:
         self.heads, self.tree, self.lookup_ngram = heads, tree, lookup_ngram
 
     def split(self) -> tuple[MedusaDraft, Any]:
-        """(the static draft kind, the heads' params)."""
+        """(the static draft kind, params: the heads' and their packed copies for few-row
+        products, ``models.transformer.decode_kernels``)."""
         graphdef, params = nnx.split(self.heads)
         c = self.heads.config
         kind = MedusaDraft(
             graphdef, self.heads.num_heads, c.dim, c.vocab_size, self.tree, self.lookup_ngram
         )
-        return kind, params
+        return kind, (params, decode_kernels(self.heads))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +169,8 @@ class MedusaDraft:
 
     def head_logits(self, params, h, k: int):
         """h [B, dim] -> the first k heads' logits [B, k, V] float32."""
-        return nnx.merge(self.graphdef, params)(h[:, None], num=k)[:, 0]
+        heads = decode_layout(nnx.merge(self.graphdef, params[0]), params[1])
+        return heads(h[:, None], num=k)[:, 0]
 
     def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
         if self.tree is not None:

@@ -27,6 +27,7 @@ import safetensors.numpy
 from flax import nnx
 
 from models.config import TransformerConfig
+from models.transformer import Linear
 
 
 class MedusaHead(nnx.Module):
@@ -35,10 +36,10 @@ class MedusaHead(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         dt = config.jnp_dtype
         zeros = nnx.initializers.zeros
-        self.res = nnx.Linear(
+        self.res = Linear(
             config.dim, config.dim, kernel_init=zeros, dtype=dt, param_dtype=dt, rngs=rngs
         )
-        self.lm_head = nnx.Linear(
+        self.lm_head = Linear(
             config.dim,
             config.vocab_size,
             use_bias=False,

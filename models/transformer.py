@@ -36,6 +36,7 @@ from models import rows_matmul
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
 from models.shard import constrain_batch, local_heads
+from pallas_attn import native
 
 _INIT = nnx.initializers.normal(stddev=0.02)
 
@@ -118,7 +119,7 @@ def split_gate_up(w):
 # gives each large enough Linear a packed copy, used for calls of at most DECODE_MAX_ROWS rows;
 # benchmarks/generate.py and benchmarks/speculative.py measure it on the models.
 DECODE_MAX_ROWS = rows_matmul.MAX_ROWS
-DECODE_MIN_WEIGHTS = 1 << 17  # kernel elements; smaller ones sit in L1/L2 and gain nothing
+DECODE_MIN_WEIGHTS = 1 << 16  # kernel elements (256 x 256); smaller ones gain nothing
 
 
 class DecodeKernel(nnx.Variable):
@@ -140,6 +141,9 @@ class Linear(nnx.Linear):
     def __call__(self, x, out_sharding=None):
         if self.decode_kernel is None or not decode_rows(x) or out_sharding is not None:
             return super().__call__(x, out_sharding)
+        return native.on_cpu(self._packed, super().__call__, x)  # plain where lowered for GPU
+
+    def _packed(self, x):
         dt = self.dtype or x.dtype
         y = rows_matmul.matmul(x.astype(dt), self.decode_kernel[...], self.out_features)
         y = y.astype(dt)
@@ -406,9 +410,10 @@ class Transformer(nnx.Module):
     def logits(self, h):
         """LM head on final hidden states h [B, T, dim] -> [B, T, V] float32 (with softcap)."""
         if self.decode_head is not None and decode_rows(h):
-            logits = rows_matmul.matmul(
+            packed = lambda h: rows_matmul.matmul(  # noqa: E731
                 h.astype(self.embed.dtype), self.decode_head[...], self.config.vocab_size
             )
+            logits = native.on_cpu(packed, self.embed.attend, h)
         elif self.lm_head is None:
             logits = self.embed.attend(h)
         else:

@@ -35,7 +35,7 @@ def eligible(q, k_cache) -> bool:
     )
 
 
-def attention(static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, Tn: int):
+def attention(static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, *, Tn: int):
     """``(out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32)`` over the caches as written
     (new keys included: ``Tn`` of them), with :func:`cache.key_range`'s positions."""
     B, Tq = q.shape[:2]

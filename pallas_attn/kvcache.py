@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn import cache, cpu, heuristics, masks, reference, validation, xla
+from pallas_attn import cache, cpu, heuristics, masks, native, reference, validation, xla
 
 CACHE_DTYPES = (*validation.FLOAT_DTYPES, cache.FP8_DTYPE)
 
@@ -149,19 +149,27 @@ def _jnp(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_c
     if k is not None:
         Tn = k.shape[1]
         k_cache, v_cache = cache.write(static, args, k_cache, v_cache, k, v)
-    if impl == "native":
-        out, lse = cpu.attention(static, args, q, k_cache, v_cache, Tn)
-        return out, lse, k_cache, v_cache
+    if impl == "native":  # the blockwise path where the program is lowered for another platform
+        out, lse = native.on_cpu(
+            functools.partial(cpu.attention, static, args, Tn=Tn),
+            functools.partial(_gathered, "xla", static, args, Tn=Tn),
+            q, k_cache, v_cache,
+        )  # fmt: skip
+    else:
+        out, lse = _gathered(impl, static, args, q, k_cache, v_cache, Tn=Tn)
+    return out, lse, k_cache, v_cache
+
+
+def _gathered(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, *, Tn):
+    """(out, lse) over a gather of each row's keys: the reference or the blockwise path."""
     k_rows, v_rows = cache.attention_inputs(args, k_cache, v_cache)
     kw = dict(softmax_scale=static.softmax_scale, window=static.window, softcap=static.softcap)
     kw.update(cache.key_range(args, q.shape[1], Tn)._asdict(), tree_mask=args.tree_mask)
     if impl == "reference":
-        out, lse = reference.attention(q, k_rows, v_rows, **kw)
-    else:
-        block_q = q.shape[1] if q.shape[1] <= 256 else None  # decode: no padding of Tq = 1
-        block_k = heuristics.xla_cache_block(k_rows.shape[1])
-        out, lse = xla.attention(q, k_rows, v_rows, block_q=block_q, block_k=block_k, **kw)
-    return out, lse, k_cache, v_cache
+        return reference.attention(q, k_rows, v_rows, **kw)
+    block_q = q.shape[1] if q.shape[1] <= 256 else None  # decode: no padding of Tq = 1
+    block_k = heuristics.xla_cache_block(k_rows.shape[1])
+    return xla.attention(q, k_rows, v_rows, block_q=block_q, block_k=block_k, **kw)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_splits", "interpret"))

@@ -90,3 +90,10 @@ def available() -> bool:
         warnings.warn(f"pallas_attn.native: CPU kernels unavailable, using XLA ({e})", stacklevel=2)
         return False
     return True
+
+
+def on_cpu(native_fn, default_fn, *args):
+    """``native_fn(*args)`` in programs that run on CPU, ``default_fn(*args)`` in programs lowered
+    for another platform (a GPU program compiled from this CPU without a GPU: the native FFI
+    targets exist for CPU only). Both are traced; only the platform's branch is lowered."""
+    return jax.lax.platform_dependent(*args, cpu=native_fn, default=default_fn)

@@ -112,3 +112,28 @@ def test_packed_once_per_array():
     del w2
     gc.collect()
     assert key not in rows_matmul._PACKED
+
+
+def test_decode_loop_lowers_for_cuda_without_the_native_kernels():
+    """A decode step with packed weights and the native attention, lowered for CUDA from this
+    CPU (deviceless GPU compiles): the CPU-only FFI targets are left out of that program."""
+    from flax import nnx
+
+    from models import KVCache, Transformer, TransformerConfig
+    from models.transformer import decode_kernels, decode_layout
+
+    config = TransformerConfig.preset("tiny", attn_impl="xla", dim=256, mlp_dim=512)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    kernels = decode_kernels(model)
+    assert kernels  # the qkv, gate_up and down kernels are packed
+    graphdef, params = nnx.split(model)
+    cache = KVCache.contiguous(config, 2, 16)
+
+    def step(params, kernels, tokens, cache):
+        return decode_layout(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
+
+    traced = jax.jit(step).trace(params, kernels, jnp.zeros((2, 1), jnp.int32), cache)
+    cpu_text = traced.lower().as_text()
+    assert "pallas_attn_rows_matmul" in cpu_text and "pallas_attn_kv_attention" in cpu_text
+    cuda_text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "pallas_attn_" not in cuda_text
