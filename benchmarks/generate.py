@@ -11,9 +11,10 @@ tokens of all rows. ``match`` is the fraction of rows whose greedy tokens agree 
 
 Roofline: a decode step must read every weight once (the embedding table excepted: it is
 gathered, unless tied to the LM head) plus each row's cached keys and values. The same run
-measures the machine's matrix-vector read bandwidth (:func:`matvec_bandwidth`, a jitted
-``x @ W`` over a float32 matrix far larger than the caches, just before each row), so ``roofline`` = (bytes read per
-step / bandwidth) / measured seconds per decode step: 1.0 is the memory limit. ``--dtypes``
+measures the machine's matrix-vector read bandwidth (:func:`matvec_bandwidth`: the faster of a
+jitted ``x @ W`` and the packed-panel kernel over a float32 matrix far larger than the caches,
+just before each row), so ``roofline`` = (bytes read per step / bandwidth) / measured seconds
+per decode step: 1.0 is the memory limit. ``--dtypes``
 adds rows with bfloat16 weights (float32 stays the reference; transformers runs float32).
 Writes ``benchmarks/results/generate_cpu.json``, prints a table and the issue's goal ratios.
 """
@@ -63,15 +64,24 @@ def build(name: str, directory: str):
 
 
 def matvec_bandwidth(rows: int = 8192, cols: int = 8192, runs: int = 3) -> float:
-    """Bytes/s that a jitted float32 ``x [1, rows] @ W [rows, cols]`` reads (W: 256 MiB default)."""
+    """Bytes/s that a jitted float32 matrix-vector product ``x [1, rows] @ W [rows, cols]`` reads
+    (W: 256 MiB default): the faster of XLA's product and the packed-panel kernel
+    (:mod:`models.rows_matmul`, W packed beforehand) when it is built, since decode steps use
+    the latter and a slower probe would make the roofline too lenient."""
     import jax
     import jax.numpy as jnp
 
+    from models import rows_matmul
+
     w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
     x = jnp.ones((1, rows), jnp.float32)
-    matvec = jax.jit(lambda x, w: x @ w)
-    seconds = common.time_fn(matvec, x, w, runs=runs, warmup=2)
-    return w.size * w.dtype.itemsize / seconds
+    seconds = common.time_fn(jax.jit(lambda x, w: x @ w), x, w, runs=runs, warmup=2)
+    if rows_matmul.available():
+        panels = jax.block_until_ready(rows_matmul.pack(w))
+        del w
+        packed = jax.jit(lambda x, p: rows_matmul.matmul(x, p, cols))
+        seconds = min(seconds, common.time_fn(packed, x, panels, runs=runs, warmup=2))
+    return rows * cols * 4 / seconds
 
 
 def step_bytes(config, batch: int, kv_len: float) -> float:
