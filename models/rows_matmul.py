@@ -68,6 +68,8 @@ def matmul(x, panels, n: int) -> jax.Array:
     if Kp != K or panel != PANEL or -(-n // PANEL) != P:
         raise ValueError(f"panels {panels.shape} do not fit x [..., {K}] and n = {n}")
     M = math.prod(lead)
+    if not available():
+        raise RuntimeError("the native CPU kernels are not built (pallas_attn.native.available)")
     if M > MAX_ROWS:
         raise ValueError(f"x has {M} rows; rows_matmul is for at most {MAX_ROWS}")
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, n), jnp.float32))(
