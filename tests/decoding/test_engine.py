@@ -8,6 +8,7 @@ two pool sizes), so the whole module compiles a handful of steps.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,6 +18,7 @@ from decoding import engine_steps
 from decoding.engine import Engine
 from decoding.generate import generate
 from decoding.sampling import SamplingConfig
+from models import rows_matmul
 
 MAX_NEW = 14
 PAGE = 8
@@ -81,6 +83,21 @@ def test_greedy_equals_generate_alone(tiny_model, greedy_refs):
     s = eng.stats()
     assert s["decode_steps"] < len(PROMPTS) * MAX_NEW  # rows were batched
     assert s["generated_tokens"] == len(PROMPTS) * MAX_NEW
+    assert_clean(eng)
+
+
+def test_packed_weights_greedy_equals_generate():
+    """A model wide enough that its decode steps multiply packed weights on CPU
+    (``models.transformer.decode_kernels``): the engine's batched steps equal ``generate``."""
+    from conftest import random_transformer
+
+    model = random_transformer(seed=3, scale=0.1, dim=256, mlp_dim=512)
+    refs = [generate(model, [p], max_new_tokens=12).tokens[0] for p in PROMPTS]
+    eng = make_engine(model)
+    assert eng._kernels or jax.default_backend() != "cpu" or not rows_matmul.available()
+    ids = [eng.submit(p, 12) for p in PROMPTS]
+    out = eng.run_until_done()
+    assert [out[r] for r in ids] == refs
     assert_clean(eng)
 
 
