@@ -55,7 +55,7 @@ from models.transformer import rope_tables
 # layers 0.68, 0.61, 0.63, 0.58x; Medusa chain (the 2000-step heads) 0.94, 1.01, 1.21, 1.17x
 # (T = 0.8: 0.86, 0.92, 1.02, 1.06x). On a faster verifier (a GPU, a bandwidth-bound target)
 # larger k pay more: re-run the benchmark there.
-DEFAULT_K = {"model": 3, "prompt-lookup": 3, "early-exit": 1, "medusa": 3}
+DEFAULT_K = {"model": 3, "prompt-lookup": 3, "early-exit": 1, "medusa": 2}
 
 
 class Proposal(NamedTuple):
