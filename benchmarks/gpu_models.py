@@ -94,4 +94,5 @@ def generate(
         key=key,
         step=scalar,
     )
-    return functools.partial(gen._decode_jit, **static), (params, state, scalar, scalar)
+    # {}: no packed weights (decode_kernels packs for CPU programs only)
+    return functools.partial(gen._decode_jit, **static), (params, {}, state, scalar, scalar)
