@@ -46,14 +46,15 @@ from models.transformer import rope_tables
 
 # k used when ``num_draft_tokens=None``, per kind: the k with the best wall-time speed-up over
 # plain decoding in ``python -m benchmarks.speculative --kinds code-draft prompt-lookup
-# early-exit:4 medusa ... --ks 1 2 3 4 --prompts 2 --runs 3`` (benchmarks/results/
-# speculative_cpu.json, quiet 2-core CPU, 2026-11-30; each speed-up paired in time with plain
-# generate), greedy first, T = 0.8 and an earlier quiet run as tie-breaks. Greedy, k = 1, 2, 3, 4:
-# prompt lookup 1.14, 1.10, 1.21, 1.27x (earlier runs: 1.18, 1.16, 1.30, 1.33x and 1.08, 1.07,
-# 1.21, 1.17x, so k = 3); distilled code-draft 0.87, 0.94, 0.89, 0.82x (earlier 0.82, 0.87, 0.86,
-# 0.89x; T = 0.8 0.90, 0.93, 0.87, 0.92x: k = 3 is level with the rest); early exit after 4 of 8
-# layers 0.68, 0.61, 0.63, 0.58x; Medusa chain (the 2000-step heads) 0.94, 1.01, 1.21, 1.17x
-# (T = 0.8: 0.86, 0.92, 1.02, 1.06x). On a faster verifier (a GPU, a bandwidth-bound target)
+# early-exit:4 medusa medusa+lookup ... --ks 1 2 3 4 --prompts 2 --runs 3`` (benchmarks/results/
+# speculative_cpu.json, quiet 2-core CPU; each speed-up paired in time with plain generate),
+# greedy first, T = 0.8 and the earlier quiet runs as tie-breaks. 2026-12-01 (native CPU kernels),
+# greedy, k = 1, 2, 3, 4: prompt lookup 1.26, 1.24, 1.21, 1.26x (2026-11-30: 1.02, 1.15, 1.16,
+# 1.27x and 1.14, 1.10, 1.21, 1.27x: flat within noise, k = 3 kept); distilled code-draft 1.01,
+# 0.95, 0.86, 0.90x (earlier 0.87, 0.94, 0.89, 0.82x: level, k = 3 kept); early exit after 4 of
+# 8 layers 0.89, 0.80, 0.67, 0.62x; Medusa chain 1.16, 1.17, 1.10, 1.10x and with lookup 1.37,
+# 1.35, 1.12, 1.04x (2026-11-30: 0.89, 1.02, 1.01, 1.01x and 1.20, 1.26, 1.25, 1.22x), so k = 2,
+# at least level with k = 3 in every run. On a faster verifier (a GPU, a bandwidth-bound target)
 # larger k pay more: re-run the benchmark there.
 DEFAULT_K = {"model": 3, "prompt-lookup": 3, "early-exit": 1, "medusa": 2}
 

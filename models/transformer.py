@@ -123,8 +123,8 @@ DECODE_MIN_WEIGHTS = 1 << 16  # kernel elements (256 x 256); smaller ones gain n
 
 
 class DecodeKernel(nnx.Variable):
-    """A kernel packed by :func:`models.rows_matmul.pack`, made by :func:`decode_layout` (not a
-    parameter)."""
+    """A kernel packed by :func:`models.rows_matmul.pack` (made by :func:`decode_kernels`,
+    attached by :func:`decode_layout`; not a parameter)."""
 
 
 def decode_rows(x) -> bool:
