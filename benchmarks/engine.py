@@ -9,8 +9,9 @@ config (random weights, ``max_position`` 4096), greedy, no EOS (each request sto
 * engine: ``decoding.Engine`` (batch 8, pages of 16) with every request submitted at once; its
   pool has as many token slots as a contiguous cache preallocating the max length for 8 rows.
   Run twice: with the block table as wide as the max length (the default ``max_seq_len``), and
-  as wide as the longest request (``max_seq_len`` = that length): on CPU the XLA attention path
-  reads the whole table width per row and step.
+  as wide as the longest request (``max_seq_len`` = that length): the blockwise XLA attention
+  path reads the whole table width per row and step, the native CPU kernel (``pallas_attn.cpu``)
+  each row's own keys only.
 * static: ``decoding.generate`` (contiguous cache) on consecutive groups of 8 requests; a group
   runs until its longest request is done, rows that finished early keep their slot.
 
