@@ -9,7 +9,8 @@ bfloat16, Hq = 32, Hkv = 8, D = 128, B in {1, 8, 64}, S in {1k, 8k, 32k, 128k}, 
 ``benchmarks/results/decode_gpu.json``.
 
 On CPU: the ``"xla"`` path's time (float32, B in {1, 8}, S in {1k, 8k}, contiguous and paged P = 16),
-with the same bandwidth figures (``num_splits`` does not apply to it).
+with the same bandwidth figures (``num_splits`` does not apply to it): the native kernel
+(``pallas_attn.cpu``) where it is built, and the blockwise jnp path it replaces ("xla blockwise").
 Writes ``benchmarks/results/decode_cpu.json``.
 """
 
@@ -22,7 +23,7 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.plot import Plot
-from pallas_attn import attention_with_kvcache
+from pallas_attn import attention_with_kvcache, cpu
 
 Hq, Hkv, D = 32, 8, 128
 
@@ -103,6 +104,14 @@ def run(configs, impl, dtype, runs, *, bundled: bool, warmup: int = 1):
         for splits in (0, 1) if impl == "pallas" else (0,):  # the xla path does not split
             row = dict(base, impl=impl, num_splits="auto" if splits == 0 else 1)
             rows.append(_measure(row, _ours(impl, splits), args, kv_bytes, copy_bw, runs, warmup))
+        if impl == "xla" and cpu.eligible(q, k_cache):  # "xla" ran the native kernel: also time
+            cpu.ENABLED = False  # the blockwise path it replaces (traced anew: a new jit)
+            try:
+                row = dict(base, impl="xla blockwise", num_splits="auto")
+                fn = _ours(impl, 0)
+                rows.append(_measure(row, fn, args, kv_bytes, copy_bw, runs, warmup))
+            finally:
+                cpu.ENABLED = True
         if bundled:
             row = dict(base, impl="jax_bundled", num_splits="")
             if P is None:
@@ -118,7 +127,7 @@ def run(configs, impl, dtype, runs, *, bundled: bool, warmup: int = 1):
 
 PLOTS = {
     "decode_cpu": (
-        Plot("time", x="S", y=("ms",), series=("layout",), facet="B", logx=True, logy=True),
+        Plot("time", x="S", y=("ms",), series=("impl", "layout"), facet="B", logx=True, logy=True),
     ),
     "decode_gpu": (
         Plot("bandwidth", x="S", y=("vs_copy",), series=("impl", "layout", "num_splits"),

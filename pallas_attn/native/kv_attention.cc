@@ -1,10 +1,11 @@
 // Attention of a few new queries over a KV cache on CPU, in one pass over each row's keys: the
 // attention step of attention_with_kvcache's "xla" path on the CPU backend (pallas_attn/cpu.py).
 //
-// One task per (batch row, KV head): the Tq x G queries of that head (G = Hq / Hkv) meet each key
-// and value row once, read in place from the cache (paged through the block table, or a
-// contiguous row; float32, bfloat16, float16 or FP8 e4m3 with a per-(row, head) descale), in
-// chunks of kChunk keys with an online softmax (natural-log lse). The masks are masks.visible's:
+// Tasks are (batch row, span of its keys); a task walks its span position by position, reading
+// each position's keys and values of all Hkv heads (adjacent in the cache) once for all Tq x Hq
+// queries of the row, in place (paged through the block table, or a contiguous row; float32,
+// bfloat16, float16 or FP8 e4m3 with a per-(row, head) descale), in chunks of kChunk keys with
+// an online softmax (natural-log lse); the spans of a row are merged at the end (split-KV). The masks are masks.visible's:
 // keys [kv_start, kv_len), query i at q_offset + i, window (left, right) with -1 unbounded, and
 // an optional tree mask over the last Tq keys. Rows that see no key give 0 and lse -inf.
 #include <cmath>
@@ -34,10 +35,14 @@ inline vf loadv(const float* p) {
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 inline vf splat(float x) { return vf{} + x; }
 
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int j = 0; j < kLanes; ++j) s += v[j];
-  return s;
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline float hsum(vf v) {  // a tree of halvings (4 adds), not 15 scalar ones
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // exp(x) for x <= 0 (scores minus a running max), -inf -> 0; Cephes' expf polynomial on
@@ -130,106 +135,172 @@ struct Problem {
   float* lse;               // [B, Hq, Tq]
 };
 
+// Running softmax state of every query row of one batch row over a span of its keys: per head
+// h and row r = i * G + g, the max m, the sum l and the unnormalised output acc [D].
+struct Partial {
+  std::vector<float> m, l, acc;
+  void reset(int64_t rows, int64_t D) {
+    m.assign(rows, kNegInf);
+    l.assign(rows, 0.f);
+    acc.assign(rows * D, 0.f);
+  }
+};
+
+// Keys [k0, k1) of batch row b into `part`, position-major: at each key position the rows of all
+// Hkv heads are adjacent in the cache (one contiguous Hkv * D run), so the task reads its span
+// front to back (hardware prefetch and TLB friendly) and every head's Tq x G queries use it.
 template <typename E>
-void head(const Problem& p, const typename E::T* kc, const typename E::T* vc, int64_t b,
-          int64_t h) {
-  const int64_t R = p.Tq * p.G, D = p.D;
-  std::vector<float> qs(R * D), acc(R * D, 0.f), s(R * kChunk), m(R, kNegInf), l(R, 0.f);
-  std::vector<int64_t> lo(R), hi(R);
-  std::vector<float> kbuf(D), vbuf(D);
-  const float kd = p.descale[b * p.Hkv + h], vd = p.descale[(p.B + b) * p.Hkv + h];
-  int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
+void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, int64_t b,
+          int64_t k0, int64_t k1, Partial& part) {
+  const int64_t R = p.Tq * p.G, D = p.D, H = p.Hkv, rows = H * R;
+  part.reset(rows, D);
+  std::vector<float> s(rows * kChunk), kbuf(D), vbuf(D);
+  std::vector<int64_t> lo(p.Tq), hi(p.Tq);
   for (int64_t i = 0; i < p.Tq; ++i) {
     const int64_t pos = int64_t(p.q_offset[b]) + i;
     int64_t a = p.kv_start[b], e = p.kv_len[b];
     if (p.left >= 0 && pos - p.left > a) a = pos - p.left;
     if (p.right >= 0 && pos + p.right + 1 < e) e = pos + p.right + 1;
-    for (int64_t g = 0; g < p.G; ++g) {
-      const int64_t r = i * p.G + g;
-      lo[r] = a;
-      hi[r] = e;
-      const float* src = p.q + ((b * p.Tq + i) * p.Hq + h * p.G + g) * D;
-      std::memcpy(&qs[r * D], src, D * sizeof(float));
-    }
-    if (e > a) first = a < first ? a : first, last = e > last ? e : last;
+    lo[i] = a, hi[i] = e;
   }
   const int64_t tree_start = p.q_offset[b];
   const int32_t* tree = p.tree ? p.tree + b * p.Tq * p.Tq : nullptr;
-  auto key_row = [&](const typename E::T* cache, int64_t pos) {
+  auto row = [&](const typename E::T* cache, int64_t pos, int64_t h) {
     int64_t page = p.table[b * p.max_blocks + pos / p.P];
     page = page < 0 ? 0 : page >= p.num_pages ? p.num_pages - 1 : page;
-    return cache + ((page * p.P + pos % p.P) * p.Hkv + h) * D;
+    return cache + ((page * p.P + pos % p.P) * H + h) * D;
   };
-  for (int64_t c0 = first; c0 < last; c0 += kChunk) {
-    const int64_t n = last - c0 < kChunk ? last - c0 : kChunk;
-    for (int64_t c = 0; c < n; ++c) {  // scores, each key row read once for the R queries
-      const float* k = as_float<E>(key_row(kc, c0 + c), kbuf.data(), D, kd);
-      for (int64_t r = 0; r < R; ++r) {
-        float x = dot(&qs[r * D], k, D) * p.scale;
-        if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
-        s[r * kChunk + c] = x;
+  // q row of head h, row r = i * G + g: q[b, i, h * G + g, :]
+  auto q_row = [&](int64_t h, int64_t r) {
+    return p.q + ((b * p.Tq + r / p.G) * p.Hq + h * p.G + r % p.G) * D;
+  };
+  for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
+    const int64_t n = k1 - c0 < kChunk ? k1 - c0 : kChunk;
+    for (int64_t c = 0; c < n; ++c) {  // scores: each key row read once, for all its queries
+      for (int64_t h = 0; h < H; ++h) {
+        const float kd = p.descale[b * H + h];
+        const float* k = as_float<E>(row(kc, c0 + c, h), kbuf.data(), D, kd);
+        for (int64_t r = 0; r < R; ++r) {
+          float x = dot(q_row(h, r), k, D) * p.scale;
+          if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
+          s[(h * R + r) * kChunk + c] = x;
+        }
       }
     }
-    for (int64_t r = 0; r < R; ++r) {  // masks, then the online softmax
-      float* sr = &s[r * kChunk];
-      const int64_t i = r / p.G;
+    const bool tree_here = tree && c0 < tree_start + p.Tq && c0 + n > tree_start;
+    for (int64_t hr = 0; hr < rows; ++hr) {  // masks, then the online softmax
+      float* sr = &s[hr * kChunk];
+      const int64_t i = (hr % R) / p.G;
       float cm = kNegInf;
-      for (int64_t c = 0; c < kChunk; ++c) {
-        const int64_t pos = c0 + c;
-        bool ok = c < n && pos >= lo[r] && pos < hi[r];
-        if (ok && tree && pos >= tree_start && pos < tree_start + p.Tq)
-          ok = tree[i * p.Tq + (pos - tree_start)] != 0;
-        sr[c] = ok ? sr[c] : kNegInf;
-        cm = sr[c] > cm ? sr[c] : cm;
+      if (n == kChunk && c0 >= lo[i] && c0 + n <= hi[i] && !tree_here) {  // all visible
+        vf mv = splat(kNegInf);
+        for (int64_t c = 0; c < kChunk; c += kLanes) {
+          const vf x = loadv(sr + c);
+          mv = x > mv ? x : mv;
+        }
+        for (int j = 0; j < kLanes; ++j) cm = mv[j] > cm ? mv[j] : cm;
+      } else {
+        for (int64_t c = 0; c < kChunk; ++c) {
+          const int64_t pos = c0 + c;
+          bool ok = c < n && pos >= lo[i] && pos < hi[i];
+          if (ok && tree_here && pos >= tree_start && pos < tree_start + p.Tq)
+            ok = tree[i * p.Tq + (pos - tree_start)] != 0;
+          sr[c] = ok ? sr[c] : kNegInf;
+          cm = sr[c] > cm ? sr[c] : cm;
+        }
       }
       if (cm == kNegInf) {
         for (int64_t c = 0; c < kChunk; ++c) sr[c] = 0.f;
         continue;
       }
-      const float mn = m[r] > cm ? m[r] : cm;
-      const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mn);
-      m[r] = mn;
+      float& m = part.m[hr];
+      const float mn = m > cm ? m : cm;
+      const float corr = m == kNegInf ? 0.f : std::exp(m - mn);
+      m = mn;
       vf sum{};
       for (int64_t c = 0; c < kChunk; c += kLanes) {
         const vf e = vexp(loadv(sr + c) - splat(mn));
         storev(sr + c, e);
         sum += e;
       }
-      l[r] = l[r] * corr + hsum(sum);
+      part.l[hr] = part.l[hr] * corr + hsum(sum);
       if (corr != 1.f)
-        for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= corr;
+        for (int64_t d = 0; d < D; ++d) part.acc[hr * D + d] *= corr;
     }
     for (int64_t c = 0; c < n; ++c) {  // values, each row read once
-      const float* v = as_float<E>(key_row(vc, c0 + c), vbuf.data(), D, vd);
-      for (int64_t r = 0; r < R; ++r) {
-        const float w = s[r * kChunk + c];
-        if (w != 0.f) axpy(w, v, &acc[r * D], D);
+      for (int64_t h = 0; h < H; ++h) {
+        const float vd = p.descale[(p.B + b) * H + h];
+        const float* v = as_float<E>(row(vc, c0 + c, h), vbuf.data(), D, vd);
+        for (int64_t r = 0; r < R; ++r) {
+          const float w = s[(h * R + r) * kChunk + c];
+          if (w != 0.f) axpy(w, v, &part.acc[(h * R + r) * D], D);
+        }
       }
     }
   }
-  for (int64_t i = 0; i < p.Tq; ++i) {
-    for (int64_t g = 0; g < p.G; ++g) {
-      const int64_t r = i * p.G + g, hq = h * p.G + g;
+}
+
+// out and lse of batch row b from the partials of its splits (natural-log lse merge).
+void combine(const Problem& p, int64_t b, const Partial* parts, int64_t splits) {
+  const int64_t R = p.Tq * p.G, D = p.D;
+  for (int64_t h = 0; h < p.Hkv; ++h) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t hr = h * R + r, i = r / p.G, hq = h * p.G + r % p.G;
+      float M = kNegInf;
+      for (int64_t t = 0; t < splits; ++t)
+        if (parts[t].l[hr] > 0.f && parts[t].m[hr] > M) M = parts[t].m[hr];
       float* o = p.out + ((b * p.Tq + i) * p.Hq + hq) * D;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
-      p.lse[(b * p.Hq + hq) * p.Tq + i] = l[r] > 0.f ? m[r] + std::log(l[r]) : kNegInf;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      float L = 0.f;
+      for (int64_t t = 0; t < splits; ++t) {
+        if (parts[t].l[hr] <= 0.f) continue;
+        const float w = std::exp(parts[t].m[hr] - M);
+        L += parts[t].l[hr] * w;
+        axpy(w, &parts[t].acc[hr * D], o, D);
+      }
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      p.lse[(b * p.Hq + hq) * p.Tq + i] = L > 0.f ? M + std::log(L) : kNegInf;
     }
   }
 }
 
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
+constexpr int64_t kMinSplitKeys = 256;      // keys per split, at least
 
+// Tasks: (batch row, split of its keys). Rows are split so that there are about two tasks per
+// thread; each task fills its own Partial, and a row's partials are merged once all are done.
 template <typename E>
 void run(ffi::ThreadPool& pool, const Problem& p, const void* kc, const void* vc) {
-  int64_t keys = 0;
-  for (int64_t b = 0; b < p.B; ++b) keys += p.kv_len[b] - p.kv_start[b];
+  std::vector<int64_t> first(p.B), last(p.B);
+  int64_t keys = 0, longest = 0;
+  for (int64_t b = 0; b < p.B; ++b) {  // the union of the rows' key ranges
+    first[b] = p.kv_start[b];
+    last[b] = p.kv_len[b];
+    if (p.left >= 0 && p.q_offset[b] - p.left > first[b]) first[b] = p.q_offset[b] - p.left;
+    if (p.right >= 0 && p.q_offset[b] + p.Tq + p.right < last[b])
+      last[b] = p.q_offset[b] + p.Tq + p.right;
+    if (last[b] < first[b]) last[b] = first[b];
+    keys += last[b] - first[b];
+    longest = last[b] - first[b] > longest ? last[b] - first[b] : longest;
+  }
   const bool parallel = 2 * keys * p.Hq * p.Tq * p.D >= kParallelWork;
+  const int64_t threads = parallel ? pool.num_threads() : 1;
+  int64_t splits = (2 * threads + p.B - 1) / p.B;
+  const int64_t most = (longest + kMinSplitKeys - 1) / kMinSplitKeys;
+  splits = splits < most ? splits : most;
+  splits = splits < 1 ? 1 : splits;
+  std::vector<Partial> parts(p.B * splits);
   const auto* k = static_cast<const typename E::T*>(kc);
   const auto* v = static_cast<const typename E::T*>(vc);
-  pallas_attn::parallel_for(pool, p.B * p.Hkv, parallel, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) head<E>(p, k, v, t / p.Hkv, t % p.Hkv);
+  pallas_attn::parallel_for(pool, p.B * splits, parallel, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / splits, j = t % splits, len = last[b] - first[b];
+      const int64_t k0 = first[b] + len * j / splits, k1 = first[b] + len * (j + 1) / splits;
+      span<E>(p, k, v, b, k0, k1, parts[t]);
+    }
   });
+  for (int64_t b = 0; b < p.B; ++b) combine(p, b, &parts[b * splits], splits);
 }
 
 ffi::Error KVAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,

@@ -357,6 +357,19 @@ def test_reference_and_xla(case):
     check_impls(case, seed=3)
 
 
+LONG = [  # rows long enough that the native CPU kernel splits their keys across tasks
+    Case(B=1, S=1200, Tq=1, Tn=1, page=16, causal=True),
+    Case(B=1, S=1104, Tq=5, Tn=5, page=48, causal=True, window=(700, 0), Hq=8, Hkv=2, D=40),
+    Case(B=3, S=800, Tq=1, Tn=0, leftpad=True, batch_idx=True, softcap=3.0),
+    Case(B=1, S=1024, Tq=2, Tn=2, page=64, fp8=True, dtype="bfloat16", causal=True),
+]
+
+
+@pytest.mark.parametrize("case", LONG, ids=repr)
+def test_reference_and_xla_long_rows(case):
+    check_impls(case, seed=5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sampled_cases(40, seed=2), ids=repr)
 def test_reference_and_xla_wide(case):
