@@ -77,7 +77,8 @@ def attention_with_kvcache(
       k_descale, v_descale: [B, Hkv] float32 for an FP8 cache (default 1): real = stored * descale.
       num_splits: KV splits of the decode kernel; 0 = heuristic. Results agree within rounding.
       return_lse: also return the float32 natural-log lse [B, Hq, Tq].
-      impl: "reference", "xla", "pallas", "interpret" or "auto".
+      impl: "reference", "xla", "pallas", "interpret" or "auto". On the CPU backend "xla" runs
+        the attention step as a native kernel when built (:mod:`pallas_attn.cpu`, same results).
       tree_mask: [Tq, Tq] or [B, Tq, Tq] bool, tree attention (speculative token trees): among
         the last ``Tq`` keys (the queries' own positions ``cache_seqlens + Tn - Tq + j``) query
         ``i`` sees key ``j`` only where ``tree_mask[i, j]``; keys before them follow the other
