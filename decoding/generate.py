@@ -434,7 +434,7 @@ def generate(
         (out, num_new, steps), prefill_s, decode_s, compile_s = _timed_phases(
             lambda: _run(_prefill_jit, args, num_new_max=batch.num_new_max, **static),
             lambda state: _run(
-                _decode_jit, (params, decode_kernels(model), state, max_new, eos), **static
+                _decode_jit, (params, decode_kernels(model, params), state, max_new, eos), **static
             ),
             lambda state: (state.tokens, state.num_new, state.step),
         )

@@ -106,7 +106,7 @@ class Medusa:
         kind = MedusaDraft(
             graphdef, self.heads.num_heads, c.dim, c.vocab_size, self.tree, self.lookup_ngram
         )
-        return kind, (params, decode_kernels(self.heads))
+        return kind, (params, decode_kernels(self.heads, params))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -345,7 +345,7 @@ def speculative_generate(
             lambda: _run(_prefill_jit, args, seq_len=seq_len, **static),
             lambda s: _run(
                 _decode_jit,
-                (target_params, decode_kernels(target), params, s, max_new, eos),
+                (target_params, decode_kernels(target, target_params), params, s, max_new, eos),
                 k=k,
                 **static,
             ),

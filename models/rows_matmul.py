@@ -25,7 +25,6 @@ from pallas_attn import native
 
 PANEL = 32  # columns per panel (kNB in rows_matmul.cc)
 MAX_ROWS = 64
-TARGET = "pallas_attn_rows_matmul"
 
 
 def available() -> bool:
@@ -72,7 +71,7 @@ def matmul(x, panels, n: int) -> jax.Array:
         raise RuntimeError("the native CPU kernels are not built (pallas_attn.native.available)")
     if M > MAX_ROWS:
         raise ValueError(f"x has {M} rows; rows_matmul is for at most {MAX_ROWS}")
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, n), jnp.float32))(
+    y = jax.ffi.ffi_call(native.ROWS_MATMUL, jax.ShapeDtypeStruct((M, n), jnp.float32))(
         x.reshape(M, K).astype(jnp.float32), panels
     )
     return y.reshape(*lead, n)

@@ -154,25 +154,30 @@ def _packable(w) -> bool:
     return w.size >= DECODE_MIN_WEIGHTS and w.dtype in (jnp.float32, jnp.bfloat16)
 
 
-def decode_kernels(model: nnx.Module) -> dict[str, jax.Array]:
+def decode_kernels(model: nnx.Module, params=None) -> dict[str, jax.Array]:
     """Packed copies of ``model``'s weights for few-row products, by module path: each
     :class:`Linear` kernel of at least DECODE_MIN_WEIGHTS float32/bfloat16 weights, and a tied
     LM head's embedding (transposed) under ``"embed.T"``. Eager (outside jit), on CPU when
     :func:`models.rows_matmul.available`, else ``{}``. Cached per weight array
     (:func:`models.rows_matmul.packed`), so a model decoded again is not packed again. Pass the
-    result into the jitted decode loop and attach it there with :func:`decode_layout`."""
+    result into the jitted decode loop and attach it there with :func:`decode_layout`.
+
+    ``params``: ``nnx.split(model)[1]`` when the caller has it. The walk is over that state's
+    flat paths (about 0.06 ms for the shipped target, where walking the modules takes 2.5 ms and
+    this runs once per ``generate`` call)."""
     if jax.default_backend() != "cpu" or getattr(model, "mesh", None) is not None:
         return {}
     if not rows_matmul.available():
         return {}
+    flat = dict(nnx.to_flat_state(nnx.state(model) if params is None else params))
     out = {}
-    for path, m in nnx.iter_modules(model):
-        if isinstance(m, Linear) and _packable(m.kernel[...]):
-            out["/".join(map(str, path))] = rows_matmul.packed(m.kernel[...])
-        elif isinstance(m, Transformer) and m.lm_head is None and _packable(m.embed.embedding[...]):
-            out["/".join(map(str, (*path, "embed.T")))] = rows_matmul.packed(
-                m.embed.embedding[...], transpose=True
-            )
+    for path, var in flat.items():
+        w = var[...]
+        if path[-1] == "kernel" and w.ndim == 2 and _packable(w):  # a Linear's kernel
+            out["/".join(map(str, path[:-1]))] = rows_matmul.packed(w)
+        elif path[-2:] == ("embed", "embedding") and _packable(w):
+            if (*path[:-2], "lm_head", "kernel") not in flat:  # a Transformer's tied LM head
+                out["/".join(map(str, (*path[:-2], "embed.T")))] = rows_matmul.packed(w, True)
     return out
 
 

@@ -21,7 +21,6 @@ from pallas_attn import cache, native
 
 ENABLED = True
 MAX_ROWS = 128  # queries per (batch row, KV head): Tq * Hq / Hkv
-TARGET = "pallas_attn_kv_attention"
 
 
 def eligible(q, k_cache) -> bool:
@@ -52,7 +51,7 @@ def attention(static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, 
     left, right = static.window
     i32 = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B,))  # noqa: E731
     out, lse = jax.ffi.ffi_call(
-        TARGET,
+        native.KV_ATTENTION,
         (
             jax.ShapeDtypeStruct(q.shape, jnp.float32),
             jax.ShapeDtypeStruct((B, q.shape[2], Tq), jnp.float32),

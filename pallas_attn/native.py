@@ -31,10 +31,9 @@ import jaxlib
 
 SOURCES = Path(__file__).with_name("native")
 FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-fPIC", "-shared", "-w")
-TARGETS = {  # FFI target name -> handler symbol
-    "pallas_attn_rows_matmul": "PallasAttnRowsMatmul",
-    "pallas_attn_kv_attention": "PallasAttnKVAttention",
-}
+ROWS_MATMUL = "pallas_attn_rows_matmul"  # FFI target names (jax.ffi.ffi_call)
+KV_ATTENTION = "pallas_attn_kv_attention"
+TARGETS = {ROWS_MATMUL: "PallasAttnRowsMatmul", KV_ATTENTION: "PallasAttnKVAttention"}  # symbols
 
 
 def cache_dir() -> Path:

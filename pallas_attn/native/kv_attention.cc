@@ -5,13 +5,15 @@
 // each position's keys and values of all Hkv heads (adjacent in the cache) once for all Tq x Hq
 // queries of the row, in place (paged through the block table, or a contiguous row; float32,
 // bfloat16, float16 or FP8 e4m3 with a per-(row, head) descale), in chunks of kChunk keys with
-// an online softmax (natural-log lse); the spans of a row are merged at the end (split-KV). The masks are masks.visible's:
-// keys [kv_start, kv_len), query i at q_offset + i, window (left, right) with -1 unbounded, and
-// an optional tree mask over the last Tq keys. Rows that see no key give 0 and lse -inf.
+// an online softmax (natural-log lse); the spans of a row are merged at the end (split-KV).
+// The masks are masks.visible's: keys [kv_start, kv_len), query i at q_offset + i, window
+// (left, right) with -1 unbounded, and an optional tree mask over the last Tq keys. Rows that
+// see no key give 0 and lse -inf.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -146,6 +148,15 @@ struct Partial {
   }
 };
 
+// Keys [lo, hi) that query i of batch row b may see (before the tree mask): masks.visible's
+// rule, [kv_start, kv_len) cut to the window around its position q_offset + i.
+inline void key_range(const Problem& p, int64_t b, int64_t i, int64_t& lo, int64_t& hi) {
+  const int64_t pos = int64_t(p.q_offset[b]) + i;
+  lo = p.kv_start[b], hi = p.kv_len[b];
+  if (p.left >= 0 && pos - p.left > lo) lo = pos - p.left;
+  if (p.right >= 0 && pos + p.right + 1 < hi) hi = pos + p.right + 1;
+}
+
 // Keys [k0, k1) of batch row b into `part`, position-major: at each key position the rows of all
 // Hkv heads are adjacent in the cache (one contiguous Hkv * D run), so the task reads its span
 // front to back (hardware prefetch and TLB friendly) and every head's Tq x G queries use it.
@@ -156,13 +167,7 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
   part.reset(rows, D);
   std::vector<float> s(rows * kChunk), kbuf(D), vbuf(D);
   std::vector<int64_t> lo(p.Tq), hi(p.Tq);
-  for (int64_t i = 0; i < p.Tq; ++i) {
-    const int64_t pos = int64_t(p.q_offset[b]) + i;
-    int64_t a = p.kv_start[b], e = p.kv_len[b];
-    if (p.left >= 0 && pos - p.left > a) a = pos - p.left;
-    if (p.right >= 0 && pos + p.right + 1 < e) e = pos + p.right + 1;
-    lo[i] = a, hi[i] = e;
-  }
+  for (int64_t i = 0; i < p.Tq; ++i) key_range(p, b, i, lo[i], hi[i]);
   const int64_t tree_start = p.q_offset[b];
   const int32_t* tree = p.tree ? p.tree + b * p.Tq * p.Tq : nullptr;
   auto row = [&](const typename E::T* cache, int64_t pos, int64_t h) {
@@ -275,11 +280,9 @@ void run(ffi::ThreadPool& pool, const Problem& p, const void* kc, const void* vc
   std::vector<int64_t> first(p.B), last(p.B);
   int64_t keys = 0, longest = 0;
   for (int64_t b = 0; b < p.B; ++b) {  // the union of the rows' key ranges
-    first[b] = p.kv_start[b];
-    last[b] = p.kv_len[b];
-    if (p.left >= 0 && p.q_offset[b] - p.left > first[b]) first[b] = p.q_offset[b] - p.left;
-    if (p.right >= 0 && p.q_offset[b] + p.Tq + p.right < last[b])
-      last[b] = p.q_offset[b] + p.Tq + p.right;
+    int64_t unused;  // the first query sees the lowest keys, the last query the highest
+    key_range(p, b, 0, first[b], unused);
+    key_range(p, b, p.Tq - 1, unused, last[b]);
     if (last[b] < first[b]) last[b] = first[b];
     keys += last[b] - first[b];
     longest = last[b] - first[b] > longest ? last[b] - first[b] : longest;
