@@ -6,6 +6,9 @@
 // queries of the row, in place (paged through the block table, or a contiguous row; float32,
 // bfloat16, float16 or FP8 e4m3 with a per-(row, head) descale), in chunks of kChunk keys with
 // an online softmax (natural-log lse); the spans of a row are merged at the end (split-KV).
+// Within a chunk, each query row's scores come 16 keys at a time (16 products summed across lanes
+// by one shuffle tree; rows of 64+ elements: per key, for 8 query rows at once), and values are
+// accumulated for 8 query rows at a time in registers.
 // The masks are masks.visible's: keys [kv_start, kv_len), query i at q_offset + i, window
 // (left, right) with -1 unbounded, and an optional tree mask over the last Tq keys. Rows that
 // see no key give 0 and lse -inf.
@@ -97,23 +100,17 @@ struct BF16 {
 struct F16 { using T = _Float16; static float get(_Float16 x) { return float(x); } };
 struct F8 { using T = uint8_t; static float get(uint8_t x) { return kF8.v[x]; } };
 
-// Row of D elements -> float32 buffer, times scale (FP8 descale; 1 otherwise).
+// The H x D row of one position (all KV heads) -> float32, head h times scale[h] (FP8 descale;
+// 1 otherwise); float32 rows unscaled are read in place.
 template <typename E>
-inline const float* as_float(const typename E::T* src, float* buf, int64_t D, float scale) {
+inline const float* as_float(const typename E::T* src, float* buf, int64_t H, int64_t D,
+                             const float* scale, bool unscaled) {
   if constexpr (std::is_same_v<E, F32>) {
-    if (scale == 1.f) return src;
+    if (unscaled) return src;
   }
-  for (int64_t d = 0; d < D; ++d) buf[d] = E::get(src[d]) * scale;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D; ++d) buf[h * D + d] = E::get(src[h * D + d]) * scale[h];
   return buf;
-}
-
-inline float dot(const float* a, const float* b, int64_t D) {
-  vf acc{};
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) acc += loadv(a + d) * loadv(b + d);
-  float s = hsum(acc);
-  for (; d < D; ++d) s += a[d] * b[d];
-  return s;
 }
 
 inline void axpy(float a, const float* x, float* y, int64_t D) {
@@ -136,6 +133,137 @@ struct Problem {
   float* out;               // [B, Tq, Hq, D]
   float* lse;               // [B, Hq, Tq]
 };
+
+// out[j] = q . k[j][off : off + D] for j < cnt <= 16 (lanes >= cnt are 0): the 16 products'
+// vectors are summed across lanes together, by a tree of two-source shuffles (15 adds for 16
+// dot products instead of a horizontal sum each).
+inline vf load_part(const float* p, int64_t cnt) {
+  float t[kLanes] = {};
+  std::memcpy(t, p, cnt * sizeof(float));
+  return loadv(t);
+}
+
+inline void scores16(const float* q, const float* const* k, int64_t off, int64_t cnt, int64_t D,
+                     float* out) {
+  vf a[kLanes];
+  for (int j = 0; j < kLanes; ++j) a[j] = vf{};
+  int64_t d = 0;
+  if (cnt == kLanes) {
+    for (; d + kLanes <= D; d += kLanes) {
+      const vf qv = loadv(q + d);
+      for (int j = 0; j < kLanes; ++j) a[j] += qv * loadv(k[j] + off + d);
+    }
+  } else {
+    for (; d + kLanes <= D; d += kLanes) {
+      const vf qv = loadv(q + d);
+      for (int j = 0; j < cnt; ++j) a[j] += qv * loadv(k[j] + off + d);
+    }
+  }
+  if (d < D) {
+    const vf qv = load_part(q + d, D - d);
+    for (int j = 0; j < cnt; ++j) a[j] += qv * load_part(k[j] + off + d, D - d);
+  }
+  vf b[8], c[4], e[2];
+  for (int j = 0; j < 8; ++j)  // lanes 0-7: key j's 8 partial sums, 8-15: key j + 8's
+    b[j] = __builtin_shufflevector(a[j], a[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                   22, 23) +
+           __builtin_shufflevector(a[j], a[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                   29, 30, 31);
+  for (int j = 0; j < 4; ++j)  // quads: keys j, j + 4, j + 8, j + 12
+    c[j] = __builtin_shufflevector(b[j], b[j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                                   26, 27) +
+           __builtin_shufflevector(b[j], b[j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                                   30, 31);
+  for (int j = 0; j < 2; ++j)  // pairs: keys j, j + 2, .., j + 14
+    e[j] = __builtin_shufflevector(c[j], c[j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                                   28, 29) +
+           __builtin_shufflevector(c[j], c[j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                                   30, 31);
+  const vf r = __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
+                                       28, 14, 30) +
+               __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13,
+                                       29, 15, 31);
+  if (cnt == kLanes) {
+    storev(out, r);
+  } else {
+    float t[kLanes];
+    storev(t, r);
+    std::memcpy(out, t, cnt * sizeof(float));
+  }
+}
+
+constexpr int kRowBlock = 8;  // query rows whose value accumulators stay in registers
+
+// acc[r, :] += sum over c < n of w[r * kChunk + c] * v[c][off : off + D], for RB rows.
+template <int RB>
+void weigh_values_rb(const float* const* v, int64_t n, int64_t off, const float* w, float* acc,
+                     int64_t D) {
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    vf a[RB];
+    for (int r = 0; r < RB; ++r) a[r] = loadv(acc + r * D + d);
+    for (int64_t c = 0; c < n; ++c) {
+      const vf x = loadv(v[c] + off + d);
+      for (int r = 0; r < RB; ++r) a[r] += w[r * kChunk + c] * x;
+    }
+    for (int r = 0; r < RB; ++r) storev(acc + r * D + d, a[r]);
+  }
+  for (; d < D; ++d)
+    for (int r = 0; r < RB; ++r) {
+      float a = acc[r * D + d];
+      for (int64_t c = 0; c < n; ++c) a += w[r * kChunk + c] * v[c][off + d];
+      acc[r * D + d] = a;
+    }
+}
+
+// Rows of at least this many elements get their scores position-major (score_rows: a horizontal
+// sum per score is cheap next to the row's products, and streaming positions in order keeps the
+// hardware prefetcher on when the cache is in DRAM); shorter ones per query row (scores16).
+constexpr int64_t kLongRow = 64;
+
+// s[r * kChunk] = q[r] . k[0 : D] for RB query rows: the key row is loaded once for all of them.
+template <int RB>
+void score_rows_rb(const float* q, const float* k, int64_t D, float* s) {
+  vf a[RB];
+  for (int r = 0; r < RB; ++r) a[r] = vf{};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const vf kv = loadv(k + d);
+    for (int r = 0; r < RB; ++r) a[r] += loadv(q + r * D + d) * kv;
+  }
+  for (int r = 0; r < RB; ++r) {
+    float x = hsum(a[r]);
+    for (int64_t e = d; e < D; ++e) x += q[r * D + e] * k[e];
+    s[r * kChunk] = x;
+  }
+}
+
+inline void score_rows(int64_t rb, const float* q, const float* k, int64_t D, float* s) {
+  switch (rb) {
+    case 1: return score_rows_rb<1>(q, k, D, s);
+    case 2: return score_rows_rb<2>(q, k, D, s);
+    case 3: return score_rows_rb<3>(q, k, D, s);
+    case 4: return score_rows_rb<4>(q, k, D, s);
+    case 5: return score_rows_rb<5>(q, k, D, s);
+    case 6: return score_rows_rb<6>(q, k, D, s);
+    case 7: return score_rows_rb<7>(q, k, D, s);
+    default: return score_rows_rb<8>(q, k, D, s);
+  }
+}
+
+inline void weigh_values(int64_t rb, const float* const* v, int64_t n, int64_t off,
+                         const float* w, float* acc, int64_t D) {
+  switch (rb) {
+    case 1: return weigh_values_rb<1>(v, n, off, w, acc, D);
+    case 2: return weigh_values_rb<2>(v, n, off, w, acc, D);
+    case 3: return weigh_values_rb<3>(v, n, off, w, acc, D);
+    case 4: return weigh_values_rb<4>(v, n, off, w, acc, D);
+    case 5: return weigh_values_rb<5>(v, n, off, w, acc, D);
+    case 6: return weigh_values_rb<6>(v, n, off, w, acc, D);
+    case 7: return weigh_values_rb<7>(v, n, off, w, acc, D);
+    default: return weigh_values_rb<8>(v, n, off, w, acc, D);
+  }
+}
 
 // Running softmax state of every query row of one batch row over a span of its keys: per head
 // h and row r = i * G + g, the max m, the sum l and the unnormalised output acc [D].
@@ -165,33 +293,58 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
           int64_t k0, int64_t k1, Partial& part) {
   const int64_t R = p.Tq * p.G, D = p.D, H = p.Hkv, rows = H * R;
   part.reset(rows, D);
-  std::vector<float> s(rows * kChunk), kbuf(D), vbuf(D);
-  std::vector<int64_t> lo(p.Tq), hi(p.Tq);
+  // The row's queries, scaled, as qs[h * R + r] (r = i * G + g): q[b, i, h * G + g, :] * scale.
+  std::vector<float> qs(rows * D), s(rows * kChunk), kbuf, vbuf;
+  const float *kp[kChunk], *vp[kChunk];  // each position's H x D keys / values as float32
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < R; ++r) {
+      const float* src = p.q + ((b * p.Tq + r / p.G) * p.Hq + h * p.G + r % p.G) * D;
+      for (int64_t d = 0; d < D; ++d) qs[(h * R + r) * D + d] = src[d] * p.scale;
+    }
+  std::vector<int64_t> lo(p.Tq), hi(p.Tq), at(kChunk);
   for (int64_t i = 0; i < p.Tq; ++i) key_range(p, b, i, lo[i], hi[i]);
   const int64_t tree_start = p.q_offset[b];
   const int32_t* tree = p.tree ? p.tree + b * p.Tq * p.Tq : nullptr;
-  auto row = [&](const typename E::T* cache, int64_t pos, int64_t h) {
-    int64_t page = p.table[b * p.max_blocks + pos / p.P];
-    page = page < 0 ? 0 : page >= p.num_pages ? p.num_pages - 1 : page;
-    return cache + ((page * p.P + pos % p.P) * H + h) * D;
-  };
-  // q row of head h, row r = i * G + g: q[b, i, h * G + g, :]
-  auto q_row = [&](int64_t h, int64_t r) {
-    return p.q + ((b * p.Tq + r / p.G) * p.Hq + h * p.G + r % p.G) * D;
-  };
+  const int32_t* blocks = p.table + b * p.max_blocks;
+  const float* kd = p.descale + b * H;
+  const float* vd = p.descale + (p.B + b) * H;
+  bool k_unscaled = true, v_unscaled = true;
+  for (int64_t h = 0; h < H; ++h) k_unscaled = k_unscaled && kd[h] == 1.f;
+  for (int64_t h = 0; h < H; ++h) v_unscaled = v_unscaled && vd[h] == 1.f;
+  constexpr bool f32 = std::is_same_v<E, F32>;
+  if (!(f32 && k_unscaled)) kbuf.resize(kChunk * H * D);  // converted chunk (else read in place)
+  if (!(f32 && v_unscaled)) vbuf.resize(kChunk * H * D);
   for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
     const int64_t n = k1 - c0 < kChunk ? k1 - c0 : kChunk;
-    for (int64_t c = 0; c < n; ++c) {  // scores: each key row read once, for all its queries
-      for (int64_t h = 0; h < H; ++h) {
-        const float kd = p.descale[b * H + h];
-        const float* k = as_float<E>(row(kc, c0 + c, h), kbuf.data(), D, kd);
-        for (int64_t r = 0; r < R; ++r) {
-          float x = dot(q_row(h, r), k, D) * p.scale;
-          if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
-          s[(h * R + r) * kChunk + c] = x;
-        }
-      }
+    for (int64_t c = 0, pos = c0; c < n; ++c, ++pos) {  // cache offset of each position's row
+      int64_t page = blocks[pos / p.P];
+      page = page < 0 ? 0 : page >= p.num_pages ? p.num_pages - 1 : page;
+      at[c] = (page * p.P + pos % p.P) * H * D;
     }
+    for (int64_t c = 0; c < n; ++c) {
+      kp[c] = as_float<E>(kc + at[c], &kbuf[c * H * D], H, D, kd, k_unscaled);
+      vp[c] = as_float<E>(vc + at[c], &vbuf[c * H * D], H, D, vd, v_unscaled);
+    }
+    if (D >= kLongRow) {  // scores: position-major, each key row shared by 8 query rows at once
+      for (int64_t c = 0; c < n; ++c)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t r0 = h * R; r0 < (h + 1) * R; r0 += kRowBlock) {
+            const int64_t rb = (h + 1) * R - r0 < kRowBlock ? (h + 1) * R - r0 : kRowBlock;
+            score_rows(rb, &qs[r0 * D], kp[c] + h * D, D, &s[r0 * kChunk + c]);
+          }
+    } else {  // scores: per query row, 16 keys at a time
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = h * R; r < (h + 1) * R; ++r)
+          for (int64_t c = 0; c < n; c += kLanes)
+            scores16(&qs[r * D], kp + c, h * D, n - c < kLanes ? n - c : kLanes, D,
+                     &s[r * kChunk + c]);
+    }
+    if (p.softcap > 0.f)
+      for (int64_t hr = 0; hr < rows; ++hr)
+        for (int64_t c = 0; c < n; ++c) {
+          float& x = s[hr * kChunk + c];
+          x = p.softcap * std::tanh(x / p.softcap);
+        }
     const bool tree_here = tree && c0 < tree_start + p.Tq && c0 + n > tree_start;
     for (int64_t hr = 0; hr < rows; ++hr) {  // masks, then the online softmax
       float* sr = &s[hr * kChunk];
@@ -232,16 +385,11 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
       if (corr != 1.f)
         for (int64_t d = 0; d < D; ++d) part.acc[hr * D + d] *= corr;
     }
-    for (int64_t c = 0; c < n; ++c) {  // values, each row read once
-      for (int64_t h = 0; h < H; ++h) {
-        const float vd = p.descale[(p.B + b) * H + h];
-        const float* v = as_float<E>(row(vc, c0 + c, h), vbuf.data(), D, vd);
-        for (int64_t r = 0; r < R; ++r) {
-          const float w = s[(h * R + r) * kChunk + c];
-          if (w != 0.f) axpy(w, v, &part.acc[(h * R + r) * D], D);
-        }
+    for (int64_t h = 0; h < H; ++h)  // values: blocks of 8 query rows accumulate in registers
+      for (int64_t r0 = h * R; r0 < (h + 1) * R; r0 += kRowBlock) {
+        const int64_t rb = (h + 1) * R - r0 < kRowBlock ? (h + 1) * R - r0 : kRowBlock;
+        weigh_values(rb, vp, n, h * D, &s[r0 * kChunk], &part.acc[r0 * D], D);
       }
-    }
   }
 }
 

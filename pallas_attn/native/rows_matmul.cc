@@ -84,16 +84,18 @@ void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t
   }
 }
 
-// One thread below these weight bytes: waking another costs more than it saves (a matrix-vector
-// product of a cache-resident matrix is a few microseconds).
+// One thread below these weight bytes: waking another costs more than it saves (a product of a
+// cache-resident 64 KB matrix is a few microseconds). A single row is no exception: inside a
+// decode step (code-target, M = 1) matrices of 256 KB - 1 MB on one thread made the whole forward
+// 1.5x slower (0.61 vs 0.41 ms) than sharing them, although alone, back to back, they ran at the
+// same speed either way.
 constexpr int64_t kParallelBytes = 1 << 18;
-constexpr int64_t kParallelBytesOneRow = 1 << 20;
 
 template <typename W>
 ffi::Error run(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const W* wp, int64_t P,
                float* y, int64_t N) {
   const int64_t bytes = P * K * kNB * int64_t(sizeof(W));
-  const bool parallel = bytes >= (M == 1 ? kParallelBytesOneRow : kParallelBytes);
+  const bool parallel = bytes >= kParallelBytes;
   pallas_attn::parallel_for(pool, P, parallel, [&](int64_t p0, int64_t p1) {
     panels(x, M, K, wp, y, N, p0, p1);
   });

@@ -370,6 +370,20 @@ def test_reference_and_xla_long_rows(case):
     check_impls(case, seed=5)
 
 
+WIDE_HEADS = [  # D >= 64: the native kernel's position-major score path (and its D % 16 tail)
+    Case(Tq=1, Tn=1, Hq=8, Hkv=2, D=64, S=64, page=16, causal=True),
+    Case(Tq=5, Tn=5, Hq=8, Hkv=1, D=80, S=96, page=16, causal=True, softcap=3.0),
+    Case(Tq=3, Tn=3, Hq=4, Hkv=4, D=128, S=33, page=None, leftpad=True, window=(5, 0)),
+    Case(B=1, S=608, Tq=4, Tn=4, Hq=8, Hkv=2, D=72, page=16, causal=True),
+    Case(Tq=2, Tn=2, Hq=4, Hkv=2, D=128, fp8=True, dtype="bfloat16", page=4, S=24, causal=True),
+]
+
+
+@pytest.mark.parametrize("case", WIDE_HEADS, ids=repr)
+def test_reference_and_xla_wide_heads(case):
+    check_impls(case, seed=6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sampled_cases(40, seed=2), ids=repr)
 def test_reference_and_xla_wide(case):
