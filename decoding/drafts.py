@@ -3,8 +3,8 @@
 A draft kind is a frozen, hashable object (a static argument of the jitted loop) with:
 
 * ``check(target, k)``: ``ValueError`` naming the argument when it cannot draft for ``target``;
-* ``default_num_draft_tokens``: the k used when ``num_draft_tokens=None`` (from
-  ``benchmarks/speculative.py``);
+* ``default_num_draft_tokens``: the k used when ``num_draft_tokens=None`` (``default_k``:
+  per backend, from ``benchmarks/speculative.py``);
 * ``make_state(target, params, cache_kind, batch, page_size, num_pages)``: host side, the
   draft's own pytree state (e.g. a KV cache) and its page tables (or None);
 * ``prefill(params, state, tokens, prompt_lengths)``: traced, after the target's prefill;
@@ -44,19 +44,34 @@ from decoding.sampling import SamplingConfig, probabilities, sample
 from models import KVCache
 from models.transformer import rope_tables
 
-# k used when ``num_draft_tokens=None``, per kind: the k with the best wall-time speed-up over
-# plain decoding in ``python -m benchmarks.speculative --kinds code-draft prompt-lookup
-# early-exit:4 medusa medusa+lookup ... --ks 1 2 3 4 --prompts 2 --runs 3`` (benchmarks/results/
-# speculative_cpu.json, quiet 2-core CPU; each speed-up paired in time with plain generate),
-# greedy first, T = 0.8 and the earlier quiet runs as tie-breaks. 2026-12-01 (native CPU kernels),
-# greedy, k = 1, 2, 3, 4: prompt lookup 1.26, 1.24, 1.21, 1.26x (2026-11-30: 1.02, 1.15, 1.16,
-# 1.27x and 1.14, 1.10, 1.21, 1.27x: flat within noise, k = 3 kept); distilled code-draft 1.01,
-# 0.95, 0.86, 0.90x (earlier 0.87, 0.94, 0.89, 0.82x: level, k = 3 kept); early exit after 4 of
-# 8 layers 0.89, 0.80, 0.67, 0.62x; Medusa chain 1.16, 1.17, 1.10, 1.10x and with lookup 1.37,
-# 1.35, 1.12, 1.04x (2026-11-30: 0.89, 1.02, 1.01, 1.01x and 1.20, 1.26, 1.25, 1.22x), so k = 2,
-# at least level with k = 3 in every run. On a faster verifier (a GPU, a bandwidth-bound target)
-# larger k pay more: re-run the benchmark there.
-DEFAULT_K = {"model": 3, "prompt-lookup": 3, "early-exit": 1, "medusa": 2}
+# k used when ``num_draft_tokens=None``, per backend and kind: the k with the best wall-time
+# speed-up over plain decoding (each paired in time with plain generate), greedy first, T = 0.8
+# to break ties (greedy rows within 0.1 of each other are noise on this VM).
+#
+# "cpu": two quiet runs on the 2-core CPU, 2026-12-01 after the faster native kernels (a plain
+# code-target step 0.57 -> 0.46 ms, verification of k + 1 tokens now 1.05-1.19x / 1.44-1.64x /
+# 1.79-1.96x a step at k = 1 / 2 / 3): ``python -m benchmarks.speculative --kinds code-draft
+# prompt-lookup early-exit:4 medusa medusa+lookup medusa-tree medusa-tree:4 --ks 1 2 3 4
+# --prompts 2 --runs 3`` (speculative_cpu.json) and ``--kinds code-draft prompt-lookup medusa
+# medusa+lookup --ks 1 2 3 --prompts 4 --runs 5 --no-hf --name speculative_default_k``.
+# Greedy, k = 1, 2, 3 (sweep / focused): prompt lookup 1.09 / 1.16, 1.16 / 1.11, 1.02 / 1.05x;
+# Medusa chain 1.06 / 1.10, 1.08 / 1.02, 1.00 / 0.99x; with lookup 1.06 / 1.12, 1.20 / 1.10,
+# 1.12 / 1.11x; distilled code-draft 0.80 / 0.75, 0.76 / 0.77, 0.73 / 0.83x; early exit (4 of 8
+# layers) 0.91, 0.72, 0.63x. T = 0.8 breaks the ties towards k = 1 (prompt lookup 0.95 / 0.95
+# vs 0.92 / 0.88x at k = 2; Medusa 1.03 / 1.02 vs 0.97 / 0.94x; with lookup 1.00 / 1.00 vs 0.93 /
+# 0.91x) except for the model draft, flat at every k (kept at 3). Before these kernels (k = 1 .. 4,
+# 2026-12-01 02:19 UTC) the Medusa chain's best was k = 2 and prompt lookup was flat.
+# "gpu" (any other backend): the earlier CPU choices, when verification cost relatively less, as
+# on a GPU; the H200 suite measured k = 3 (prompt lookup 1.39x, Medusa chain 1.26x), not a sweep.
+DEFAULT_K = {
+    "cpu": {"model": 3, "prompt-lookup": 1, "early-exit": 1, "medusa": 1},
+    "gpu": {"model": 3, "prompt-lookup": 3, "early-exit": 1, "medusa": 2},
+}
+
+
+def default_k(kind: str) -> int:
+    """``DEFAULT_K`` for the default backend (``jax.default_backend()``) and draft ``kind``."""
+    return DEFAULT_K["cpu" if jax.default_backend() == "cpu" else "gpu"][kind]
 
 
 class Proposal(NamedTuple):
@@ -151,7 +166,9 @@ class ModelDraft:
     graphdef: Any
     config: Any
 
-    default_num_draft_tokens = DEFAULT_K["model"]
+    @property
+    def default_num_draft_tokens(self) -> int:
+        return default_k("model")
 
     @classmethod
     def split(cls, model) -> tuple[ModelDraft, Any]:
@@ -198,7 +215,9 @@ class EarlyExit:
 
     num_layers: int
 
-    default_num_draft_tokens = DEFAULT_K["early-exit"]
+    @property
+    def default_num_draft_tokens(self) -> int:
+        return default_k("early-exit")
 
     def __post_init__(self):
         L = self.num_layers
@@ -242,7 +261,9 @@ class PromptLookup:
     max_ngram: int = 3
     min_ngram: int = 1
 
-    default_num_draft_tokens = DEFAULT_K["prompt-lookup"]
+    @property
+    def default_num_draft_tokens(self) -> int:
+        return default_k("prompt-lookup")
 
     def __post_init__(self):
         for name in ("max_ngram", "min_ngram"):

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from decoding import tree
-from decoding.drafts import DEFAULT_K, Context, Proposal, _check_vocab, lookup
+from decoding.drafts import Context, Proposal, _check_vocab, default_k, lookup
 from decoding.sampling import SamplingConfig, argmax, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
@@ -78,7 +78,7 @@ def verify_chain(target, last, prop: Proposal, sampling: SamplingConfig, key, hi
 class Medusa:
     """A draft kind for ``speculative_generate``: ``Medusa(heads)`` with ``heads`` a
     ``models.MedusaHeads`` trained for the target (its ``num_heads`` is the largest
-    ``num_draft_tokens``, ``drafts.DEFAULT_K["medusa"]`` the default); ``Medusa(heads,
+    ``num_draft_tokens``, ``drafts.default_k("medusa")`` the default); ``Medusa(heads,
     tree=TreeSpec.default(4))`` or ``tree=TreeSpec.from_accuracies(...)`` drafts a token tree
     (``decoding.tree``; k = the tree's depth); ``Medusa(heads, lookup_ngram=3)`` a chain that
     takes prompt lookup's continuation where the last 3 tokens occurred before (module doc)."""
@@ -127,7 +127,7 @@ class MedusaDraft:
     def default_num_draft_tokens(self) -> int:
         if self.tree is not None:
             return self.tree.depth
-        return min(DEFAULT_K["medusa"], self.num_heads)
+        return min(default_k("medusa"), self.num_heads)
 
     @property
     def verify_width(self) -> int:

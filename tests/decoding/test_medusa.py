@@ -264,3 +264,19 @@ def test_chain_with_lookup_sampling_is_exact_t1(small_target):
 def test_lookup_bad_arguments(tiny_model, kw, needle):
     with pytest.raises(ValueError, match=needle):
         Medusa(random_heads(tiny_model, 2), **kw)
+
+
+def test_default_num_draft_tokens_per_backend(monkeypatch):
+    from decoding.drafts import DEFAULT_K
+
+    target = random_transformer(seed=0)
+    for num_heads in (1, 4):
+        heads = random_heads(target, num_heads)
+        for backend, table in [("cpu", "cpu"), ("gpu", "gpu")]:
+            monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+            for lookup in (None, 3):
+                kind = Medusa(heads, lookup_ngram=lookup).split()[0]
+                want = min(DEFAULT_K[table]["medusa"], num_heads)
+                assert kind.default_num_draft_tokens == want, (num_heads, backend, lookup)
+            tree = Medusa(heads, tree=TreeSpec.default(num_heads)).split()[0]
+            assert tree.default_num_draft_tokens == tree.tree.depth

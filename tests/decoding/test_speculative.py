@@ -182,3 +182,18 @@ def test_greedy_rule_is_the_limit_of_the_sampling_rule():
     n3, nxt3 = verify(logits, None, draft, greedy, None)
     np.testing.assert_array_equal(n3, n)
     np.testing.assert_array_equal(nxt3, nxt)
+
+
+def test_default_num_draft_tokens_per_backend(monkeypatch):
+    from decoding.drafts import DEFAULT_K, ModelDraft
+
+    target = random_transformer(seed=0)
+    kinds = {"prompt-lookup": PromptLookup(), "early-exit": EarlyExit(num_layers=1)}
+    kinds["model"] = ModelDraft.split(random_transformer(seed=1))[0]
+    for backend, table in [("cpu", "cpu"), ("gpu", "gpu"), ("tpu", "gpu")]:
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        for name, kind in kinds.items():
+            assert kind.default_num_draft_tokens == DEFAULT_K[table][name], (backend, name)
+    monkeypatch.undo()
+    res = speculative_generate(target, PromptLookup(), [[1, 2, 3, 1, 2]], max_new_tokens=4)
+    assert res.stats["num_draft_tokens"] == DEFAULT_K["cpu"]["prompt-lookup"]
