@@ -10,8 +10,10 @@ bfloat16, Hq = 32, Hkv = 8, D = 128, B in {1, 8, 64}, S in {1k, 8k, 32k, 128k}, 
 
 On CPU: the ``"xla"`` path's time (float32, B in {1, 8}, S in {1k, 8k}, contiguous and paged P = 16),
 with the same bandwidth figures (``num_splits`` does not apply to it): the native kernel
-(``pallas_attn.cpu``) where it is built, and the blockwise jnp path it replaces ("xla blockwise").
-Writes ``benchmarks/results/decode_cpu.json``.
+(``pallas_attn.cpu``) where it is built, and the blockwise jnp path it replaces ("xla blockwise");
+plus the shipped code-target's decode and verification calls (Hq = 8, Hkv = 4, D = 32, S = 160,
+paged P = 16, B = 1, Tq in {1, 3, 5}; ``small_heads``), timed as a jitted loop of calls (each call
+is a few microseconds, below one dispatch). Writes ``benchmarks/results/decode_cpu.json``.
 """
 
 from __future__ import annotations
@@ -125,9 +127,56 @@ def run(configs, impl, dtype, runs, *, bundled: bool, warmup: int = 1):
     return rows
 
 
+SMALL = dict(Hq=8, Hkv=4, D=32, S=160, P=16)  # code-target's attention shapes
+SMALL_CALLS = 200  # calls per timed loop
+
+
+def small_heads(runs: int, warmup: int) -> list[dict]:
+    """Microseconds per ``attention_with_kvcache`` call at code-target's shapes, B = 1, Tq in
+    {1, 3, 5} (a decode step and verifications of k = 2, 4), native kernel and blockwise path:
+    a jitted loop of SMALL_CALLS calls, each query the previous output (no call is dead code)."""
+    h, kv_heads, d, S, P = (SMALL[n] for n in ("Hq", "Hkv", "D", "S", "P"))
+    pages = 2 * S // P
+    kk, kv, kq = jax.random.split(jax.random.key(1), 3)
+    k_cache = jax.random.normal(kk, (pages, P, kv_heads, d), jnp.float32)
+    v_cache = jax.random.normal(kv, (pages, P, kv_heads, d), jnp.float32)
+    table = jnp.arange(pages, dtype=jnp.int32)[None]
+    lengths = jnp.full((1,), S, jnp.int32)
+
+    def make_loop():  # a new function per path: eligibility is read when it is traced
+        def loop(q, k_cache, v_cache):
+            def body(_, q):
+                return attention_with_kvcache(
+                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, causal=True,
+                    impl="xla",
+                ).out  # fmt: skip
+
+            return jax.lax.fori_loop(0, SMALL_CALLS, body, q)
+
+        return jax.jit(loop)
+
+    rows = []
+    for Tq in tqdm((1, 3, 5), desc="code-target shapes"):
+        q = jax.random.normal(kq, (1, Tq, h, d), jnp.float32)
+        paths = [("xla", True), ("xla blockwise", False)] if cpu.eligible(q, k_cache) else [
+            ("xla blockwise", False)]  # fmt: skip
+        for impl, native in paths:
+            saved, cpu.ENABLED = cpu.ENABLED, native
+            try:
+                seconds = common.time_fn(make_loop(), q, k_cache, v_cache, runs=runs,
+                                         warmup=warmup)  # fmt: skip
+            finally:
+                cpu.ENABLED = saved
+            row = dict(impl=impl, B=1, S=S, layout=f"paged P={P}", case="code-target", Tq=Tq)
+            rows.append(dict(row, us_per_call=1e6 * seconds / SMALL_CALLS))
+    return rows
+
+
 PLOTS = {
     "decode_cpu": (
-        Plot("time", x="S", y=("ms",), series=("impl", "layout"), facet="B", logx=True, logy=True),
+        Plot("time", x="S", y=("ms",), series=("impl", "layout"), facet="B", where=(("case", None),),
+             logx=True, logy=True),
+        Plot("code_target", x="Tq", y=("us_per_call",), series=("impl",), where=(("case", "code-target"),)),
     ),
     "decode_gpu": (
         Plot("bandwidth", x="S", y=("vs_copy",), series=("impl", "layout", "num_splits"),
@@ -157,12 +206,16 @@ def main(argv=None) -> None:
         rows = run(configs, "pallas", jnp.bfloat16, args.runs, bundled=True, warmup=args.warmup)
     else:
         rows = run(configs, "xla", jnp.float32, args.runs, bundled=False, warmup=args.warmup)
+        small = small_heads(args.runs, args.warmup)
+        common.print_table(small, ["impl", "Tq", "S", "layout", "us_per_call"])
+        rows += small
     cols = ["impl", "B", "S", "layout", "num_splits", "ms", "GB_per_s", "vs_copy", "copy_GB_per_s"]
+    cols += ["Tq", "us_per_call"] if not gpu else []
     goal = [
         r for r in rows
         if r.get("impl") == "pallas" and r["B"] == 8 and r["S"] == 32768 and "vs_copy" in r
     ]  # fmt: skip
-    meta = dict(shape=dict(Hq=Hq, Hkv=Hkv, D=D, Tq=1))
+    meta = dict(shape=dict(Hq=Hq, Hkv=Hkv, D=D, Tq=1), code_target_shape=SMALL)
     if goal:
         meta["goal_B8_S32k_best_vs_copy"] = max(r["vs_copy"] for r in goal)
     common.finish(args, "decode_gpu" if gpu else "decode_cpu", rows, cols, **meta)
