@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -294,7 +295,8 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
   const int64_t R = p.Tq * p.G, D = p.D, H = p.Hkv, rows = H * R;
   part.reset(rows, D);
   // The row's queries, scaled, as qs[h * R + r] (r = i * G + g): q[b, i, h * G + g, :] * scale.
-  std::vector<float> qs(rows * D), s(rows * kChunk), kbuf, vbuf;
+  std::vector<float> qs(rows * D), s(rows * kChunk);
+  std::unique_ptr<float[]> kbuf, vbuf;  // a chunk converted to float32 (else read in place)
   const float *kp[kChunk], *vp[kChunk];  // each position's H x D keys / values as float32
   for (int64_t h = 0; h < H; ++h)
     for (int64_t r = 0; r < R; ++r) {
@@ -312,8 +314,8 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
   for (int64_t h = 0; h < H; ++h) k_unscaled = k_unscaled && kd[h] == 1.f;
   for (int64_t h = 0; h < H; ++h) v_unscaled = v_unscaled && vd[h] == 1.f;
   constexpr bool f32 = std::is_same_v<E, F32>;
-  if (!(f32 && k_unscaled)) kbuf.resize(kChunk * H * D);  // converted chunk (else read in place)
-  if (!(f32 && v_unscaled)) vbuf.resize(kChunk * H * D);
+  if (!(f32 && k_unscaled)) kbuf.reset(new float[kChunk * H * D]);
+  if (!(f32 && v_unscaled)) vbuf.reset(new float[kChunk * H * D]);
   for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
     const int64_t n = k1 - c0 < kChunk ? k1 - c0 : kChunk;
     for (int64_t c = 0, pos = c0; c < n; ++c, ++pos) {  // cache offset of each position's row
@@ -322,8 +324,10 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
       at[c] = (page * p.P + pos % p.P) * H * D;
     }
     for (int64_t c = 0; c < n; ++c) {
-      kp[c] = as_float<E>(kc + at[c], &kbuf[c * H * D], H, D, kd, k_unscaled);
-      vp[c] = as_float<E>(vc + at[c], &vbuf[c * H * D], H, D, vd, v_unscaled);
+      float* kb = kbuf ? kbuf.get() + c * H * D : nullptr;
+      float* vb = vbuf ? vbuf.get() + c * H * D : nullptr;
+      kp[c] = as_float<E>(kc + at[c], kb, H, D, kd, k_unscaled);
+      vp[c] = as_float<E>(vc + at[c], vb, H, D, vd, v_unscaled);
     }
     if (D >= kLongRow) {  // scores: position-major, each key row shared by 8 query rows at once
       for (int64_t c = 0; c < n; ++c)
