@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -194,10 +195,11 @@ inline void scores16(const float* q, const float* const* k, int64_t off, int64_t
 }
 
 constexpr int kRowBlock = 8;  // query rows whose value accumulators stay in registers
+static_assert(kRowBlock == 8, "pallas_attn::with_rows goes up to 8 rows");
 
 // acc[r, :] += sum over c < n of w[r * kChunk + c] * v[c][off : off + D], for RB rows.
 template <int RB>
-void weigh_values_rb(const float* const* v, int64_t n, int64_t off, const float* w, float* acc,
+void weigh_values(const float* const* v, int64_t n, int64_t off, const float* w, float* acc,
                      int64_t D) {
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
@@ -224,7 +226,7 @@ constexpr int64_t kLongRow = 64;
 
 // s[r * kChunk] = q[r] . k[0 : D] for RB query rows: the key row is loaded once for all of them.
 template <int RB>
-void score_rows_rb(const float* q, const float* k, int64_t D, float* s) {
+void score_rows(const float* q, const float* k, int64_t D, float* s) {
   vf a[RB];
   for (int r = 0; r < RB; ++r) a[r] = vf{};
   int64_t d = 0;
@@ -239,32 +241,7 @@ void score_rows_rb(const float* q, const float* k, int64_t D, float* s) {
   }
 }
 
-inline void score_rows(int64_t rb, const float* q, const float* k, int64_t D, float* s) {
-  switch (rb) {
-    case 1: return score_rows_rb<1>(q, k, D, s);
-    case 2: return score_rows_rb<2>(q, k, D, s);
-    case 3: return score_rows_rb<3>(q, k, D, s);
-    case 4: return score_rows_rb<4>(q, k, D, s);
-    case 5: return score_rows_rb<5>(q, k, D, s);
-    case 6: return score_rows_rb<6>(q, k, D, s);
-    case 7: return score_rows_rb<7>(q, k, D, s);
-    default: return score_rows_rb<8>(q, k, D, s);
-  }
-}
 
-inline void weigh_values(int64_t rb, const float* const* v, int64_t n, int64_t off,
-                         const float* w, float* acc, int64_t D) {
-  switch (rb) {
-    case 1: return weigh_values_rb<1>(v, n, off, w, acc, D);
-    case 2: return weigh_values_rb<2>(v, n, off, w, acc, D);
-    case 3: return weigh_values_rb<3>(v, n, off, w, acc, D);
-    case 4: return weigh_values_rb<4>(v, n, off, w, acc, D);
-    case 5: return weigh_values_rb<5>(v, n, off, w, acc, D);
-    case 6: return weigh_values_rb<6>(v, n, off, w, acc, D);
-    case 7: return weigh_values_rb<7>(v, n, off, w, acc, D);
-    default: return weigh_values_rb<8>(v, n, off, w, acc, D);
-  }
-}
 
 // Running softmax state of every query row of one batch row over a span of its keys: per head
 // h and row r = i * G + g, the max m, the sum l and the unnormalised output acc [D].
@@ -334,7 +311,9 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
         for (int64_t h = 0; h < H; ++h)
           for (int64_t r0 = h * R; r0 < (h + 1) * R; r0 += kRowBlock) {
             const int64_t rb = (h + 1) * R - r0 < kRowBlock ? (h + 1) * R - r0 : kRowBlock;
-            score_rows(rb, &qs[r0 * D], kp[c] + h * D, D, &s[r0 * kChunk + c]);
+            pallas_attn::with_rows(rb, [&](auto RB) {
+              score_rows<RB>(&qs[r0 * D], kp[c] + h * D, D, &s[r0 * kChunk + c]);
+            });
           }
     } else {  // scores: per query row, 16 keys at a time
       for (int64_t h = 0; h < H; ++h)
@@ -392,7 +371,9 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
     for (int64_t h = 0; h < H; ++h)  // values: blocks of 8 query rows accumulate in registers
       for (int64_t r0 = h * R; r0 < (h + 1) * R; r0 += kRowBlock) {
         const int64_t rb = (h + 1) * R - r0 < kRowBlock ? (h + 1) * R - r0 : kRowBlock;
-        weigh_values(rb, vp, n, h * D, &s[r0 * kChunk], &part.acc[r0 * D], D);
+        pallas_attn::with_rows(rb, [&](auto RB) {
+          weigh_values<RB>(vp, n, h * D, &s[r0 * kChunk], &part.acc[r0 * D], D);
+        });
       }
   }
 }

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "parallel.h"
+#include "rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -20,6 +21,7 @@ namespace {
 constexpr int kLanes = 16;       // floats per vector: one AVX-512 register, two AVX2 ones
 constexpr int kNB = 2 * kLanes;  // panel width (columns)
 constexpr int kMB = 8;           // rows per block
+static_assert(kMB == 8, "pallas_attn::with_rows goes up to 8 rows");
 typedef float vf __attribute__((vector_size(kLanes * 4), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(kLanes * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(kLanes * 4), aligned(4)));
@@ -70,16 +72,7 @@ void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t
     for (int64_t m0 = 0; m0 < M; m0 += kMB) {
       const float* xm = x + m0 * K;
       float* ym = y + m0 * N + n0;
-      switch (M - m0 < kMB ? M - m0 : kMB) {
-        case 1: panel<1>(xm, K, w, ym, N, cols); break;
-        case 2: panel<2>(xm, K, w, ym, N, cols); break;
-        case 3: panel<3>(xm, K, w, ym, N, cols); break;
-        case 4: panel<4>(xm, K, w, ym, N, cols); break;
-        case 5: panel<5>(xm, K, w, ym, N, cols); break;
-        case 6: panel<6>(xm, K, w, ym, N, cols); break;
-        case 7: panel<7>(xm, K, w, ym, N, cols); break;
-        default: panel<8>(xm, K, w, ym, N, cols); break;
-      }
+      pallas_attn::with_rows(M - m0, [&](auto MB) { panel<MB>(xm, K, w, ym, N, cols); });
     }
   }
 }
