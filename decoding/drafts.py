@@ -48,19 +48,21 @@ from models.transformer import rope_tables
 # speed-up over plain decoding (each paired in time with plain generate), greedy first, T = 0.8
 # to break ties (greedy rows within 0.1 of each other are noise on this VM).
 #
-# "cpu": two quiet runs on the 2-core CPU, 2026-12-01 after the faster native kernels (a plain
-# code-target step 0.57 -> 0.46 ms, verification of k + 1 tokens now 1.05-1.19x / 1.44-1.64x /
-# 1.79-1.96x a step at k = 1 / 2 / 3): ``python -m benchmarks.speculative --kinds code-draft
-# prompt-lookup early-exit:4 medusa medusa+lookup medusa-tree medusa-tree:4 --ks 1 2 3 4
+# "cpu": two quiet runs on the 2-core CPU, 2026-12-01 04:55-05:05 UTC, with the second version of
+# the native kernels (a plain code-target step 0.57 -> 0.40 ms; verifying k + 1 tokens 1.13-1.20x
+# / 1.45-1.56x / 1.73-1.84x a step at k = 1 / 2 / 3): ``python -m benchmarks.speculative --kinds
+# code-draft prompt-lookup early-exit:4 medusa medusa+lookup medusa-tree medusa-tree:4 --ks 1 2 3 4
 # --prompts 2 --runs 3`` (speculative_cpu.json) and ``--kinds code-draft prompt-lookup medusa
 # medusa+lookup --ks 1 2 3 --prompts 4 --runs 5 --no-hf --name speculative_default_k``.
-# Greedy, k = 1, 2, 3 (sweep / focused): prompt lookup 1.09 / 1.16, 1.16 / 1.11, 1.02 / 1.05x;
-# Medusa chain 1.06 / 1.10, 1.08 / 1.02, 1.00 / 0.99x; with lookup 1.06 / 1.12, 1.20 / 1.10,
-# 1.12 / 1.11x; distilled code-draft 0.80 / 0.75, 0.76 / 0.77, 0.73 / 0.83x; early exit (4 of 8
-# layers) 0.91, 0.72, 0.63x. T = 0.8 breaks the ties towards k = 1 (prompt lookup 0.95 / 0.95
-# vs 0.92 / 0.88x at k = 2; Medusa 1.03 / 1.02 vs 0.97 / 0.94x; with lookup 1.00 / 1.00 vs 0.93 /
-# 0.91x) except for the model draft, flat at every k (kept at 3). Before these kernels (k = 1 .. 4,
-# 2026-12-01 02:19 UTC) the Medusa chain's best was k = 2 and prompt lookup was flat.
+# Greedy, k = 1, 2, 3 (sweep / focused): prompt lookup 1.31 / 1.14, 1.14 / 1.17, 0.81 / 1.09x;
+# Medusa chain 1.04 / 1.11, 1.10 / 1.08, 1.12 / 1.06x; with lookup 1.08 / 1.16, 1.27 / 1.15,
+# 1.11 / 1.20x; distilled code-draft 0.76 / 0.77, 0.75 / 0.70, 0.87 / 0.79x; early exit (4 of 8
+# layers) 0.80, 0.65, 0.66x. Prompt lookup's k = 1 leads; the Medusa rows are within the noise of
+# each other and T = 0.8 breaks the tie towards k = 1 (chain 1.02 / 1.02 vs 1.00 / 1.06x at k = 2;
+# with lookup 1.07 / 1.01 vs 1.05 / 0.96x); the model draft is flat at every k (kept at 3). The
+# same choice came out of the two runs half an hour earlier (04:14 / 04:24 UTC, before the
+# products' panel rows were kept in registers). Before these kernels (k = 1 .. 4, 02:19 UTC) the
+# Medusa chain's best was k = 2 and prompt lookup was flat.
 # "gpu" (any other backend): the earlier CPU choices, when verification cost relatively less, as
 # on a GPU; the H200 suite measured k = 3 (prompt lookup 1.39x, Medusa chain 1.26x), not a sweep.
 DEFAULT_K = {
