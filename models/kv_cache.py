@@ -15,6 +15,8 @@ writes them at positions ``lengths .. lengths + T - 1`` and returns ``lengths + 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -88,8 +90,8 @@ class KVCache:
         dtype = config.jnp_dtype if dtype is None else jnp.dtype(dtype)
         mesh = None if mesh is None else check_mesh(config, mesh)
         layer, rows, table = cache_shardings(mesh, lengths.shape[0], block_table is not None)
-        k = tuple(jnp.zeros(shape, dtype, device=layer) for _ in range(config.num_layers))
-        v = tuple(jnp.zeros(shape, dtype, device=layer) for _ in range(config.num_layers))
+        zeros = _zeros(tuple(shape), dtype, 2 * config.num_layers, layer)()
+        k, v = zeros[: config.num_layers], zeros[config.num_layers :]
         if mesh is not None:
             lengths = jax.device_put(lengths, rows)
             block_table = None if block_table is None else jax.device_put(block_table, table)
@@ -114,3 +116,11 @@ class KVCache:
         if self.is_paged:
             return self.block_table.shape[1] * self.k[0].shape[1]
         return self.k[0].shape[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape, dtype, count: int, sharding):
+    """A jitted ``() -> count`` zero arrays of ``shape``: one dispatch for a whole cache (a
+    dispatch per layer's K and V cost about 1 ms of a generate call for code-target's 16)."""
+    out = None if sharding is None else (sharding,) * count
+    return jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(count)), out_shardings=out)

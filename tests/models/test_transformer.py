@@ -256,3 +256,21 @@ def test_decode_layout_bfloat16_weights():
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     err = np.max(np.abs(a - b)) / np.max(np.abs(a))
     assert err <= 0.01, err  # 0.0036 here: outputs rounded to bfloat16 per op
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_empty_cache_arrays_are_distinct_zero_buffers(paged):
+    """One jitted call makes all of a cache's K and V arrays; each must be its own buffer
+    (generate and the engine donate them) and all zeros, in the config's dtype."""
+    config = TransformerConfig(
+        vocab_size=16, dim=16, num_layers=3, num_heads=2, num_kv_heads=1, mlp_dim=32
+    )
+    if paged:
+        cache = KVCache.paged(config, 5, 4, np.zeros((2, 3), np.int32))
+    else:
+        cache = KVCache.contiguous(config, 2, 8)
+    arrays = cache.k + cache.v
+    assert len({a.unsafe_buffer_pointer() for a in arrays}) == 2 * config.num_layers
+    for a in arrays:
+        assert a.dtype == config.jnp_dtype and not np.asarray(a).any()
+    assert KVCache.contiguous(config, 2, 8, dtype=jnp.bfloat16).k[0].dtype == jnp.bfloat16
