@@ -142,9 +142,7 @@ class Engine:
         self.tables = BlockTables(self.allocator, self.max_batch, self.max_pages)
         self._scratch = num_pages
         graphdef, self._params = nnx.split(model)
-        self._kernels = decode_kernels(
-            model, self._params
-        )  # packed weights for few-row steps (CPU)
+        self._kernels = decode_kernels(model, self._params)  # packed weights, few-row steps (CPU)
         self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef)
         pool = KVCache.paged(self.config, num_pages + 1, page_size, np.zeros((1, 1), np.int32))
         self._k, self._v = pool.k, pool.v

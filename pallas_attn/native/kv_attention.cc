@@ -194,13 +194,18 @@ inline void scores16(const float* q, const float* const* k, int64_t off, int64_t
   }
 }
 
-constexpr int kRowBlock = 8;  // query rows whose value accumulators stay in registers
-static_assert(kRowBlock == 8, "pallas_attn::with_rows goes up to 8 rows");
+// f(r0, RB) over rows [begin, end) in blocks of up to 8 (pallas_attn::with_rows): RB rows from
+// r0, RB a compile-time count, so a block's accumulators stay in registers.
+template <typename F>
+inline void row_blocks(int64_t begin, int64_t end, F&& f) {
+  for (int64_t r0 = begin; r0 < end; r0 += pallas_attn::kMaxRows)
+    pallas_attn::with_rows(end - r0, [&](auto RB) { f(r0, RB); });
+}
 
 // acc[r, :] += sum over c < n of w[r * kChunk + c] * v[c][off : off + D], for RB rows.
 template <int RB>
 void weigh_values(const float* const* v, int64_t n, int64_t off, const float* w, float* acc,
-                     int64_t D) {
+                  int64_t D) {
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
     vf a[RB];
@@ -240,8 +245,6 @@ void score_rows(const float* q, const float* k, int64_t D, float* s) {
     s[r * kChunk] = x;
   }
 }
-
-
 
 // Running softmax state of every query row of one batch row over a span of its keys: per head
 // h and row r = i * G + g, the max m, the sum l and the unnormalised output acc [D].
@@ -309,12 +312,9 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
     if (D >= kLongRow) {  // scores: position-major, each key row shared by 8 query rows at once
       for (int64_t c = 0; c < n; ++c)
         for (int64_t h = 0; h < H; ++h)
-          for (int64_t r0 = h * R; r0 < (h + 1) * R; r0 += kRowBlock) {
-            const int64_t rb = (h + 1) * R - r0 < kRowBlock ? (h + 1) * R - r0 : kRowBlock;
-            pallas_attn::with_rows(rb, [&](auto RB) {
-              score_rows<RB>(&qs[r0 * D], kp[c] + h * D, D, &s[r0 * kChunk + c]);
-            });
-          }
+          row_blocks(h * R, (h + 1) * R, [&](int64_t r0, auto RB) {
+            score_rows<RB>(&qs[r0 * D], kp[c] + h * D, D, &s[r0 * kChunk + c]);
+          });
     } else {  // scores: per query row, 16 keys at a time
       for (int64_t h = 0; h < H; ++h)
         for (int64_t r = h * R; r < (h + 1) * R; ++r)
@@ -369,12 +369,9 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
         for (int64_t d = 0; d < D; ++d) part.acc[hr * D + d] *= corr;
     }
     for (int64_t h = 0; h < H; ++h)  // values: blocks of 8 query rows accumulate in registers
-      for (int64_t r0 = h * R; r0 < (h + 1) * R; r0 += kRowBlock) {
-        const int64_t rb = (h + 1) * R - r0 < kRowBlock ? (h + 1) * R - r0 : kRowBlock;
-        pallas_attn::with_rows(rb, [&](auto RB) {
-          weigh_values<RB>(vp, n, h * D, &s[r0 * kChunk], &part.acc[r0 * D], D);
-        });
-      }
+      row_blocks(h * R, (h + 1) * R, [&](int64_t r0, auto RB) {
+        weigh_values<RB>(vp, n, h * D, &s[r0 * kChunk], &part.acc[r0 * D], D);
+      });
   }
 }
 

@@ -6,6 +6,8 @@
 
 namespace pallas_attn {
 
+constexpr int kMaxRows = 8;  // the largest count with_rows passes
+
 // f(std::integral_constant<int, n>{}) for n = rows in 1 .. 7, else n = 8: a loop body templated
 // on its row count keeps one accumulator array per row in registers.
 template <typename F>

@@ -21,7 +21,7 @@ namespace {
 constexpr int kLanes = 16;       // floats per vector: one AVX-512 register, two AVX2 ones
 constexpr int kNB = 2 * kLanes;  // panel width (columns)
 constexpr int kMB = 8;           // rows per block
-static_assert(kMB == 8, "pallas_attn::with_rows goes up to 8 rows");
+static_assert(kMB == pallas_attn::kMaxRows, "rows per block: what with_rows dispatches");
 typedef float vf __attribute__((vector_size(kLanes * 4), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(kLanes * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(kLanes * 4), aligned(4)));
