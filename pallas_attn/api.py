@@ -43,8 +43,12 @@ def flash_attention(
         segment (packed sequences). Give both or neither.
       return_lse: also return the log-sum-exp of the scaled scores, natural log, float32
         [B, Hq, T]; ``-inf`` for a row that sees no key (whose output is 0).
-      impl: "reference", "xla", "pallas", "interpret" or "auto" (pallas on GPU, else xla).
-      block_sizes: tile sizes for "xla"/"pallas"/"interpret"; default per head dim and dtype.
+      impl: "reference", "xla", "pallas" / "interpret" (Triton kernels, compiled or under the
+        Pallas interpreter), "mosaic" / "mosaic_interpret" (Hopper kernels: TMA and wgmma,
+        16-bit inputs, no segment ids; compiled for sm_90a or under JAX's GPU interpreter) or
+        "auto": mosaic on sm_90+ for 16-bit inputs, pallas on other GPUs, else xla.
+      block_sizes: tile sizes for "xla"/"pallas"/"interpret"/"mosaic"; default per head dim and
+        dtype.
 
     Returns:
       ``out`` [B, T, Hq, D] in q's dtype, or ``(out, lse)`` when ``return_lse``. Differentiable in
@@ -56,8 +60,8 @@ def flash_attention(
       ValueError / TypeError naming the argument: wrong rank, empty dim, dtype mismatch,
       ``Hq % Hkv != 0``, bad window, NaN/inf or negative ``softcap``/``softmax_scale``, unknown impl.
     """
-    impl = validation.resolve_impl(impl)
     validation.check_qkv(q, k, v, letters="BTHD")
+    impl = validation.resolve_impl(impl, mosaic_dtype=q.dtype)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch of q ({q.shape[0]}) must equal batch of k ({k.shape[0]})")
     B, T, _, D = q.shape
@@ -94,6 +98,16 @@ def run_impl(impl: str, q, k, v, *, block_sizes: BlockSizes | None, **kwargs):
         if block_sizes is not None:
             blocks = dict(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
         return xla.attention(q, k, v, **kwargs, **blocks)
+    if impl in ("mosaic", "mosaic_interpret"):
+        from pallas_attn import mosaic  # the Mosaic GPU kernels: imported only when asked for
+
+        mosaic.check_supported(
+            q, segments=kwargs.get("q_segment_ids") is not None, block_sizes=block_sizes
+        )
+        kw = {name: x for name, x in kwargs.items() if not name.endswith("segment_ids")}
+        return mosaic.attention(
+            q, k, v, **kw, block_sizes=block_sizes, interpret=impl == "mosaic_interpret"
+        )
     from pallas_attn import flash  # the Pallas kernels: imported only when asked for
 
     block_sizes = block_sizes or BlockSizes.get_default(q.shape[-1], q.dtype)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_attn.masks import MASK_VALUE
 
@@ -66,11 +67,17 @@ def step(carry, s2, v, pv, mask=None):
         s2 = jnp.where(mask, s2, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s2, axis=-1))
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s2 - m_new[..., None])
+    p = jnp.exp2(s2 - _expand(m_new, s2.shape))
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    acc = acc * alpha[..., None] + pv(p, v)
+    acc = acc * _expand(alpha, acc.shape) + pv(p, v)
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc
+
+
+def _expand(x, shape):
+    """``x`` [..., M] broadcast to ``shape`` [..., M, N] (explicit dims: Mosaic GPU's layouts
+    have no [..., M, 1] intermediate)."""
+    return lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)))
 
 
 def finalize(m, l, acc):
@@ -78,7 +85,7 @@ def finalize(m, l, acc):
     and ``-inf``. ``m`` is the base-2 max; ``acc`` keeps its dtype."""
     seen = l > 0
     l_safe = jnp.where(seen, l, jnp.ones((), l.dtype))
-    out = acc / l_safe[..., None]
+    out = acc / _expand(l_safe, acc.shape)
     l32 = l_safe.astype(jnp.float32)
     return out, jnp.where(seen, m.astype(jnp.float32) * LN2 + jnp.log(l32), -jnp.inf)
 

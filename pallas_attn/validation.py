@@ -10,17 +10,29 @@ import jax
 import jax.numpy as jnp
 
 # The ``impl`` values every op takes (exported as ``pallas_attn.IMPLS``).
-IMPLS = ("auto", "reference", "xla", "pallas", "interpret")
+IMPLS = ("auto", "reference", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MOSAIC_MIN_CC = 9  # Hopper (sm_90) and newer: TMA and wgmma
 
 
-def resolve_impl(impl) -> str:
-    """Checks ``impl`` and turns ``"auto"`` into ``"pallas"`` on GPU, ``"xla"`` elsewhere."""
+def resolve_impl(impl, *, mosaic_dtype=None) -> str:
+    """Checks ``impl`` and turns ``"auto"`` into ``"mosaic"`` on sm_90+ GPUs for 16-bit inputs of
+    an op with Mosaic kernels (``mosaic_dtype`` given), ``"pallas"`` (Triton) on other GPUs,
+    ``"xla"`` elsewhere."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return impl
+    if impl != "auto":
+        return impl
+    if jax.default_backend() != "gpu":
+        return "xla"
+    half = mosaic_dtype is not None and jnp.dtype(mosaic_dtype).itemsize == 2
+    return "mosaic" if half and _compute_capability() >= MOSAIC_MIN_CC else "pallas"
+
+
+def _compute_capability() -> int:
+    """Major compute capability of the first GPU (0 when unknown)."""
+    cc = getattr(jax.devices()[0], "compute_capability", "0")
+    return int(str(cc).split(".")[0] or 0)
 
 
 def check_array(name: str, x, *, ndim: int, dtypes=FLOAT_DTYPES):

@@ -1,0 +1,1 @@
+"""Pallas kernels on Mosaic GPU (Hopper: TMA, wgmma), one file per kernel family."""

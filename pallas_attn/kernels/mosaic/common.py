@@ -1,0 +1,167 @@
+"""What the Mosaic GPU kernels share: the static config, SMEM tiles, wgmma helpers, the interpreter.
+
+The kernels are ``plgpu.kernel`` bodies (grid axes by name, ``lax.axis_index``), written to what
+both the sm_90a compiler and JAX's GPU interpreter accept, so one kernel body is what CI tests
+(``impl="mosaic_interpret"``) and what an H100/H200 runs (``impl="mosaic"``).
+
+What the GPU interpreter of JAX 0.10.2 (``jax._src.pallas.mosaic_gpu.interpret``) supports, found
+by running kernels under it (each a rule of how the kernels here are written):
+
+* Grid: ``plgpu.kernel`` with named grid axes read by ``lax.axis_index``. ``pl.program_id``
+  always returns 0, BlockSpecs must be trivial (whole arrays in GMEM), no scalar prefetch and no
+  dynamic grid bounds: every tile is moved by hand with TMA (``copy_gmem_to_smem`` + barrier).
+* Memory ops: ``ref[...]`` reads and writes (state ``get``/``swap``), ``copy_gmem_to_smem``,
+  ``copy_smem_to_gmem``, ``barrier_arrive``/``barrier_wait``, ``wgmma`` into an accumulator and
+  reading it back. ``plgpu.load`` and Pallas ``load``/``store`` (masked) have no rule.
+* ``plgpu.ACC`` must be allocated in its own ``pl.run_scoped`` (one holding only accumulators,
+  not collective); SMEM and barriers go in another. ``pl.run_state`` (``plgpu.ACC.init``) has no
+  rule, so an accumulator never carries across loop iterations: each wgmma group runs into a
+  fresh zeroed accumulator and the result is added in registers (:func:`matmul`).
+* ``wgmma`` operands must be refs (a register LHS is rejected: P goes through SMEM) whose
+  transforms are only slices: ``plgpu.transpose_ref`` is rejected, so under the interpreter a
+  transposed operand is copied into a transposed SMEM scratch first (:func:`matmul`); compiled,
+  the transpose is a free descriptor flag. Tiling and swizzle transforms on SMEM allocations are
+  undone by the interpreter (it allocates the logical shape).
+* ``plgpu.layout_cast`` has no CPU rule: layouts are cast only when compiling (:func:`cast`).
+* ``wgmma`` runs synchronously and ``commit_smem``/``wgmma_wait``/``wait_smem_to_gmem`` are
+  no-ops, so the interpreter checks barriers and TMA ordering but not wgmma asynchrony.
+* After an exception inside an interpreted kernel, JAX's interpreter state must be reset
+  (:func:`reset_interpreter`) before the next interpreted kernel in the same process.
+
+Scores are base 2 inside the kernels, as in :mod:`pallas_attn.softmax`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+try:  # JAX >= 0.11 exposes the GPU interpreter publicly
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+except ImportError:  # JAX 0.10.x: the same class under jax._src
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+# wgmma's operand types (Hopper): 16-bit floats here; float32 inputs go to the Triton kernels.
+DTYPES = (jnp.bfloat16, jnp.float16)
+# Rows of one warpgroup's wgmma tile: every row block is a multiple of it.
+WGMMA_ROWS = 64
+# The head dim is padded to a multiple of this (one 128-byte swizzled row of 16-bit values).
+HEAD_DIM_MULTIPLE = 64
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static (hashable) parameters of the Mosaic flash kernels; jit caches by it.
+
+    ``T`` and ``S`` are the true lengths (the arrays are padded to the tiles): query row ``i``
+    sits at key position ``S - T + i`` and keys ``>= S`` are padding. ``segments`` is always False
+    here (segment ids are not supported by these kernels yet); it is named so that the block-range
+    helpers of :mod:`pallas_attn.kernels.flash_common` take this config.
+    """
+
+    softmax_scale: float
+    window: tuple[int, int]
+    softcap: float
+    T: int
+    S: int
+    block_q: int
+    block_k: int
+    block_q_bwd: int
+    block_k_bwd: int
+    interpret: bool
+    segments: bool = False
+
+    @property
+    def q_offset(self) -> int:
+        return self.S - self.T
+
+
+def interpret_params(cfg: Config):
+    """The ``interpret`` argument of ``plgpu.kernel``: the GPU interpreter, or None (compile)."""
+    return InterpretGPUParams() if cfg.interpret else None
+
+
+def reset_interpreter() -> None:
+    """Resets JAX's GPU-interpreter state (needed after an exception inside an interpreted kernel)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """An SMEM tile laid out for TMA and wgmma: 8-row tiles of one swizzle width (128 bytes for a
+    row of >= 64 16-bit values)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    tiling = plgpu.TilingTransform((8, swizzle // itemsize))
+    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
+
+
+def cast(cfg: Config, x, layout):
+    """``plgpu.layout_cast`` when compiling; identity under the interpreter (no CPU rule)."""
+    return x if cfg.interpret else plgpu.layout_cast(x, layout)
+
+
+def rows(cfg: Config, x):
+    """A per-row statistic ([M]) in the layout of a wgmma accumulator's row reduction."""
+    return cast(cfg, x, plgpu.Layout.WGMMA.reduce(1))
+
+
+def tile(cfg: Config, x):
+    """An [M, N] value in the wgmma accumulator layout."""
+    return cast(cfg, x, plgpu.Layout.WGMMA)
+
+
+def iota(cfg: Config, shape: tuple[int, int], dim: int):
+    """``broadcasted_iota`` in the wgmma accumulator layout (a row or column index per element)."""
+    return tile(cfg, jax.lax.broadcasted_iota(jnp.int32, shape, dim))
+
+
+def load_vector(cfg: Config, ref, dim: int):
+    """An SMEM vector [N] as the row (``dim=1``) or column (``dim=0``) statistic of an [M, N] or
+    [N, M] accumulator tile (``plgpu.load`` with that layout; a plain read when interpreted)."""
+    if cfg.interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(dim))
+
+
+def matmul(cfg: Config, a, b, *, transpose_b: bool = False):
+    """``a @ b`` (or ``a @ b.T``) of SMEM refs by wgmma, float32 [M, N] in registers.
+
+    ``a``: [M, K]; ``b``: [K, N], or [N, K] with ``transpose_b``. Compiled, the transpose is the
+    wgmma descriptor's; interpreted, ``b`` is first copied transposed into a scratch tile.
+    """
+    M = a.shape[0]
+    N = b.shape[0] if transpose_b else b.shape[1]
+
+    def run(acc):
+        if not transpose_b:
+            plgpu.wgmma(acc, a, b)
+        elif not cfg.interpret:
+            plgpu.wgmma(acc, a, plgpu.transpose_ref(b, (1, 0)))
+        else:
+
+            def transposed(bt):
+                bt[...] = b[...].T
+                plgpu.wgmma(acc, a, bt)
+
+            pl.run_scoped(transposed, plgpu.SMEM(b.shape[::-1], b.dtype))
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC((M, N), jnp.float32))
+
+
+def store_tile(ref, x):
+    """Writes registers to an SMEM tile and fences them for the async proxy (TMA, wgmma)."""
+    ref[...] = x.astype(ref.dtype)
+    plgpu.commit_smem()
+
+
+def bcast(x, shape: tuple[int, ...], dim: int):
+    """Broadcasts a vector along the other axis of a 2-D ``shape`` (``dim``: the axis it keeps)."""
+    return jax.lax.broadcast_in_dim(x, shape, (dim,))

@@ -1,0 +1,115 @@
+"""Glue for the Mosaic GPU flash-attention kernels: checks, padding and the custom VJP.
+
+``attention`` pads T to the query tile, S to the key tile and D to a multiple of 64 (one 128-byte
+swizzled SMEM row of 16-bit values, what TMA and wgmma take), runs
+:mod:`pallas_attn.kernels.mosaic.flash_fwd`, and differentiates through
+:mod:`pallas_attn.kernels.mosaic.flash_bwd` with a ``jax.custom_vjp``; the backward preprocess
+``delta = rowsum(dO * O) - dlse`` is one XLA reduction, as for the Triton kernels
+(:mod:`pallas_attn.flash`). Padded keys lie at positions ``>= S`` and are masked; padded query
+rows and head dims are sliced off, and their zero cotangents contribute nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_attn import shapes, softmax, validation
+from pallas_attn.heuristics import BlockSizes
+from pallas_attn.kernels.mosaic import common as mc
+from pallas_attn.kernels.mosaic import flash_bwd, flash_fwd
+
+
+def check_supported(q, *, segments: bool, block_sizes: BlockSizes | None):
+    """What the Mosaic kernels take, checked before any tracing: 16-bit inputs (wgmma's operand
+    types), no segment ids yet, query tiles of one warpgroup (64 rows), key tiles of 64 or 128."""
+    if not any(jnp.dtype(q.dtype) == jnp.dtype(d) for d in mc.DTYPES):
+        raise TypeError(
+            f'impl="mosaic" takes bfloat16 or float16 inputs (wgmma operands), got '
+            f'{jnp.dtype(q.dtype).name}; use impl="pallas" for float32'
+        )
+    if segments:
+        raise ValueError('impl="mosaic" does not support segment ids yet; use impl="pallas"')
+    if block_sizes is not None:
+        bs = block_sizes
+        if bs.block_q != mc.WGMMA_ROWS or bs.block_q_bwd != mc.WGMMA_ROWS:
+            raise ValueError(
+                f'impl="mosaic" needs block_q = block_q_bwd = {mc.WGMMA_ROWS} (one warpgroup), '
+                f"got {bs.block_q}, {bs.block_q_bwd}"
+            )
+        if bs.block_k not in (64, 128) or bs.block_k_bwd != 64:
+            raise ValueError(
+                f'impl="mosaic" needs block_k in (64, 128) and block_k_bwd = 64, got '
+                f"{bs.block_k}, {bs.block_k_bwd}"
+            )
+
+
+def default_blocks(head_dim: int) -> BlockSizes:
+    """Mosaic tiles: 64 query rows (one warpgroup's wgmma), 64 keys (see ``make gpu-compile``)."""
+    del head_dim  # one tile for every D so far (no spills at D = 256, benchmarks/results)
+    return BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)
+
+
+def attention(
+    q, k, v, *, softmax_scale: float, window, softcap: float, block_sizes: BlockSizes | None,
+    interpret: bool,
+):  # fmt: skip
+    """Flash attention with the Mosaic GPU kernels.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D], bfloat16 or float16 (checked by
+        :func:`check_supported`).
+      window: ``(left, right)`` after :func:`pallas_attn.masks.normalize_window`.
+      interpret: run under JAX's GPU interpreter (any backend) instead of compiling for sm_90a.
+
+    Returns:
+      out [B, T, Hq, D] in q's dtype; lse [B, Hq, T] float32. Differentiable in q, k, v and lse.
+    """
+    B, T, Hq, D = q.shape
+    S = k.shape[1]
+    bs = block_sizes or default_blocks(D)
+    cfg = mc.Config(
+        softmax_scale=float(softmax_scale),
+        window=tuple(int(w) for w in window),
+        softcap=float(softcap),
+        T=T,
+        S=S,
+        block_q=bs.block_q,
+        block_k=bs.block_k,
+        block_q_bwd=bs.block_q_bwd,
+        block_k_bwd=bs.block_k_bwd,
+        interpret=bool(interpret),
+    )
+    Tp = shapes.round_up(T, max(cfg.block_q, cfg.block_q_bwd))
+    Sp = shapes.round_up(S, max(cfg.block_k, cfg.block_k_bwd))
+    Dp = shapes.round_up(D, mc.HEAD_DIM_MULTIPLE)
+
+    def pad(x, n):
+        return shapes.pad_axis(shapes.pad_axis(x, 1, n), 3, Dp)
+
+    out, lse = _attend(cfg, pad(q, Tp), pad(k, Sp), pad(v, Sp))
+    return out[:, :T, :, :D], lse[:, :, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(cfg: mc.Config, q, k, v):
+    return flash_fwd.forward(cfg, q, k, v)
+
+
+def _attend_fwd(cfg: mc.Config, q, k, v):
+    out, lse = _attend(cfg, q, k, v)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attend_bwd(cfg: mc.Config, res, cotangents):
+    impl = "mosaic_interpret" if cfg.interpret else "mosaic"
+    q, k, v, out, lse, d_out, d_lse = validation.first_order_only(impl, (*res, *cotangents))
+    delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - d_lse
+    lse2 = jnp.where(jnp.isfinite(lse), lse * softmax.LOG2E, 0.0)
+    return flash_bwd.backward(cfg, q, k, v, d_out.astype(q.dtype), lse2, delta)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
