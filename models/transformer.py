@@ -418,7 +418,8 @@ class Transformer(nnx.Module):
             packed = lambda h: rows_matmul.matmul(  # noqa: E731
                 h.astype(self.embed.dtype), self.decode_head[...], self.config.vocab_size
             )
-            logits = native.on_cpu(packed, self.embed.attend, h)
+            plain = lambda h: self.embed.attend(h).astype(jnp.float32)  # noqa: E731
+            logits = native.on_cpu(packed, plain, h)  # both branches float32 (packed sums so)
         elif self.lm_head is None:
             logits = self.embed.attend(h)
         else:

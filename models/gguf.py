@@ -1,0 +1,377 @@
+"""GGUF checkpoints (llama.cpp's format) for the ``llama`` and ``qwen2`` architectures.
+
+The file is read with the ``gguf`` package (llama.cpp's own reader, memory-mapped) and its
+tensors are dequantized with ``gguf.quants`` into the requested dtype. The file's metadata is
+turned into the Hugging Face ``config.json`` dict that the same model would have, and the tensors
+are renamed to Hugging Face's names, so :func:`models.hf.config_from_hf` and
+:func:`models.hf.build_model` (one description per family) build the model for both formats.
+
+llama.cpp's converter permutes the rows of each ``llama`` Q and K projection so that RoPE pairs
+adjacent dimensions (``(2i, 2i + 1)``, GPT-J style) where Hugging Face pairs ``(i, i + D/2)``
+(GPT-NeoX style); :func:`unpermute` undoes it. ``qwen2`` files keep Hugging Face's order.
+Llama-3 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency divisors; the
+:class:`~models.config.RopeScaling` that reproduces it is recovered from it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import RopeScaling, TransformerConfig
+from models.hf import build_model, config_from_hf, hf_tensors
+from models.transformer import Transformer, rope_frequencies
+
+_Q = gguf.GGMLQuantizationType
+# Tensor types read (each tested with a file written by the tests); the others are refused.
+TENSOR_TYPES = tuple(
+    _Q[name]
+    for name in (
+        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    )
+)  # fmt: skip
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# GGUF tensor name (``blk.N.`` stripped) -> Hugging Face name (``model.layers.N.`` stripped).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of GGUF tensor ``name``, or None for one the model has no use for."""
+    if name in _NAMES:
+        return _NAMES[name]
+    blk, _, rest = name.partition(".")
+    index, _, rest = rest.partition(".")
+    if blk == "blk" and index.isdigit() and rest in _LAYER_NAMES:
+        return f"model.layers.{index}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation: w [H D, ...] with each head's rows ordered
+    ``(D/2, 2)`` -> ``(2, D/2)`` (Hugging Face's rotate-half order)."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _open(path) -> gguf.GGUFReader:
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 -- the reader raises many kinds on a bad header
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+class _Metadata:
+    """Typed access to a GGUF file's key/value fields; ValueError naming the file and key."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: str):
+        self.reader, self.path = reader, path
+
+    def get(self, key: str, kind: type, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        value = field.contents()
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(f"{self.path}: metadata {key} must be {kind.__name__}, got {value!r}")
+        return value
+
+    def require(self, key: str, kind: type):
+        value = self.get(key, kind)
+        if value is None:
+            raise ValueError(f"{self.path}: metadata lacks {key}")
+        return value
+
+    def count(self, key: str, default=None) -> int:
+        """A positive int field (``default`` when absent, or required when that is None)."""
+        value = self.require(key, int) if default is None else self.get(key, int, default)
+        if value < 1:
+            raise ValueError(f"{self.path}: metadata {key} must be >= 1, got {value}")
+        return value
+
+
+def _hf_config(meta: _Metadata, tensors: dict, vocab_rows: int) -> dict:
+    """The Hugging Face ``config.json`` dict of a ``llama`` / ``qwen2`` GGUF file."""
+    arch = meta.require("general.architecture", str)
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{meta.path}: unsupported architecture {arch!r}; supported: {tuple(ARCHITECTURES)}"
+        )
+    a = lambda key: f"{arch}.{key}"  # noqa: E731
+    heads = meta.count(a("attention.head_count"))
+    dim = meta.count(a("embedding_length"))
+    head_dim = meta.count(a("attention.key_length"), max(dim // heads, 1))
+    value_dim = meta.count(a("attention.value_length"), head_dim)
+    rope_dim = meta.count(a("rope.dimension_count"), head_dim)
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise ValueError(
+            f"{meta.path}: key length {head_dim}, value length {value_dim} and RoPE dimensions "
+            f"{rope_dim} must be equal (partial rotary and distinct value heads are unsupported)"
+        )
+    scaling = meta.get(a("rope.scaling.type"), str, "none")
+    if scaling != "none":
+        raise ValueError(f"{meta.path}: unsupported RoPE scaling type {scaling!r}")
+    tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
+    hf = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": meta.count(
+            a("vocab_size"), len(tokens.data) if tokens else max(vocab_rows, 1)
+        ),
+        "hidden_size": dim,
+        "num_hidden_layers": meta.count(a("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.count(a("attention.head_count_kv"), heads),
+        "intermediate_size": meta.count(a("feed_forward_length")),
+        "head_dim": head_dim,
+        "rms_norm_eps": meta.get(a("attention.layer_norm_rms_epsilon"), float, 1e-5),
+        "rope_theta": meta.get(a("rope.freq_base"), float, 10000.0),
+        "max_position_embeddings": meta.get(a("context_length"), int, 2048),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", int),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id", int),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", int),
+    }
+    if ROPE_FREQS in tensors:
+        original = meta.get(a("rope.scaling.original_context_length"), int, 8192)
+        divisors = gguf.quants.dequantize(tensors[ROPE_FREQS].data, tensors[ROPE_FREQS].tensor_type)
+        hf["rope_scaling"] = _llama3_scaling(np.ravel(divisors), hf, original, meta.path)
+    return hf
+
+
+def _llama3_scaling(divisors: np.ndarray, hf: dict, original: int, path: str) -> dict:
+    """The Llama-3 ``rope_scaling`` dict whose frequencies are ``inv_freq / divisors``.
+
+    Llama-3 divides each inverse frequency by ``factor`` past the low-frequency wavelength,
+    by 1 below the high-frequency one, and by ``1 / ((1 - s) / factor + s)`` in between, with
+    ``s`` linear in ``original / wavelength``: two points of that band fix the two factors.
+    """
+    factor = float(divisors.max())
+    theta, D = hf["rope_theta"], hf["head_dim"]
+    inv_freq = 1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)
+    band = (divisors > 1 + 1e-6) & (divisors < factor - 1e-6)
+    low, high = 1.0, 4.0  # Llama 3's, when the band holds no frequency to fit them to
+    if factor > 1 and band.sum() >= 2:
+        s = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)
+        x = original * inv_freq[band] / (2 * np.pi)  # original / wavelength
+        slope, intercept = np.polyfit(x, s, 1)  # s = (x - low) / (high - low)
+        low = -intercept / slope
+        high = low + 1 / slope
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": round(float(low), 4),
+        "high_freq_factor": round(float(high), 4),
+        "original_max_position_embeddings": original,
+    }
+    config = TransformerConfig(
+        vocab_size=1, dim=D, num_layers=1, num_heads=1, num_kv_heads=1, mlp_dim=1,
+        rope_theta=theta, rope_scaling=RopeScaling(
+            factor=factor, low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"], original_max_position=original,
+        ),
+    )  # fmt: skip
+    expected = inv_freq / divisors
+    if not np.allclose(np.asarray(rope_frequencies(config)), expected, rtol=1e-4):
+        raise ValueError(f"{path}: rope_freqs is not a Llama-3 RoPE scaling this model supports")
+    return scaling
+
+
+class _Tensors(Mapping):
+    """The file's tensors under their Hugging Face names, dequantized (float32) on access."""
+
+    def __init__(self, by_name: dict, hf: dict):
+        self._gguf = {hf_name(n): t for n, t in by_name.items() if hf_name(n) is not None}
+        self._permute = hf["architectures"][0] == "LlamaForCausalLM"
+        self._heads = {"q_proj": hf["num_attention_heads"], "k_proj": hf["num_key_value_heads"]}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        t = self._gguf[name]
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = w.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dims innermost first
+        proj = name.split(".")[-2]
+        if self._permute and proj in self._heads:
+            w = unpermute(w, self._heads[proj])
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._gguf)
+
+    def __len__(self) -> int:
+        return len(self._gguf)
+
+
+def read_config(path, *, dtype=None) -> TransformerConfig:
+    """The :class:`TransformerConfig` of a GGUF file (see :func:`load_gguf`), no weight read."""
+    return _prepare(path, dtype)[0]
+
+
+def _default_dtype(by_name: dict):
+    types = {t.tensor_type for t in by_name.values() if hf_name(t.name)}
+    return jnp.bfloat16 if _Q.BF16 in types else jnp.float32
+
+
+def _prepare(path, dtype):
+    path = os.fspath(path)
+    reader = _open(path)
+    by_name = {t.name: t for t in reader.tensors}
+    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in TENSOR_TYPES})
+    if bad:
+        supported = ", ".join(t.name for t in TENSOR_TYPES)
+        raise ValueError(f"{path}: unsupported tensor types {bad}; supported: {supported}")
+    meta = _Metadata(reader, path)
+    embed = by_name.get("token_embd.weight")
+    hf = _hf_config(meta, by_name, int(embed.shape[-1]) if embed is not None else 0)
+    dtype = _default_dtype(by_name) if dtype is None else dtype
+    try:
+        config = config_from_hf(hf, dtype=dtype)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return config, hf, by_name
+
+
+def load_gguf(path, *, dtype=None, attn_impl: str = "auto") -> Transformer:
+    """A :class:`Transformer` from a GGUF file (``llama`` or ``qwen2`` architecture).
+
+    Args:
+      path: the ``.gguf`` file.
+      dtype: the parameters' dtype. Default: bfloat16 for a file whose weights are BF16, else
+        float32 (quantized and F16 weights are dequantized into it).
+      attn_impl: the ``pallas_attn`` implementation of every attention call.
+
+    The config comes from the file's metadata: layers, heads, KV heads, head dim, MLP width,
+    vocabulary, RoPE base (and Llama-3 scaling from ``rope_freqs``), norm epsilon, context
+    length, tied or separate output, special token ids. Raises FileNotFoundError for a missing
+    file and ValueError for an unreadable one, an unsupported architecture or tensor type (both
+    named, before any weight is read), or tensors that do not match the metadata.
+    """
+    config, hf, by_name = _prepare(path, dtype)
+    config = config.replace(attn_impl=attn_impl)
+    return build_model(config, _Tensors(by_name, hf), f"GGUF file {os.fspath(path)}")
+
+
+# Tensor types :func:`save_gguf` writes (those ``gguf.quants`` can quantize).
+WRITE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+_GGUF_NAMES = {hf: g for g, hf in _NAMES.items()}
+_GGUF_LAYER_NAMES = {hf: g for g, hf in _LAYER_NAMES.items()}
+
+
+def gguf_name(name: str) -> str:
+    """Inverse of :func:`hf_name`."""
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    _, _, index, rest = name.split(".", 3)  # model.layers.N.rest
+    return f"blk.{index}.{_GGUF_LAYER_NAMES[rest]}"
+
+
+def _copy_fields(writer: gguf.GGUFWriter, source: gguf.GGUFReader, prefix: str) -> None:
+    """Copies the ``prefix*`` key/value fields of ``source`` (e.g. its tokenizer) into ``writer``."""
+    for key, field in source.fields.items():
+        if key.startswith(prefix):
+            vtype = gguf.GGUFValueType(field.types[0])
+            sub = gguf.GGUFValueType(field.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), vtype, sub)
+
+
+def save_gguf(model: Transformer, path, *, tensor_type: str = "F32", tokenizer_from=None) -> None:
+    """Writes ``model`` as a GGUF file that :func:`load_gguf` and llama.cpp read.
+
+    Args:
+      tensor_type: the type of the matrices, one of :data:`WRITE_TYPES` (norms and biases are
+        F32, as llama.cpp's converter writes them; a matrix whose rows are not a whole number of
+        blocks is F16).
+      tokenizer_from: a GGUF file whose ``tokenizer.*`` fields (vocabulary, merges, special
+        ids, chat template) are copied, so that llama.cpp can run the file.
+
+    ValueError for a model the ``llama`` / ``qwen2`` architectures cannot express (a sliding
+    window, softcaps, Llama-3 RoPE scaling is written as ``rope_freqs``) or an unknown type.
+    """
+    c = model.config
+    if tensor_type not in WRITE_TYPES:
+        raise ValueError(f"tensor_type must be one of {WRITE_TYPES}, got {tensor_type!r}")
+    if c.sliding_window is not None or c.attn_softcap or c.final_softcap:
+        raise ValueError("a sliding window or softcap has no llama/qwen2 GGUF equivalent")
+    arch = "qwen2" if c.qkv_bias else "llama"
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    D = c.resolved_head_dim
+    writer.add_block_count(c.num_layers)
+    writer.add_context_length(c.max_position)
+    writer.add_embedding_length(c.dim)
+    writer.add_feed_forward_length(c.mlp_dim)
+    writer.add_head_count(c.num_heads)
+    writer.add_head_count_kv(c.num_kv_heads)
+    writer.add_key_length(D)
+    writer.add_value_length(D)
+    writer.add_rope_dimension_count(D)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    if c.rope_scaling is not None:
+        writer.add_rope_scaling_orig_ctx_len(c.rope_scaling.original_max_position)
+    if tokenizer_from is not None:
+        _copy_fields(writer, _open(tokenizer_from), "tokenizer.")
+    for key, value in (("bos", c.bos_id), ("eos", c.eos_id), ("padding", c.pad_id)):
+        if value is not None and f"tokenizer.ggml.{key}_token_id" not in writer.kv_data[0]:
+            writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    qtype = _Q[tensor_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if c.rope_scaling is not None:
+        plain = rope_frequencies(c.replace(rope_scaling=None))
+        divisors = np.asarray(plain / rope_frequencies(c), np.float32)
+        writer.add_tensor(ROPE_FREQS, divisors, raw_dtype=_Q.F32)
+    heads = {"q_proj": c.num_heads, "k_proj": c.num_kv_heads}
+    for name, w in hf_tensors(model, jnp.float32).items():
+        w = np.asarray(w, np.float32)
+        if arch == "llama" and name.split(".")[-2] in heads:
+            w = _permute(w, heads[name.split(".")[-2]])
+        kind = qtype if w.ndim == 2 else _Q.F32
+        if kind != _Q.F32 and w.shape[-1] % block:
+            kind = _Q.F16
+        data = w if kind == _Q.F32 else gguf.quants.quantize(w, kind)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=kind)  # shape from the bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order, the inverse of :func:`unpermute`."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
