@@ -86,7 +86,9 @@ class ByteTokenizer:
                 run = bytearray()
         return "".join(out) + run.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages, **kwargs):
+    def apply_chat_template(
+        self, messages, *, add_generation_prompt: bool = True, tokenize: bool = True, **kwargs
+    ):
         """Always ``ValueError``: the byte-level code models have no chat template."""
         raise ValueError(
             "ByteTokenizer has no chat template (the shipped code models are not chat models)"
