@@ -53,6 +53,19 @@ TARGETS = {
 }  # fmt: skip
 
 PALLAS_KERNELS = ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "kvcache_decode", "kvcache_append")
+# Mosaic GPU kernels (pallas_attn.kernels.mosaic) compile outside XLA's pipeline, in the CUDA
+# plugin's custom call, with the plugin's own ptxas (their PTX ISA can be newer than the wheel's
+# ptxas takes); MOSAIC_GPU_DUMP_TO makes it dump per kernel its PTX, its ``ptxas -v`` report
+# (kernel ``<name>_mosaic_gpu_kernel``) and its MLIR pass log, whose ``gpu.launch`` holds the
+# grid, the threads and the dynamic shared memory.
+MOSAIC_KERNELS = ("mosaic_flash_fwd", "mosaic_flash_bwd_dkdv", "mosaic_flash_bwd_dq",
+                  "mosaic_decode")  # fmt: skip
+MOSAIC_SUFFIX = "_mosaic_gpu_kernel"
+_MOSAIC_LAUNCH = re.compile(
+    r"gpu\.launch .*?in \(%\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*\) "
+    r"threads\(.*?in \(%\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*\) "
+    r"dynamic_shared_memory_size %c(\d+)_i32"
+)
 _THUNK = re.compile(
     r"(\w+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+"
     r"shared_memory: (\d+) bytes"
@@ -127,8 +140,13 @@ def ptx_info(ptx: Path) -> dict:
         text=True,
         check=False,
     )
+    return parse_ptxas(res.stderr)
+
+
+def parse_ptxas(text: str) -> dict:
+    """``{kernel: {registers, spill_stores, spill_loads, stack}}`` from ``ptxas -v`` output."""
     info, name = {}, None
-    for line in res.stderr.splitlines():
+    for line in text.splitlines():
         if m := re.search(r"Function properties for (\w+)", line):
             name = m.group(1)
             info[name] = {}
@@ -153,12 +171,32 @@ def kernels_from_dump(dump: Path) -> tuple[list[dict], list[dict]]:
             launches[m.group(1)] = dict(grid=g[:3], threads=g[3:6], smem=g[6])
     kernels, xla_spills = {}, {}
     for ptx in sorted(dump.glob("*.ptx")):
+        if ptx.with_suffix(".ptxas").exists():  # a Mosaic kernel: its ptxas is the plugin's own
+            continue
         for name, info in ptx_info(ptx).items():
             if name in PALLAS_KERNELS:
                 kernels[name] = dict(name=name, **launches.get(name, {}), **info)
             elif info.get("spill_stores") or info.get("spill_loads"):
                 xla_spills[name] = dict(name=name, **info)
+    for report in sorted(dump.glob("*.ptxas")):
+        for name, info in parse_ptxas(report.read_text()).items():
+            if (name := name.removesuffix(MOSAIC_SUFFIX)) in MOSAIC_KERNELS:
+                launch = mosaic_launch(report.with_suffix(".mlir-passes.log"))
+                kernels[name] = dict(name=name, **launch, **info)
     return list(kernels.values()), list(xla_spills.values())
+
+
+def mosaic_launch(log: Path) -> dict:
+    """Grid, threads and dynamic shared memory (bytes) of a Mosaic kernel, from the first
+    ``gpu.launch`` of its MLIR pass log ({} when there is none)."""
+    if not log.exists():
+        return {}
+    with log.open() as f:
+        for line in f:
+            if "gpu.launch " in line and (m := _MOSAIC_LAUNCH.search(line)):
+                g = [int(x) for x in m.groups()]
+                return dict(grid=g[:3], threads=g[3:6], smem=g[6])
+    return {}
 
 
 def status_of(error: str | None, kernels: list[dict]) -> str:
@@ -186,11 +224,14 @@ def inspect(fn, args, dump: Path) -> dict:
     }
     start = time.perf_counter()
     error = None
+    os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)  # read by the CUDA plugin at each kernel compile
     try:
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
         lowered.compile(compiler_options=options)
     except Exception as e:  # noqa: BLE001 - the record says why it failed
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    finally:
+        del os.environ["MOSAIC_GPU_DUMP_TO"]
     compile_s = time.perf_counter() - start
     kernels, xla_spills = kernels_from_dump(dump)
     status = status_of(error, kernels)

@@ -8,6 +8,8 @@ A case is ``{"id", "family", ...parameters}``; :func:`build` turns it into ``(fn
   kernels) at the default tiles, B = 1, T = S = 1024, Hq = 16, Hkv = 4; ``mask`` one of causal,
   window (256, 256), softcap (30, causal), segments (causal), varlen (``flash_attention_varlen``,
   4 sequences, max 512).
+* ``mosaic_flash``: the same forward + backward with ``impl="mosaic"`` (the Mosaic GPU kernels:
+  TMA, wgmma; sm_90+ only, 16-bit), ``mask`` one of causal, window, softcap.
 * ``kvcache``: one ``attention_with_kvcache`` step: append ``Tq`` new tokens (optionally rotary,
   FP8 cache) then split-KV decode over S = 4096 keys (contiguous or paged, P = 16), B = 2,
   Hkv = 2, G query heads per KV head; ``num_splits`` 0 (heuristic) splits here, so the combine
@@ -34,6 +36,25 @@ MASKS = ("causal", "window", "softcap", "segments", "varlen")
 
 def flash_case(D: int, dtype: str, mask: str) -> dict:
     return dict(id=f"flash-D{D}-{dtype}-{mask}", family="flash", D=D, dtype=dtype, mask=mask)
+
+
+MOSAIC_HEAD_DIMS = (64, 80, 128)
+MOSAIC_MASKS = ("causal", "window", "softcap")
+
+
+def mosaic_flash_case(D: int, dtype: str, mask: str) -> dict:
+    return dict(
+        id=f"mosaic_flash-D{D}-{dtype}-{mask}", family="mosaic_flash", D=D, dtype=dtype, mask=mask,
+        mosaic=True,
+    )  # fmt: skip
+
+
+def mosaic_cases() -> list[dict]:
+    """Every Mosaic head dim, both 16-bit dtypes and every mask in turn."""
+    return [
+        mosaic_flash_case(D, ("bfloat16", "float16")[i % 2], MOSAIC_MASKS[i % 3])
+        for i, D in enumerate(MOSAIC_HEAD_DIMS)
+    ]
 
 
 def kvcache_case(D, dtype, G, Tq, layout, *, fp8=False, rotary=False, num_splits=0) -> dict:
@@ -73,7 +94,7 @@ def ci_cases() -> list[dict]:
         cases.append(kvcache_case(D, "float32", 8, 16, "contiguous", num_splits=1))
         if D in (64, 128, 256):
             cases.append(kvcache_case(D, "bfloat16", 4, 5, "paged", fp8=True, rotary=True))
-    return cases + MODEL_CASES
+    return cases + mosaic_cases() + MODEL_CASES
 
 
 def smoke_cases() -> list[dict]:
@@ -86,6 +107,7 @@ def smoke_cases() -> list[dict]:
         flash_case(40, "float16", "varlen"),
         kvcache_case(128, "bfloat16", 4, 5, "paged", fp8=True, rotary=True),
         kvcache_case(256, "float32", 8, 16, "contiguous", num_splits=1),
+        mosaic_flash_case(128, "bfloat16", "causal"),
         MODEL_CASES[0],
     ]
 
@@ -100,14 +122,20 @@ def full_cases() -> list[dict]:
                     layout = "paged" if (G + Tq) % 2 else "contiguous"
                     cases.append(kvcache_case(D, dt, G, Tq, layout, rotary=Tq == 5))
         cases.append(kvcache_case(D, "bfloat16", 4, 16, "paged", fp8=True, rotary=True))
-    return cases + MODEL_CASES
+    mosaic = [
+        mosaic_flash_case(D, dt, m)
+        for D in MOSAIC_HEAD_DIMS
+        for dt in ("bfloat16", "float16")
+        for m in MOSAIC_MASKS
+    ]
+    return cases + mosaic + MODEL_CASES
 
 
 def build(case: dict, where):
     """``(fn, args)`` for a case; ``where`` is the target's sharding."""
     sds = functools.partial(_sds, where=where)
     family = case["family"]
-    if family == "flash":
+    if family in ("flash", "mosaic_flash"):
         return _flash(case, sds)
     if family == "kvcache":
         return _kvcache(case, sds)
@@ -132,6 +160,7 @@ def _flash(case, sds):
 
     D, dtype, mask = case["D"], case["dtype"], case["mask"]
     B, T, Hq, Hkv = 1, 1024, 16, 4
+    impl = "mosaic" if case["family"] == "mosaic_flash" else "pallas"
     if mask == "varlen":
         q, kv = sds((T, Hq, D), dtype), sds((T, Hkv, D), dtype)
         cu = sds((5,), jnp.int32)
@@ -155,7 +184,7 @@ def _flash(case, sds):
     def loss(q, k, v, seg):
         if mask == "segments":
             opts.update(q_segment_ids=seg, kv_segment_ids=seg)
-        out = flash_attention(q, k, v, **opts, impl="pallas")
+        out = flash_attention(q, k, v, **opts, impl=impl)
         return jnp.sum(out.astype(jnp.float32))
 
     return jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv, seg)

@@ -24,14 +24,20 @@ import time
 from benchmarks import common, deviceless, gpu_cases
 
 FP8_MIN_CC = (8, 9)  # Triton converts float8_e4m3fn only on sm_89+ (an LLVM fatal error below)
+MOSAIC_MIN_CC = (9, 0)  # the Mosaic GPU kernels use TMA and wgmma (Hopper)
 
 
 def supported(case: dict, device: str) -> bool:
-    return not case.get("fp8") or deviceless.TARGETS[device]["cc"] >= FP8_MIN_CC
+    cc = deviceless.TARGETS[device]["cc"]
+    return (not case.get("fp8") or cc >= FP8_MIN_CC) and (
+        not case.get("mosaic") or cc >= MOSAIC_MIN_CC
+    )
 
 
 def unsupported(case: dict) -> dict:
     error = "float8_e4m3fn caches need compute capability >= 8.9 (Triton: LLVM fatal error)"
+    if case.get("mosaic"):
+        error = "the Mosaic GPU kernels need compute capability >= 9.0 (TMA, wgmma)"
     return {**case, "status": "unsupported", "error": error, "compile_s": None, "kernels": []}
 
 

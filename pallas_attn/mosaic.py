@@ -32,24 +32,36 @@ def check_supported(q, *, segments: bool, block_sizes: BlockSizes | None):
         )
     if segments:
         raise ValueError('impl="mosaic" does not support segment ids yet; use impl="pallas"')
+    if q.shape[-1] > mc.MAX_HEAD_DIM:
+        raise ValueError(
+            f'impl="mosaic" takes head dims up to {mc.MAX_HEAD_DIM} (the float32 accumulators of '
+            f'D = 256 spill on sm_90a), got D={q.shape[-1]}; use impl="pallas"'
+        )
     if block_sizes is not None:
         bs = block_sizes
-        if bs.block_q != mc.WGMMA_ROWS or bs.block_q_bwd != mc.WGMMA_ROWS:
+        if bs.block_q != mc.WGMMA_ROWS:
             raise ValueError(
-                f'impl="mosaic" needs block_q = block_q_bwd = {mc.WGMMA_ROWS} (one warpgroup), '
-                f"got {bs.block_q}, {bs.block_q_bwd}"
+                f'impl="mosaic" needs block_q = {mc.WGMMA_ROWS} (one warpgroup), got {bs.block_q}'
             )
-        if bs.block_k not in (64, 128) or bs.block_k_bwd != 64:
+        if (
+            bs.block_k not in (64, 128)
+            or bs.block_q_bwd not in (32, 64)
+            or bs.block_k_bwd
+            not in (
+                32,
+                64,
+            )
+        ):
             raise ValueError(
-                f'impl="mosaic" needs block_k in (64, 128) and block_k_bwd = 64, got '
-                f"{bs.block_k}, {bs.block_k_bwd}"
+                f'impl="mosaic" needs block_k in (64, 128), block_q_bwd and block_k_bwd in '
+                f"(32, 64), got {bs.block_k}, {bs.block_q_bwd}, {bs.block_k_bwd}"
             )
 
 
 def default_blocks(head_dim: int) -> BlockSizes:
     """Mosaic tiles: 64 query rows (one warpgroup's wgmma), 64 keys (see ``make gpu-compile``)."""
-    del head_dim  # one tile for every D so far (no spills at D = 256, benchmarks/results)
-    return BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)
+    del head_dim  # one tile for every D <= 128 (benchmarks/results/gpu_compile_h200.json)
+    return BlockSizes(block_q=64, block_k=64, block_q_bwd=32, block_k_bwd=64)
 
 
 def attention(
@@ -82,8 +94,9 @@ def attention(
         block_k_bwd=bs.block_k_bwd,
         interpret=bool(interpret),
     )
-    Tp = shapes.round_up(T, max(cfg.block_q, cfg.block_q_bwd))
-    Sp = shapes.round_up(S, max(cfg.block_k, cfg.block_k_bwd))
+    # Row blocks of every kernel are 64 (one warpgroup); the other tiles divide 64 or are 128.
+    Tp = shapes.round_up(T, max(mc.WGMMA_ROWS, cfg.block_q, cfg.block_q_bwd))
+    Sp = shapes.round_up(S, max(mc.WGMMA_ROWS, cfg.block_k, cfg.block_k_bwd))
     Dp = shapes.round_up(D, mc.HEAD_DIM_MULTIPLE)
 
     def pad(x, n):

@@ -16,7 +16,8 @@ by running kernels under it (each a rule of how the kernels here are written):
 * ``plgpu.ACC`` must be allocated in its own ``pl.run_scoped`` (one holding only accumulators,
   not collective); SMEM and barriers go in another. ``pl.run_state`` (``plgpu.ACC.init``) has no
   rule, so an accumulator never carries across loop iterations: each wgmma group runs into a
-  fresh zeroed accumulator and the result is added in registers (:func:`matmul`).
+  fresh zeroed accumulator and the result is added in registers (:func:`matmul`; compiled,
+  :func:`matmul_acc` accumulates in place instead).
 * ``wgmma`` operands must be refs (a register LHS is rejected: P goes through SMEM) whose
   transforms are only slices: ``plgpu.transpose_ref`` is rejected, so under the interpreter a
   transposed operand is copied into a transposed SMEM scratch first (:func:`matmul`); compiled,
@@ -51,7 +52,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 WGMMA_ROWS = 64
 # The head dim is padded to a multiple of this (one 128-byte swizzled row of 16-bit values).
 HEAD_DIM_MULTIPLE = 64
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 128  # D = 256: the float32 accumulators spill on sm_90a (make gpu-compile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +94,13 @@ def reset_interpreter() -> None:
     interpret_pallas_call.reset_gpu_interpret_mode_state()
 
 
-def smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """An SMEM tile laid out for TMA and wgmma: 8-row tiles of one swizzle width (128 bytes for a
-    row of >= 64 16-bit values)."""
+def smem(shape: tuple[int, ...], dtype, minor: int | None = None) -> plgpu.SMEM:
+    """An SMEM tile laid out for TMA and wgmma: 8-row tiles of one swizzle width, the widest a row
+    of ``minor`` values (default: the tile's last dim) takes: 128 bytes for >= 64 16-bit values.
+    The operands of one wgmma must share a swizzle: a kernel with a narrow tile passes its width
+    as ``minor`` for all of them."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    swizzle = plgpu.find_swizzle(min(shape[-1], minor or shape[-1]) * itemsize * 8)
     tiling = plgpu.TilingTransform((8, swizzle // itemsize))
     return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
 
@@ -154,6 +157,19 @@ def matmul(cfg: Config, a, b, *, transpose_b: bool = False):
         return acc[...]
 
     return pl.run_scoped(run, plgpu.ACC((M, N), jnp.float32))
+
+
+def matmul_acc(cfg: Config, acc, a, b):
+    """``acc + a @ b`` (SMEM refs ``a`` [M, K], ``b`` [K, N]; ``acc`` float32 [M, N] registers).
+
+    Compiled, wgmma accumulates into ``acc`` in place (``pl.run_state``): no second [M, N]
+    accumulator is live, which is what keeps the dK/dV kernel's two accumulators from spilling at
+    D = 128. The interpreter has no ``run_state`` rule: there it is ``acc + matmul(a, b)``, the
+    same sum.
+    """
+    if cfg.interpret:
+        return acc + matmul(cfg, a, b)
+    return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(acc))
 
 
 def store_tile(ref, x):

@@ -6,14 +6,15 @@ preprocessed ``delta = rowsum(dO * O) - dlse`` (:mod:`pallas_attn.mosaic`), so t
 lse cotangents are both covered: ``ds = p * (dp - delta)`` (times ``1 - tanh^2`` under a
 softcap, :func:`pallas_attn.softmax.score_grad`), then the softmax scale.
 
-* dK/dV kernel: one CTA per (key block, KV head, batch). K and V are TMA-loaded once; the kernel
+* dK/dV kernel: one CTA per (block of 64 keys, KV head, batch). K and V are TMA-loaded once; the kernel
   walks the ``G`` query heads of its group and, per head, the query blocks that can see its keys
-  (:func:`flash_common.query_block_range`), double-buffering Q, dO, lse and delta (the next tile
+  (:func:`flash_common.query_block_range`, ``block_q_bwd`` rows each: 32 keeps dK, dV and the
+  transposed score tiles in registers at D = 128), double-buffering Q, dO, lse and delta (the next tile
   is in flight while one is computed). Transposed tiles: ``S^T = K Q^T``, ``P^T`` to SMEM,
   ``dV += P^T dO``, ``dP^T = V dO^T``, ``dS^T`` to SMEM, ``dK += dS^T Q``; dK and dV sum in
   float32 registers over the whole group: no atomics, a deterministic result.
-* dQ kernel: one CTA per (query block, query head, batch), walking the visible key blocks as the
-  forward does with K and V double-buffered: ``S = Q K^T``, ``dP = dO V^T``, ``dQ += dS K``.
+* dQ kernel: one CTA per (block of 64 queries, query head, batch), walking the visible blocks of
+  ``block_k_bwd`` keys as the forward does with K and V double-buffered: ``S = Q K^T``, ``dP = dO V^T``, ``dQ += dS K``.
 
 Tiles every row fully sees skip the mask arithmetic (:func:`flash_common.split_loop`). Inputs are
 padded as for :mod:`pallas_attn.kernels.mosaic.flash_fwd`.
@@ -41,20 +42,20 @@ def _dkdv_kernel(
     delta_ref,  # [B, Hq, Tp] float32 GMEM
     dk_ref,  # [B, Sp, Hkv, Dp] GMEM
     dv_ref,  # [B, Sp, Hkv, Dp] GMEM
-    k_s,  # [block_k, Dp] SMEM, reused for the dK tile
-    v_s,  # [block_k, Dp] SMEM, reused for the dV tile
-    q_s,  # [2, block_q, Dp] SMEM, double-buffered
-    do_s,  # [2, block_q, Dp] SMEM
-    lse_s,  # [2, block_q] float32 SMEM
-    delta_s,  # [2, block_q] float32 SMEM
-    p_s,  # [block_k, block_q] SMEM: P^T, then dS^T, in the input dtype
+    k_s,  # [64, Dp] SMEM, reused for the dK tile
+    v_s,  # [64, Dp] SMEM, reused for the dV tile
+    q_s,  # [2, block_q_bwd, Dp] SMEM, double-buffered
+    do_s,  # [2, block_q_bwd, Dp] SMEM
+    lse_s,  # [2, block_q_bwd] float32 SMEM
+    delta_s,  # [2, block_q_bwd] float32 SMEM
+    p_s,  # [64, block_q_bwd] SMEM: P^T, then dS^T, in the input dtype
     kv_bar,  # [2] barriers: K, V (one barrier per TMA copy in flight)
     q_bar,  # [4, 2] barriers: Q, dO, lse, delta per slot
     *,
     cfg: mc.Config,
     G: int,
 ):
-    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    bq, bk = cfg.block_q_bwd, mc.WGMMA_ROWS
     kj, h, b = (lax.axis_index(n) for n in ("k", "h", "b"))
     num_q_blocks = q_ref.shape[1] // bq
     k_first = pl.multiple_of(kj * bk, bk)
@@ -101,11 +102,11 @@ def _dkdv_kernel(
             k_pos = k_first + mc.iota(cfg, shape, 0)
             p = jnp.where(masks.visible(q_pos, k_pos, window=cfg.window, kv_len=cfg.S), p, 0.0)
         mc.store_tile(p_s, p)
-        dv = dv + mc.matmul(cfg, p_s, do)
+        dv = mc.matmul_acc(cfg, dv, p_s, do)
         dp = mc.matmul(cfg, v_s, do, transpose_b=True)
         delta = mc.bcast(mc.load_vector(cfg, delta_s.at[slot], 0), shape, 1)
         mc.store_tile(p_s, softmax.score_grad(p, dp, delta, t))
-        dk = dk + mc.matmul(cfg, p_s, q)
+        dk = mc.matmul_acc(cfg, dk, p_s, q)
         return dk, dv
 
     def head(g, carry):
@@ -128,20 +129,20 @@ def _dq_kernel(
     lse_ref,  # [B, Hq, Tp] float32 GMEM, base-2 lse
     delta_ref,  # [B, Hq, Tp] float32 GMEM
     dq_ref,  # [B, Tp, Hq, Dp] GMEM
-    q_s,  # [block_q, Dp] SMEM, reused for the dQ tile
-    do_s,  # [block_q, Dp] SMEM
-    lse_s,  # [block_q] float32 SMEM
-    delta_s,  # [block_q] float32 SMEM
-    k_s,  # [2, block_k, Dp] SMEM, double-buffered
-    v_s,  # [2, block_k, Dp] SMEM
-    ds_s,  # [block_q, block_k] SMEM, dS in the input dtype
+    q_s,  # [64, Dp] SMEM, reused for the dQ tile
+    do_s,  # [64, Dp] SMEM
+    lse_s,  # [64] float32 SMEM
+    delta_s,  # [64] float32 SMEM
+    k_s,  # [2, block_k_bwd, Dp] SMEM, double-buffered
+    v_s,  # [2, block_k_bwd, Dp] SMEM
+    ds_s,  # [64, block_k_bwd] SMEM, dS in the input dtype
     q_bar,  # [4] barriers: Q, dO, lse, delta
     kv_bar,  # [2, 2] barriers: K, V per slot
     *,
     cfg: mc.Config,
     G: int,
 ):
-    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    bq, bk = mc.WGMMA_ROWS, cfg.block_k_bwd
     qi, h, b = (lax.axis_index(n) for n in ("q", "h", "b"))
     kv_h = lax.div(h, G)
     num_k_blocks = k_ref.shape[1] // bk
@@ -185,7 +186,7 @@ def _dq_kernel(
             p = jnp.where(masks.visible(q_pos, k_pos, window=cfg.window, kv_len=cfg.S), p, 0.0)
         dp = mc.matmul(cfg, do_s, v, transpose_b=True)
         mc.store_tile(ds_s, softmax.score_grad(p, dp, delta, t))
-        return dq + mc.matmul(cfg, ds_s, k)
+        return mc.matmul_acc(cfg, dq, ds_s, k)
 
     dq = fc.split_loop(cfg, lo, hi, full, body, mc.tile(cfg, jnp.zeros(q_s.shape, jnp.float32)))
     mc.store_tile(q_s, dq * cfg.softmax_scale)
@@ -207,7 +208,7 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta):
     B, Tp, Hq, Dp = q.shape
     Sp, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    rows, bq, bk = mc.WGMMA_ROWS, cfg.block_q_bwd, cfg.block_k_bwd
     dtype = q.dtype
     params = dict(
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -225,17 +226,17 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta):
         mosaic_flash_bwd_dkdv,
         out_type=(kv_type, kv_type),
         scratch_types=[
-            mc.smem((bk, Dp), dtype),
-            mc.smem((bk, Dp), dtype),
-            mc.smem((2, bq, Dp), dtype),
-            mc.smem((2, bq, Dp), dtype),
+            mc.smem((rows, Dp), dtype, bq),
+            mc.smem((rows, Dp), dtype, bq),
+            mc.smem((2, bq, Dp), dtype, bq),
+            mc.smem((2, bq, Dp), dtype, bq),
             plgpu.SMEM((2, bq), jnp.float32),
             plgpu.SMEM((2, bq), jnp.float32),
-            mc.smem((bk, bq), dtype),
+            mc.smem((rows, bq), dtype),
             plgpu.Barrier(num_barriers=2),
             [plgpu.Barrier(num_barriers=2) for _ in range(4)],
         ],
-        grid=(Sp // bk, Hkv, B),
+        grid=(Sp // rows, Hkv, B),
         grid_names=("k", "h", "b"),
         **params,
     )(q, k, v, d_out, lse2, delta)
@@ -243,17 +244,17 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta):
         mosaic_flash_bwd_dq,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=[
-            mc.smem((bq, Dp), dtype),
-            mc.smem((bq, Dp), dtype),
-            plgpu.SMEM((bq,), jnp.float32),
-            plgpu.SMEM((bq,), jnp.float32),
-            mc.smem((2, bk, Dp), dtype),
-            mc.smem((2, bk, Dp), dtype),
-            mc.smem((bq, bk), dtype),
+            mc.smem((rows, Dp), dtype, bk),
+            mc.smem((rows, Dp), dtype, bk),
+            plgpu.SMEM((rows,), jnp.float32),
+            plgpu.SMEM((rows,), jnp.float32),
+            mc.smem((2, bk, Dp), dtype, bk),
+            mc.smem((2, bk, Dp), dtype, bk),
+            mc.smem((rows, bk), dtype),
             plgpu.Barrier(num_barriers=4),
             [plgpu.Barrier(num_barriers=2) for _ in range(2)],
         ],
-        grid=(Tp // bq, Hq, B),
+        grid=(Tp // rows, Hq, B),
         grid_names=("q", "h", "b"),
         **params,
     )(q, k, v, d_out, lse2, delta)
