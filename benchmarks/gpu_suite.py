@@ -2,13 +2,15 @@
 
 Sections, one JSON (``benchmarks/results/gpu_suite_<device>.json``) and one printed table:
 
-* ``check``: the compiled Pallas kernels (``impl="pallas"``, default tiles) against the float32
+* ``check``: the compiled Pallas kernels (``impl="pallas"``, default tiles; and the Mosaic GPU
+  kernels, ``impl="mosaic"``, on the cases they take: D <= 128, no segment ids) against the float32
   reference on awkward shapes (T = 7, 113, 203, 1023; T != S; D = 40, 80, 96, 128, 256; GQA;
   causal, window, softcap, segments), bf16 and f16, output, lse and dQ/dK/dV under random
   cotangents, with FlashAttention's rule: error <= 2x (3x for gradients) that of the reference
   computed in the input dtype, plus a floor; and KV-cache decode (paged, FP8, rotary, Tq = 5)
   against ``impl="reference"``.
-* ``attention``: forward and forward+backward TFLOP/s of the Pallas kernels against
+* ``attention``: forward and forward+backward TFLOP/s of the Pallas (Triton) and Mosaic kernels
+  against
   ``jax.nn.dot_product_attention(implementation="cudnn")``, ``jax.nn``'s XLA and this package's
   XLA path (:func:`benchmarks.attention.run_gpu` on a few configs).
 * ``decode``: KV-cache decode bandwidth against a measured device copy
@@ -66,6 +68,7 @@ FLOOR = {BF16: 1e-3, F16: 2e-4}
 ATTN_CONFIGS = [(2048, 64, True), (2048, 128, True), (8192, 128, True), (8192, 128, False)]
 ATTN_TOKENS = 16384
 DECODE_CONFIGS = [(1, 32768, None), (8, 32768, 16), (64, 8192, 16)]
+MOSAIC = attention._ours("mosaic")  # the Mosaic GPU kernels beside Triton ("pallas") and cuDNN
 GEN = dict(preset="llama-3-8b", batch=8, prompt_len=512, new_tokens=128)
 
 
@@ -83,17 +86,23 @@ def _check_inputs(case, dtype, seed=0):
     return q, k, v, d_out, d_lse, seg_q, seg_k
 
 
+def mosaic_takes(case) -> bool:
+    """Whether the Mosaic kernels take a check case (D <= 128, no segment ids)."""
+    return case["D"] <= 128 and not case.get("segments")
+
+
 def _attend_vjp(case, how):
     """``fn(q, k, v, d_out, d_lse, seg_q, seg_k) -> (out, lse, dq, dk, dv)``; ``how`` is
-    "pallas", "oracle" (float32 reference) or "same" (the reference in the input dtype)."""
+    "pallas", "mosaic", "oracle" (float32 reference) or "same" (the reference in the input
+    dtype)."""
     from pallas_attn import flash_attention, masks, reference
 
     opts = {k: case[k] for k in ("causal", "window_size", "softcap") if k in case}
 
     def fn(q, k, v, d_out, d_lse, seg_q, seg_k):
         seg = dict(q_segment_ids=seg_q, kv_segment_ids=seg_k) if case.get("segments") else {}
-        if how == "pallas":
-            f = functools.partial(flash_attention, **opts, **seg, return_lse=True, impl="pallas")
+        if how in ("pallas", "mosaic"):
+            f = functools.partial(flash_attention, **opts, **seg, return_lse=True, impl=how)
         else:
             window = masks.normalize_window(
                 opts.get("causal", False), opts.get("window_size", (-1, -1))
@@ -154,10 +163,14 @@ def _programs() -> dict:
     progs = {}
     for name, (case, dtype) in CHECKS.items():
         progs[name] = (_attend_vjp(case, "pallas"), functools.partial(_check_inputs, case, dtype))
+        if mosaic_takes(case):
+            inputs = functools.partial(_check_inputs, case, dtype)
+            progs[f"{name}-mosaic"] = (_attend_vjp(case, "mosaic"), inputs)
     for name, case in KV_CHECKS.items():
         progs[name] = (_kv_step("pallas"), lambda c=case: (_kv_inputs(c),))
     impls = {"pallas": attention.GPU_IMPLS["pallas"], "xla": attention.GPU_IMPLS["xla"]}
     impls["cudnn"] = attention.GPU_IMPLS["cudnn"]
+    impls["mosaic"] = MOSAIC
     for T, D, causal in ATTN_CONFIGS:
         shape = (ATTN_TOKENS // T, T, 2048 // D, D, jnp.bfloat16)
         inputs = functools.partial(attention._inputs, *shape)
@@ -210,21 +223,24 @@ def run_checks(emit=print, only: str = "") -> list[dict]:
         if not wanted(name):
             continue
         inputs = jax.jit(functools.partial(_check_inputs, case, dtype))()
+        kernels = ("pallas", "mosaic") if mosaic_takes(case) else ("pallas",)
         got = {}
-        for how in ("pallas", "same", "oracle"):  # the oracle at full float32 (not TF32) dots
+        for how in (*kernels, "same", "oracle"):  # the oracle at full float32 (not TF32) dots
             with jax.default_matmul_precision("highest" if how == "oracle" else None):
                 got[how] = jax.jit(_attend_vjp(case, how))(*inputs)
-        ratios = {}
-        for i, what in enumerate(("out", "lse", "dq", "dk", "dv")):
-            factor, floor = (2, FLOOR[dtype]) if i < 2 else (3, 10 * FLOOR[dtype])
-            err = _max_err(got["pallas"][i], got["oracle"][i])
-            base = _max_err(got["same"][i], got["oracle"][i])
-            ratios[what] = err / (factor * base + floor)
-        worst = max(ratios, key=ratios.get)
-        value = ratios[worst]
-        rows.append(dict(section="check", name=name, value=value, unit="err/bound", ok=value <= 1,
-                         worst=worst))  # fmt: skip
-        emit(rows[-1])
+        for kernel in kernels:
+            ratios = {}
+            for i, what in enumerate(("out", "lse", "dq", "dk", "dv")):
+                factor, floor = (2, FLOOR[dtype]) if i < 2 else (3, 10 * FLOOR[dtype])
+                err = _max_err(got[kernel][i], got["oracle"][i])
+                base = _max_err(got["same"][i], got["oracle"][i])
+                ratios[what] = err / (factor * base + floor)
+            worst = max(ratios, key=ratios.get)
+            value = ratios[worst]
+            tag = "" if kernel == "pallas" else f"-{kernel}"
+            rows.append(dict(section="check", name=name + tag, value=value, unit="err/bound",
+                             ok=value <= 1, worst=worst))  # fmt: skip
+            emit(rows[-1])
     for name, case in KV_CHECKS.items():
         if not wanted(name):
             continue
@@ -301,7 +317,15 @@ def run_speculative(runs: int, attn_impl: str = "pallas") -> list[dict]:
 
 def run_attention(runs: int) -> list[dict]:
     rows = []
-    attn_rows, _ = attention.run_gpu(runs, configs=ATTN_CONFIGS, tokens=ATTN_TOKENS)
+    impls = {**attention.GPU_IMPLS, "mosaic": MOSAIC}
+    attn_rows, _ = attention.run_gpu(runs, impls=impls, configs=ATTN_CONFIGS, tokens=ATTN_TOKENS)
+    cudnn = {(r["T"], r["D"], r["causal"]): r for r in attn_rows if r["impl"] == "cudnn"}
+    for r in attn_rows:
+        if r["impl"] == "mosaic":  # run_gpu compares pallas with cudnn; mosaic is compared here
+            ref = cudnn.get((r["T"], r["D"], r["causal"]), {})
+            for key in ("fwd_TFLOPs", "fwd_bwd_TFLOPs"):
+                if key in r and key in ref:
+                    r[f"{key}_vs_cudnn"] = r[key] / ref[key]
     for r in attn_rows:
         tag = f"{r['impl']} T{r['T']} D{r['D']} {'causal' if r['causal'] else 'full'}"
         for key in ("fwd_TFLOPs", "fwd_bwd_TFLOPs"):
