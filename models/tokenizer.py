@@ -234,7 +234,7 @@ def _load_directory(path: str) -> HFTokenizer:
         bos_id=ids["bos"],
         eos_id=ids["eos"],
         pad_id=ids["pad"],
-        add_bos=bool(add_bos),
+        add_bos=bool(add_bos) and ids["bos"] is not None,
         special_ids=frozenset(special),
         chat_template=template,
         source=path,
