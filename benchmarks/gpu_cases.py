@@ -49,11 +49,20 @@ def mosaic_flash_case(D: int, dtype: str, mask: str) -> dict:
     )  # fmt: skip
 
 
+def mosaic_kvcache_case(D, dtype, G, Tq, layout, *, rotary=False) -> dict:
+    case = kvcache_case(D, dtype, G, Tq, layout, rotary=rotary)
+    return {**case, "id": "mosaic_" + case["id"], "mosaic": True}
+
+
 def mosaic_cases() -> list[dict]:
-    """Every Mosaic head dim, both 16-bit dtypes and every mask in turn."""
+    """Every Mosaic head dim, both 16-bit dtypes and every mask in turn; decode at D 64 and 128,
+    paged and contiguous, Tq 1 and 5, G 8 and 4."""
     return [
         mosaic_flash_case(D, ("bfloat16", "float16")[i % 2], MOSAIC_MASKS[i % 3])
         for i, D in enumerate(MOSAIC_HEAD_DIMS)
+    ] + [
+        mosaic_kvcache_case(128, "bfloat16", 8, 1, "paged", rotary=True),
+        mosaic_kvcache_case(64, "float16", 4, 5, "contiguous"),
     ]
 
 
@@ -108,6 +117,7 @@ def smoke_cases() -> list[dict]:
         kvcache_case(128, "bfloat16", 4, 5, "paged", fp8=True, rotary=True),
         kvcache_case(256, "float32", 8, 16, "contiguous", num_splits=1),
         mosaic_flash_case(128, "bfloat16", "causal"),
+        mosaic_kvcache_case(128, "bfloat16", 8, 1, "paged", rotary=True),
         MODEL_CASES[0],
     ]
 
@@ -127,6 +137,12 @@ def full_cases() -> list[dict]:
         for D in MOSAIC_HEAD_DIMS
         for dt in ("bfloat16", "float16")
         for m in MOSAIC_MASKS
+    ]
+    mosaic += [
+        mosaic_kvcache_case(D, dt, G, Tq, layout, rotary=Tq == 5)
+        for D in (64, 128)
+        for dt in ("bfloat16", "float16")
+        for G, Tq, layout in ((1, 1, "contiguous"), (4, 5, "paged"), (8, 16, "paged"))
     ]
     return cases + mosaic + MODEL_CASES
 
@@ -217,7 +233,8 @@ def _kvcache(case, sds):
         a = dict(a)
         res = attention_with_kvcache(
             a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), a.pop("k"), a.pop("v"), **a,
-            causal=True, num_splits=case["num_splits"], return_lse=True, impl="pallas",
+            causal=True, num_splits=case["num_splits"], return_lse=True,
+            impl="mosaic" if case.get("mosaic") else "pallas",
         )  # fmt: skip
         return res.out, res.lse, res.k_cache, res.v_cache
 

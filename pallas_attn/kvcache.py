@@ -77,8 +77,10 @@ def attention_with_kvcache(
       k_descale, v_descale: [B, Hkv] float32 for an FP8 cache (default 1): real = stored * descale.
       num_splits: KV splits of the decode kernel; 0 = heuristic. Results agree within rounding.
       return_lse: also return the float32 natural-log lse [B, Hq, Tq].
-      impl: "reference", "xla", "pallas", "interpret" or "auto". On the CPU backend "xla" runs
-        the attention step as a native kernel when built (:mod:`pallas_attn.cpu`, same results).
+      impl: "reference", "xla", "pallas", "interpret", "mosaic" / "mosaic_interpret" (the
+        Hopper kernel: TMA, wgmma; 16-bit caches, D 64 or 128, no tree mask; the cache write is
+        the jnp scatter) or "auto". On the CPU backend "xla" runs the attention step as a native
+        kernel when built (:mod:`pallas_attn.cpu`, same results).
       tree_mask: [Tq, Tq] or [B, Tq, Tq] bool, tree attention (speculative token trees): among
         the last ``Tq`` keys (the queries' own positions ``cache_seqlens + Tn - Tq + j``) query
         ``i`` sees key ``j`` only where ``tree_mask[i, j]``; keys before them follow the other
@@ -131,6 +133,16 @@ def attention_with_kvcache(
         impl = "native"
     if impl in ("reference", "xla", "native"):
         out, lse, k_cache, v_cache = _jnp(impl, static, args, q, k_cache, v_cache, *new)
+    elif impl in ("mosaic", "mosaic_interpret"):
+        from pallas_attn.kernels.mosaic import decode  # imported only when asked for
+
+        decode.check_supported(
+            q, k_cache, paged=block_table is not None, fp8=fp8, tree=tree_mask is not None
+        )
+        out, lse, k_cache, v_cache = _mosaic(
+            static, args, q, k_cache, v_cache, *new, num_splits=num_splits,
+            interpret=impl == "mosaic_interpret",
+        )  # fmt: skip
     else:
         out, lse, k_cache, v_cache = _pallas(
             static, args, q, k_cache, v_cache, *new, num_splits=num_splits,
@@ -201,6 +213,26 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
         q, k_cache, v_cache, ranges.kv_len, ranges.kv_start, index, descale, args.tree_mask,
         cfg=cfg, interpret=interpret,
     )  # fmt: skip
+    return out, lse, k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_splits", "interpret"))
+def _mosaic(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpret: bool):
+    """The Mosaic GPU decode kernel after the jnp cache write (:func:`cache.write`: rotary, in
+    place under donation)."""
+    from pallas_attn.kernels.mosaic import decode
+
+    q = cache.rotate_queries(static, args, q)
+    Tn = 0
+    if k is not None:
+        Tn = k.shape[1]
+        k_cache, v_cache = cache.write(static, args, k_cache, v_cache, k, v)
+    cfg = decode.DecodeStatic(static.softmax_scale, static.window, static.softcap, interpret)
+    ranges = cache.key_range(args, q.shape[1], Tn)
+    index = cache.row_index(args, q.shape[0])
+    out, lse = decode.decode(
+        q, k_cache, v_cache, ranges.kv_len, ranges.kv_start, index, cfg=cfg, num_splits=num_splits
+    )
     return out, lse, k_cache, v_cache
 
 

@@ -76,11 +76,17 @@ class DecodeConfig:
 
 def _split_keys(cfg: DecodeConfig, Tq: int, mi, split, kv_start, kv_len):
     """Positions [block_m] of the packed rows of block ``mi`` and the key tiles ``[j_start, j_end)``
-    of split ``split``: the visible key range of those rows cut into ``num_splits`` chunks."""
+    of split ``split`` (:func:`split_tiles`)."""
+    rows = mi * cfg.block_m + jnp.arange(cfg.block_m, dtype=jnp.int32)
+    q_pos = kv_len - Tq + jnp.minimum(rows // cfg.group, Tq - 1)
+    return q_pos, *split_tiles(cfg, Tq, mi, split, kv_start, kv_len)
+
+
+def split_tiles(cfg: DecodeConfig, Tq: int, mi, split, kv_start, kv_len):
+    """Key tiles ``[j_start, j_end)`` of split ``split`` for the packed rows of block ``mi``: the
+    visible key range of those rows cut into ``num_splits`` chunks."""
     block_m, G = cfg.block_m, cfg.group
     q_offset = kv_len - Tq  # query t sits at key position q_offset + t
-    rows = mi * block_m + jnp.arange(block_m, dtype=jnp.int32)
-    q_pos = q_offset + jnp.minimum(rows // G, Tq - 1)
     first_t = (mi * block_m) // G
     last_t = jnp.minimum((mi * block_m + block_m - 1) // G, Tq - 1)
     lo, hi = masks.key_range(
@@ -90,7 +96,7 @@ def _split_keys(cfg: DecodeConfig, Tq: int, mi, split, kv_start, kv_len):
     j_hi = jnp.where(hi > lo, pl.cdiv(hi, cfg.block_n), j_lo)
     per_split = pl.cdiv(j_hi - j_lo, cfg.num_splits)
     j_start = j_lo + split * per_split
-    return q_pos, j_start, jnp.minimum(j_start + per_split, j_hi)
+    return j_start, jnp.minimum(j_start + per_split, j_hi)
 
 
 def _load_keys(k_ref, v_ref, index_ref, b, h, pos, kv_start, kv_len, Dp: int, dtype, paged: bool):

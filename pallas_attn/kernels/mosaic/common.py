@@ -35,6 +35,7 @@ Scores are base 2 inside the kernels, as in :mod:`pallas_attn.softmax`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,12 @@ WGMMA_ROWS = 64
 # The head dim is padded to a multiple of this (one 128-byte swizzled row of 16-bit values).
 HEAD_DIM_MULTIPLE = 64
 MAX_HEAD_DIM = 128  # D = 256: the float32 accumulators spill on sm_90a (make gpu-compile)
+
+
+class Mode(Protocol):
+    """What the helpers here read of a kernel's static config: compiled or interpreted."""
+
+    interpret: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +89,7 @@ class Config:
         return self.S - self.T
 
 
-def interpret_params(cfg: Config):
+def interpret_params(cfg: Mode):
     """The ``interpret`` argument of ``plgpu.kernel``: the GPU interpreter, or None (compile)."""
     return InterpretGPUParams() if cfg.interpret else None
 
@@ -105,27 +112,27 @@ def smem(shape: tuple[int, ...], dtype, minor: int | None = None) -> plgpu.SMEM:
     return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
 
 
-def cast(cfg: Config, x, layout):
+def cast(cfg: Mode, x, layout):
     """``plgpu.layout_cast`` when compiling; identity under the interpreter (no CPU rule)."""
     return x if cfg.interpret else plgpu.layout_cast(x, layout)
 
 
-def rows(cfg: Config, x):
+def rows(cfg: Mode, x):
     """A per-row statistic ([M]) in the layout of a wgmma accumulator's row reduction."""
     return cast(cfg, x, plgpu.Layout.WGMMA.reduce(1))
 
 
-def tile(cfg: Config, x):
+def tile(cfg: Mode, x):
     """An [M, N] value in the wgmma accumulator layout."""
     return cast(cfg, x, plgpu.Layout.WGMMA)
 
 
-def iota(cfg: Config, shape: tuple[int, int], dim: int):
+def iota(cfg: Mode, shape: tuple[int, int], dim: int):
     """``broadcasted_iota`` in the wgmma accumulator layout (a row or column index per element)."""
     return tile(cfg, jax.lax.broadcasted_iota(jnp.int32, shape, dim))
 
 
-def load_vector(cfg: Config, ref, dim: int):
+def load_vector(cfg: Mode, ref, dim: int):
     """An SMEM vector [N] as the row (``dim=1``) or column (``dim=0``) statistic of an [M, N] or
     [N, M] accumulator tile (``plgpu.load`` with that layout; a plain read when interpreted)."""
     if cfg.interpret:
@@ -133,7 +140,14 @@ def load_vector(cfg: Config, ref, dim: int):
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(dim))
 
 
-def matmul(cfg: Config, a, b, *, transpose_b: bool = False):
+def load_tile(cfg: Mode, ref):
+    """An [M, N] SMEM tile into registers in the wgmma accumulator layout."""
+    if cfg.interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+
+def matmul(cfg: Mode, a, b, *, transpose_b: bool = False):
     """``a @ b`` (or ``a @ b.T``) of SMEM refs by wgmma, float32 [M, N] in registers.
 
     ``a``: [M, K]; ``b``: [K, N], or [N, K] with ``transpose_b``. Compiled, the transpose is the
@@ -159,7 +173,7 @@ def matmul(cfg: Config, a, b, *, transpose_b: bool = False):
     return pl.run_scoped(run, plgpu.ACC((M, N), jnp.float32))
 
 
-def matmul_acc(cfg: Config, acc, a, b):
+def matmul_acc(cfg: Mode, acc, a, b):
     """``acc + a @ b`` (SMEM refs ``a`` [M, K], ``b`` [K, N]; ``acc`` float32 [M, N] registers).
 
     Compiled, wgmma accumulates into ``acc`` in place (``pl.run_state``): no second [M, N]

@@ -1,0 +1,95 @@
+"""attention_with_kvcache with the Mosaic GPU decode kernel under JAX's GPU interpreter
+(``impl="mosaic_interpret"``) against the reference: values, caches, splits, unowned memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attn_utils import max_err
+from test_kvcache import Case, _bits, _tol, call, make_inputs
+
+IMPL = "mosaic_interpret"
+# PackGQA rows G * Tq of 8, 20, 6 and 64; paged with pages of 16 (four per tile) and 64, and
+# contiguous (through cache_batch_idx); leftpad, rotary, causal, window, softcap; D 64 and 128.
+CASES = [
+    Case(Tq=1, Tn=1, Hq=8, Hkv=1, D=64, S=128, page=16, leftpad=True, causal=True,
+         dtype="bfloat16"),
+    Case(Tq=5, Tn=5, Hq=4, Hkv=1, D=64, S=128, batch_idx=True, rotary=(16, True), causal=True,
+         dtype="float16"),
+    Case(Tq=3, Tn=0, Hq=2, Hkv=1, D=128, S=128, page=64, leftpad=True, window=(20, 0),
+         softcap=3.0, dtype="bfloat16"),
+]  # fmt: skip
+SLOW_CASES = [
+    Case(Tq=16, Tn=16, Hq=8, Hkv=2, D=128, S=256, page=32, causal=True, dtype="float16"),
+    Case(Tq=1, Tn=0, Hq=4, Hkv=4, D=64, S=192, leftpad=True, dtype="bfloat16"),
+]
+
+
+def check(case: Case, seed: int, **extra):
+    """Out and lse within the reference's tolerance; caches bit-identical (the same jnp write)."""
+    inp = make_inputs(case, seed=seed)
+    got, want = call(inp, IMPL, **extra), call(inp, "reference")
+    assert got.out.dtype == want.out.dtype and got.lse.dtype == jnp.float32
+    assert max_err(got.out, want.out) <= _tol(case)
+    assert max_err(got.lse, want.lse) <= _tol(case)
+    for a, b in ((got.k_cache, want.k_cache), (got.v_cache, want.v_cache)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    return got
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_mosaic_decode_matches_reference(case):
+    check(case, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=repr)
+def test_mosaic_decode_matches_reference_slow(case):
+    check(case, seed=2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mosaic_decode_num_splits(num_splits):
+    case = Case(Tq=2, Tn=1, Hq=4, Hkv=2, D=64, S=256, page=16, leftpad=True, causal=True,
+                window=(150, 0), dtype="bfloat16")  # fmt: skip
+    check(case, seed=3, num_splits=num_splits)
+
+
+def test_mosaic_decode_ignores_unowned_memory():
+    """NaN in every slot a row does not own (leftpad, past its length) changes nothing."""
+    case = Case(Tq=2, Tn=1, Hq=4, Hkv=1, D=64, S=192, leftpad=True, causal=True, dtype="bfloat16")
+    inp = make_inputs(case, seed=4)
+    lens = np.asarray(inp.kwargs["cache_seqlens"]) + case.Tn
+    pad = np.asarray(inp.kwargs["cache_leftpad"])
+    pos = np.arange(case.S)
+    unowned = (pos[None, :] < pad[:, None]) | (pos[None, :] >= lens[:, None])  # [B, S]
+    poisoned = dataclasses.replace(
+        inp,
+        k_cache=jnp.where(unowned[..., None, None], jnp.nan, inp.k_cache).astype(inp.k_cache.dtype),
+        v_cache=jnp.where(unowned[..., None, None], jnp.nan, inp.v_cache).astype(inp.v_cache.dtype),
+    )
+    clean, dirty = call(inp, IMPL), call(poisoned, IMPL)
+    np.testing.assert_array_equal(_bits(clean.out), _bits(dirty.out))
+    np.testing.assert_array_equal(_bits(clean.lse), _bits(dirty.lse))
+
+
+@pytest.mark.parametrize(
+    ("case", "extra", "error", "match"),
+    [
+        (Case(D=64, S=128, fp8=True, dtype="bfloat16"), {}, TypeError, "FP8"),
+        (Case(D=64, S=128), {}, TypeError, "bfloat16 or float16"),
+        (Case(D=40, S=128, dtype="bfloat16"), {}, ValueError, "head dims"),
+        (Case(D=64, S=96, page=24, dtype="bfloat16"), {}, ValueError, "page size"),
+        (Case(D=64, S=100, dtype="bfloat16"), {}, ValueError, "multiple of 64"),
+        (Case(Tq=2, D=64, S=128, dtype="bfloat16"), dict(tree_mask=np.eye(2, dtype=bool)),
+         ValueError, "tree_mask"),
+    ],
+)  # fmt: skip
+def test_mosaic_decode_rejects_what_it_cannot_run(case, extra, error, match):
+    inp = make_inputs(case, seed=5)
+    extra = {k: jnp.asarray(v) for k, v in extra.items()}
+    with pytest.raises(error, match=match):
+        call(inp, IMPL, **extra)
