@@ -79,8 +79,9 @@ def attention_with_kvcache(
       return_lse: also return the float32 natural-log lse [B, Hq, Tq].
       impl: "reference", "xla", "pallas", "interpret", "mosaic" / "mosaic_interpret" (the
         Hopper kernel: TMA, wgmma; 16-bit caches, D 64 or 128, no tree mask; the cache write is
-        the jnp scatter) or "auto". On the CPU backend "xla" runs the attention step as a native
-        kernel when built (:mod:`pallas_attn.cpu`, same results).
+        the jnp scatter) or "auto" (mosaic on sm_90+ where it applies, else pallas on GPU). On
+        the CPU backend "xla" runs the attention step as a native kernel when built
+        (:mod:`pallas_attn.cpu`, same results).
       tree_mask: [Tq, Tq] or [B, Tq, Tq] bool, tree attention (speculative token trees): among
         the last ``Tq`` keys (the queries' own positions ``cache_seqlens + Tn - Tq + j``) query
         ``i`` sees key ``j`` only where ``tree_mask[i, j]``; keys before them follow the other
@@ -98,6 +99,7 @@ def attention_with_kvcache(
       XLA's CPU backend scatters 16-bit and FP8 caches through a float32 copy; float32 caches,
       and the Pallas path, need no second cache buffer).
     """
+    auto = impl == "auto"
     impl = validation.resolve_impl(impl)
     validation.check_array("q", q, ndim=4)
     validation.check_nonempty("q", q, "BTHD")
@@ -129,6 +131,11 @@ def attention_with_kvcache(
         _check_tree_mask(tree_mask, B, Tq),
     )  # fmt: skip
     new = (k, v) if Tn else (None, None)
+    paged, tree = block_table is not None, tree_mask is not None
+    if auto and validation.resolve_impl("auto", mosaic_dtype=q.dtype) == "mosaic":
+        from pallas_attn.kernels.mosaic import decode  # sm_90+: the Mosaic kernel where it applies
+
+        impl = "mosaic" if decode.supports(q, k_cache, paged=paged, fp8=fp8, tree=tree) else impl
     if impl == "xla" and cpu.eligible(q, k_cache):
         impl = "native"
     if impl in ("reference", "xla", "native"):
@@ -136,9 +143,7 @@ def attention_with_kvcache(
     elif impl in ("mosaic", "mosaic_interpret"):
         from pallas_attn.kernels.mosaic import decode  # imported only when asked for
 
-        decode.check_supported(
-            q, k_cache, paged=block_table is not None, fp8=fp8, tree=tree_mask is not None
-        )
+        decode.check_supported(q, k_cache, paged=paged, fp8=fp8, tree=tree)
         out, lse, k_cache, v_cache = _mosaic(
             static, args, q, k_cache, v_cache, *new, num_splits=num_splits,
             interpret=impl == "mosaic_interpret",

@@ -93,3 +93,21 @@ def test_mosaic_decode_rejects_what_it_cannot_run(case, extra, error, match):
     extra = {k: jnp.asarray(v) for k, v in extra.items()}
     with pytest.raises(error, match=match):
         call(inp, IMPL, **extra)
+
+
+@pytest.mark.parametrize(("case", "want"), [(CASES[0], "mosaic"), (CASES[0], "pallas")])
+def test_auto_picks_mosaic_decode_on_hopper(monkeypatch, case, want):
+    """On sm_90+ "auto" runs the Mosaic kernel where it applies, else the Triton one."""
+    import jax
+
+    from pallas_attn import kvcache, validation
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(validation, "_compute_capability", lambda: 9)
+    seen, result = [], (jnp.zeros(1), jnp.zeros(1), None, None)
+    monkeypatch.setattr(kvcache, "_mosaic", lambda *a, **k: seen.append("mosaic") or result)
+    monkeypatch.setattr(kvcache, "_pallas", lambda *a, **k: seen.append("pallas") or result)
+    if want == "pallas":
+        case = dataclasses.replace(case, D=40)
+    call(make_inputs(case, seed=6), "auto")
+    assert seen == [want]

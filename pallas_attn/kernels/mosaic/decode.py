@@ -172,6 +172,15 @@ def check_supported(q, k_cache, *, paged: bool, fp8: bool, tree: bool):
         raise ValueError('impl="mosaic" does not support tree_mask yet; use impl="pallas"')
 
 
+def supports(q, k_cache, *, paged: bool, fp8: bool, tree: bool) -> bool:
+    """Whether :func:`check_supported` accepts these inputs (what ``impl="auto"`` asks)."""
+    try:
+        check_supported(q, k_cache, paged=paged, fp8=fp8, tree=tree)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def decode(q, k_cache, v_cache, kv_len, kv_start, index, *, cfg: DecodeStatic, num_splits: int):
     """Split-KV attention of q over a cache whose rows already hold every key.
 
