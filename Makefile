@@ -29,9 +29,10 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e ".[test,notebooks]"
 	touch $@
 
-# The demo samples (min-p): greedy decoding from the small shipped model falls into indentation runs.
+# The demo chats with the real default model, SmolLM2-135M-Instruct (greedy, streamed).
 demo: $(VENV)/.installed
-	$(PY) -m decoding "def fibonacci(n):" --max-new-tokens 200 --temperature 1.0 --min-p 0.1
+	$(PY) -m decoding --chat "What is the capital of France?"
+	$(PY) -m decoding --chat "Write a Python function that reverses a string." --max-new-tokens 160
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

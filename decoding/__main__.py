@@ -1,9 +1,17 @@
-"""Command line: ``python -m decoding "def fibonacci(n):" --max-new-tokens 200``
-(``--speculative code-draft|prompt-lookup|early-exit:L|medusa|medusa+lookup|medusa-tree
-[--num-draft-tokens K]``).
+"""Command line: chat with a model, or continue a prompt, streaming the text as it is generated.
 
-Prints the prompt with its continuation, then one stats line (prefill ms, decode tokens/s).
-Bad arguments give an argparse usage error (exit status 2), never a traceback.
+    python -m decoding --chat "What is the capital of France?"      # the default model, SmolLM2
+    python -m decoding --interactive                                  # a multi-turn chat
+    python -m decoding --model path/to/model.gguf "a plain prompt"
+    python -m decoding --model code-target "def fibonacci(n):" --speculative prompt-lookup
+
+``--model`` takes an installed or shipped name, a Hugging Face checkpoint directory or a
+``.gguf`` file. ``--chat`` applies the model's chat template and stops at the template's end of
+turn; ``--interactive`` keeps the conversation in the paged cache between turns, so each turn
+prefills only its own tokens. Text streams through the continuous-batching engine; with
+``--speculative`` (or ``--cache contiguous``) the continuation is printed when complete. A stats
+line goes to stderr. Bad arguments are usage errors (exit 2) naming the flag, never a traceback;
+Ctrl-C stops quietly (exit 130) with what was generated on the screen.
 """
 
 from __future__ import annotations
@@ -12,14 +20,23 @@ import argparse
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+
 import models
+from decoding.chat import ChatSession, stream, turn_end_id
 from decoding.drafts import EarlyExit, PromptLookup
+from decoding.engine import Engine
 from decoding.generate import generate
 from decoding.medusa import LOOKUP_NGRAM, Medusa
+from decoding.paging import pages_for
 from decoding.sampling import SamplingConfig, check_seed
 from decoding.speculative import speculative_generate
 from decoding.tree import TreeSpec
-from models.pretrained import SHIPPED, checkpoint_arg
+from models.pretrained import DEFAULT_MODEL, NAMES, model_arg
+from pallas_attn import native
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def _positive_int(text: str) -> int:
@@ -79,22 +96,41 @@ def _draft(spec: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m decoding",
-        description="Generate a continuation of PROMPT with a KV-cache decoder.",
+        description="Chat with a model or continue a prompt, streaming the text.",
     )
-    parser.add_argument("prompt", help="text to continue")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=200, metavar="N")
+    parser.add_argument("prompt", nargs="?", help="text to continue (with --chat: the question)")
+    parser.add_argument(
+        "--model",
+        type=model_arg,
+        default=DEFAULT_MODEL,
+        help=f"{', '.join(NAMES)}, a Hugging Face checkpoint directory or a .gguf file "
+        f"(default {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    parser.add_argument(
+        "--interactive", action="store_true", help="a multi-turn chat on stdin (/reset, /exit)"
+    )
+    parser.add_argument("--system", default=None, metavar="TEXT", help="a chat's system message")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N")
     parser.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=_float, default=1.0, help="1.0 = off")
     parser.add_argument("--min-p", type=_float, default=0.0, help="0.0 = off")
     parser.add_argument("--seed", type=_seed, default=0, help="an int in [0, 2**32)")
     parser.add_argument(
-        "--model",
-        type=checkpoint_arg,
-        default=SHIPPED[0],
-        help=f"a shipped model ({', '.join(SHIPPED)}) or a Hugging Face checkpoint directory",
+        "--context",
+        type=_positive_int,
+        default=8192,
+        metavar="T",
+        help="--interactive: the longest conversation, in tokens (capped at the model's)",
     )
-    parser.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
+    parser.add_argument(
+        "--cache",
+        choices=("paged", "contiguous"),
+        default="paged",
+        help="paged: streamed through the engine; contiguous: one generate call",
+    )
     parser.add_argument(
         "--page-size",
         type=_positive_int,
@@ -119,36 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load(name: str):
-    """(model, tokenizer) for a shipped model name or a checkpoint directory: the directory's
-    own tokenizer when it has ``tokenizer_config.json``, else ``models.ByteTokenizer``.
-
-    Raises OSError or ValueError for a checkpoint that cannot be loaded.
-    """
-    model = models.load_model(name)
-    if name not in SHIPPED and os.path.exists(os.path.join(name, "tokenizer_config.json")):
-        import transformers
-
-        return model, transformers.AutoTokenizer.from_pretrained(name)
-    return model, models.ByteTokenizer()
-
-
 def encode_prompt(prompt: str, tokenizer, config) -> tuple[list[int], int | None]:
     """(token ids of ``prompt``, the id to stop at) for a model with ``config``.
 
-    The checkpoint's own ``bos_id`` / ``eos_id`` come first; a ``ByteTokenizer``'s are used only
-    where the checkpoint names none and they fit its vocabulary. ValueError when the byte
-    tokenizer does not fit the checkpoint (V < 256). A Hugging Face tokenizer adds its own
-    special tokens.
+    A real tokenizer adds BOS when its checkpoint asks for it (``add_bos``). For the
+    ``ByteTokenizer``, the checkpoint's own ``bos_id`` / ``eos_id`` come first, the tokenizer's
+    are used only where the checkpoint names none and they fit its vocabulary; ValueError when
+    the byte tokenizer does not fit the checkpoint (V < 256).
     """
     V = config.vocab_size
     if not isinstance(tokenizer, models.ByteTokenizer):
-        eos_id = config.eos_id if config.eos_id is not None else tokenizer.eos_token_id
-        return tokenizer.encode(prompt), eos_id
+        eos_id = config.eos_id if config.eos_id is not None else tokenizer.eos_id
+        return tokenizer.encode(prompt, add_bos=tokenizer.add_bos), eos_id
     if V < 256:
         raise ValueError(
             f"the byte tokenizer (ids 0-255) does not fit this checkpoint (vocab_size {V}) and "
-            "the directory has no tokenizer_config.json"
+            "the directory has no tokenizer.json"
         )
 
     def special(checkpoint_id, byte_id):
@@ -161,59 +183,176 @@ def encode_prompt(prompt: str, tokenizer, config) -> tuple[list[int], int | None
     return ([bos_id] + ids if bos_id is not None else ids), special(config.eos_id, tokenizer.eos_id)
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _check_arguments(parser, args) -> SamplingConfig:
     try:
         sampling = SamplingConfig(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p
         )
     except ValueError as e:
         parser.error(str(e))
-    if not args.prompt:
+    if args.interactive:
+        if args.speculative is not None or args.cache != "paged":
+            parser.error(
+                "--interactive streams through the paged engine: drop --speculative/--cache"
+            )
+    elif args.prompt is None:
+        parser.error("a prompt is required (or --interactive)")
+    elif not args.prompt:
         parser.error("prompt must not be empty")
-    try:
-        model, tokenizer = load(args.model)
-        ids, eos_id = encode_prompt(args.prompt, tokenizer, model.config)
-    except (OSError, ValueError) as e:
-        parser.error(f"--model {args.model}: {e}")
-    common = dict(
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        eos_id=eos_id,
-        seed=args.seed,
-        cache=args.cache,
-        page_size=args.page_size,
-    )
     if args.num_draft_tokens is not None and args.speculative is None:
         parser.error("--num-draft-tokens needs --speculative")
-    try:
-        if args.speculative is None:
-            res = generate(model, [ids], **common)
-        else:
-            draft = _draft(args.speculative)
-            k = args.num_draft_tokens
-            res = speculative_generate(model, draft, [ids], num_draft_tokens=k, **common)
-    except ValueError as e:
-        parser.error(str(e))
-    new = res.tokens[0]
-    text = tokenizer.decode([t for t in new if t != eos_id])
-    print(args.prompt + text)
+    if args.system is not None and not (args.chat or args.interactive):
+        parser.error("--system needs --chat or --interactive")
+    return sampling
+
+
+def _engine(model, args, max_seq_len: int) -> Engine:
+    max_seq_len = min(max_seq_len, model.config.max_position)
+    P = min(args.page_size, max_seq_len)
+    return Engine(
+        model, max_batch=1, num_pages=pages_for(max_seq_len, P) + 1, page_size=P,
+        max_seq_len=max_seq_len,
+    )  # fmt: skip
+
+
+def _print_stats(stats: dict, extra: str = "") -> None:
+    print(
+        f"[{stats['new_tokens']} tokens | prefill {stats['prefilled_tokens']} of "
+        f"{stats['prompt_tokens']} prompt tokens, first token {1e3 * stats['ttft_s']:.0f} ms | "
+        f"decode {stats['decode_tokens_per_s']:.1f} tok/s{extra}]",
+        file=sys.stderr,
+    )
+
+
+def _interactive(session: ChatSession, first: str | None) -> int:
+    print("Chat: /reset forgets the conversation, /exit (or Ctrl-D) ends it.", file=sys.stderr)
+    pending = first
+    while True:
+        if pending is None:
+            try:
+                pending = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+        text, pending = pending.strip(), None
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            session.reset()
+            continue
+        if not text:
+            continue
+        try:
+            for piece in session.send(text):
+                print(piece, end="", flush=True)
+        except ValueError as e:  # the conversation outgrew --context
+            print(f"\n[{e}; /reset starts a new conversation]", file=sys.stderr)
+            continue
+        print(flush=True)
+        _print_stats(session.stats)
+
+
+def _complete(model, args, ids, eos_id, sampling):
+    """One generate / speculative_generate call -> (new tokens, stats line extra)."""
+    common = dict(
+        max_new_tokens=args.max_new_tokens, sampling=sampling, eos_id=eos_id, seed=args.seed,
+        cache=args.cache, page_size=args.page_size,
+    )  # fmt: skip
+    if args.speculative is None:
+        res = generate(model, [ids], **common)
+    else:
+        draft = _draft(args.speculative)
+        res = speculative_generate(
+            model, draft, [ids], num_draft_tokens=args.num_draft_tokens, **common
+        )
     s = res.stats
-    spec = ""
+    extra = ""
     if args.speculative is not None:
-        spec = (
+        extra = (
             f" | {args.speculative}, k={s['num_draft_tokens']}: acceptance "
             f"{s['acceptance_rate']:.2f}, {s['tokens_per_target_call']:.2f} tokens/target call"
         )
-    print(
-        f"[{len(new)} tokens | prefill {1e3 * s['prefill_s']:.1f} ms | decode "
-        f"{s['decode_tokens_per_s']:.1f} tok/s | {s['tokens_per_s']:.1f} tok/s overall{spec} | "
-        f"{args.cache} cache]",
-        file=sys.stderr,
-    )
+    stats = dict(
+        new_tokens=len(res.tokens[0]), prefilled_tokens=len(ids), prompt_tokens=len(ids),
+        ttft_s=s["prefill_s"], decode_tokens_per_s=s["decode_tokens_per_s"],
+    )  # fmt: skip
+    return res.tokens[0], stats, extra
+
+
+def run(parser, args) -> int:
+    sampling = _check_arguments(parser, args)
+    try:
+        model, tokenizer = models.pretrained(args.model, dtype=DTYPES[args.dtype])
+    except (OSError, ValueError) as e:
+        parser.error(f"--model {args.model}: {e}")
+    chat = args.chat or args.interactive
+    if chat and tokenizer.chat_template is None:
+        parser.error(f"--chat: the model {args.model} has no chat template")
+    if args.interactive:
+        engine = _engine(model, args, args.context)
+        session = ChatSession(
+            engine, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens,
+            sampling=sampling, seed=args.seed,
+        )  # fmt: skip
+        return _interactive(session, args.prompt)
+    try:
+        if chat:
+            messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+            ids = tokenizer.apply_chat_template(
+                [*messages, {"role": "user", "content": args.prompt}]
+            )
+            eos_id = turn_end_id(tokenizer)
+        else:
+            ids, eos_id = encode_prompt(args.prompt, tokenizer, model.config)
+        if len(ids) + args.max_new_tokens > model.config.max_position:
+            raise ValueError(
+                f"prompt length {len(ids)} + max_new_tokens {args.max_new_tokens} exceeds the "
+                f"model's max_position {model.config.max_position}"
+            )
+        if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
+            eos_id = None
+    except ValueError as e:
+        parser.error(f"--model {args.model}: {e}")
+    if not chat:
+        print(args.prompt, end="", flush=True)
+    if args.speculative is None and args.cache == "paged":
+        engine = _engine(model, args, len(ids) + args.max_new_tokens)
+        stats = {}
+        for piece in stream(
+            engine, tokenizer, ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+            stop_id=eos_id, seed=args.seed, stats=stats,
+        ):  # fmt: skip
+            print(piece, end="", flush=True)
+        print(flush=True)
+        _print_stats(stats, " | paged engine")
+        return 0
+    try:
+        new, stats, extra = _complete(model, args, ids, eos_id, sampling)
+    except ValueError as e:
+        parser.error(str(e))
+    print(tokenizer.decode([t for t in new if t != eos_id]), flush=True)
+    _print_stats(stats, extra + f" | {args.cache} cache")
     return 0
 
 
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run(parser, args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _persistent_compilation_cache() -> None:
+    """Keeps compiled programs on disk between runs (the engine's two steps take seconds to
+    compile on a CPU), unless the user configured JAX's cache already."""
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(native.cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 if __name__ == "__main__":
+    _persistent_compilation_cache()
     sys.exit(main())

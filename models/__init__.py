@@ -1,7 +1,9 @@
-"""A Flax NNX Llama-family transformer on ``pallas_attn``, its KV cache, Hugging Face checkpoint
-import/export, training, tensor/data parallel sharding (``models.shard``), and the shipped byte-level code models."""
+"""A Flax NNX Llama-family transformer on ``pallas_attn``, its KV cache, checkpoints in and out
+(Hugging Face safetensors, GGUF), tokenizers and chat templates, training, tensor/data parallel
+sharding (``models.shard``), and models by name (SmolLM2-135M-Instruct, the shipped code models)."""
 
 from models.config import PRESETS, RopeScaling, TransformerConfig
+from models.gguf import load_gguf, save_gguf
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.kv_cache import KVCache
 from models.medusa import MedusaHeads
@@ -9,24 +11,31 @@ from models.nnx_attention import pallas_attention_fn
 from models.pretrained import load_model, pretrained
 from models.shard import make_train_step as make_sharded_train_step
 from models.shard import memory_plan, param_shardings, shard, train_shardings
-from models.tokenizer import ByteTokenizer
+from models.stream_decoder import StreamDecoder
+from models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from models.transformer import Transformer
 
 __all__ = [
     "PRESETS",
     "ByteTokenizer",
+    "HFTokenizer",
     "KVCache",
     "MedusaHeads",
     "RopeScaling",
+    "StreamDecoder",
+    "Tokenizer",
     "Transformer",
     "TransformerConfig",
+    "load_gguf",
     "load_hf_checkpoint",
     "load_model",
+    "load_tokenizer",
     "make_sharded_train_step",
     "memory_plan",
     "pallas_attention_fn",
     "param_shardings",
     "pretrained",
+    "save_gguf",
     "save_hf_checkpoint",
     "shard",
     "train_shardings",

@@ -1,7 +1,8 @@
 """GGUF checkpoints (llama.cpp's format) for the ``llama`` and ``qwen2`` architectures.
 
-The file is read with the ``gguf`` package (llama.cpp's own reader, memory-mapped) and its
-tensors are dequantized with ``gguf.quants`` into the requested dtype. The file's metadata is
+The file's header is parsed by :func:`models.gguf_metadata.read_gguf` (its tensors memory-mapped)
+and its tensors are dequantized with ``gguf.quants`` (llama.cpp's own reference dequantizers)
+into the requested dtype; files are written with ``gguf.GGUFWriter``. The file's metadata is
 turned into the Hugging Face ``config.json`` dict that the same model would have, and the tensors
 are renamed to Hugging Face's names, so :func:`models.hf.config_from_hf` and
 :func:`models.hf.build_model` (one description per family) build the model for both formats.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import RopeScaling, TransformerConfig
+from models.gguf_metadata import read_gguf
 from models.hf import build_model, config_from_hf, hf_tensors
 from models.transformer import Transformer, rope_frequencies
 
@@ -83,26 +85,21 @@ def unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _open(path) -> gguf.GGUFReader:
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 -- the reader raises many kinds on a bad header
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+    """``gguf``'s own reader, for the value types of fields to copy (slower than read_gguf)."""
+    read_gguf(path)  # FileNotFoundError / ValueError naming the path for a bad file
+    return gguf.GGUFReader(os.fspath(path))
 
 
 class _Metadata:
     """Typed access to a GGUF file's key/value fields; ValueError naming the file and key."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: str):
-        self.reader, self.path = reader, path
+    def __init__(self, fields: dict, path: str):
+        self.fields, self.path = fields, path
 
     def get(self, key: str, kind: type, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
+        if key not in self.fields:
             return default
-        value = field.contents()
+        value = self.fields[key]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
@@ -144,12 +141,10 @@ def _hf_config(meta: _Metadata, tensors: dict, vocab_rows: int) -> dict:
     scaling = meta.get(a("rope.scaling.type"), str, "none")
     if scaling != "none":
         raise ValueError(f"{meta.path}: unsupported RoPE scaling type {scaling!r}")
-    tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
+    tokens = meta.fields.get("tokenizer.ggml.tokens")
     hf = {
         "architectures": [ARCHITECTURES[arch]],
-        "vocab_size": meta.count(
-            a("vocab_size"), len(tokens.data) if tokens else max(vocab_rows, 1)
-        ),
+        "vocab_size": meta.count(a("vocab_size"), len(tokens) if tokens else max(vocab_rows, 1)),
         "hidden_size": dim,
         "num_hidden_layers": meta.count(a("block_count")),
         "num_attention_heads": heads,
@@ -220,7 +215,7 @@ class _Tensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         t = self._gguf[name]
         w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = w.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dims innermost first
+        w = w.reshape(t.shape)
         proj = name.split(".")[-2]
         if self._permute and proj in self._heads:
             w = unpermute(w, self._heads[proj])
@@ -245,15 +240,16 @@ def _default_dtype(by_name: dict):
 
 def _prepare(path, dtype):
     path = os.fspath(path)
-    reader = _open(path)
-    by_name = {t.name: t for t in reader.tensors}
-    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in TENSOR_TYPES})
+    fields, by_name = read_gguf(path)
+    bad = sorted(
+        {t.tensor_type.name for t in by_name.values() if t.tensor_type not in TENSOR_TYPES}
+    )
     if bad:
         supported = ", ".join(t.name for t in TENSOR_TYPES)
         raise ValueError(f"{path}: unsupported tensor types {bad}; supported: {supported}")
-    meta = _Metadata(reader, path)
+    meta = _Metadata(fields, path)
     embed = by_name.get("token_embd.weight")
-    hf = _hf_config(meta, by_name, int(embed.shape[-1]) if embed is not None else 0)
+    hf = _hf_config(meta, by_name, int(embed.shape[0]) if embed is not None else 0)
     dtype = _default_dtype(by_name) if dtype is None else dtype
     try:
         config = config_from_hf(hf, dtype=dtype)

@@ -1,4 +1,5 @@
-"""``read_gguf_metadata``: a GGUF file's key/value header as a dict, read in one pass.
+"""``read_gguf``: a GGUF file's key/value header as a dict and its tensors memory-mapped, in one
+pass; ``read_gguf_metadata``: the header alone.
 
 ``gguf.GGUFReader`` builds a numpy view for every element of every array, which costs ~3 s for
 SmolLM2's 49k-token vocabulary and 49k merges on a 2-core machine; this reader walks the same
@@ -11,12 +12,14 @@ strings as ``list[str]``.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import mmap
 import os
 import struct
 
 import numpy as np
-from gguf import GGUF_MAGIC, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 _SCALARS = {
     GGUFValueType.UINT8: "<B",
@@ -91,17 +94,25 @@ class _Cursor:
         return [self.value(itype) for _ in range(count)]  # nested arrays: rare and small
 
 
-def read_gguf_metadata(path: str | os.PathLike) -> dict[str, object]:
-    """The key/value metadata of the GGUF file at ``path`` (little-endian GGUF v2/v3).
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file: ``shape`` outermost first (numpy's order; GGUF lists the
+    innermost first), its ``tensor_type`` and ``data``, the raw bytes as a read-only memory map
+    ``[rows, bytes per row]`` (what ``gguf.quants.dequantize`` takes)."""
 
-    Raises ``FileNotFoundError`` when there is no such file, and ``ValueError`` naming the path when
-    it is not a GGUF file or its header is malformed.
-    """
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray
+
+
+def _read(path, with_tensors: bool):
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}")
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size < 24:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
             raise ValueError(f"{path}: too short to be a GGUF file")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             cur = _Cursor(buf, path)
@@ -112,10 +123,56 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, object]:
                 raise ValueError(f"{path}: big-endian GGUF files are not supported")
             if version not in (2, 3):
                 raise ValueError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
-            cur.scalar("<Q")  # tensor count: the tensor infos follow the metadata
+            n_tensors = cur.scalar("<Q")  # the tensor infos follow the metadata
             n_kv = cur.scalar("<Q")
             metadata: dict[str, object] = {}
             for _ in range(n_kv):
                 key = cur.string()
                 metadata[key] = cur.value(cur.scalar("<I"))
-            return metadata
+            if not with_tensors:
+                return metadata, {}
+            infos = []
+            for _ in range(n_tensors):
+                name = cur.string()
+                dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
+                infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
+            pos = cur.pos
+    align = metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"{path}: general.alignment must be a positive int, got {align!r}")
+    base = -(-pos // align) * align
+    tensors = {}
+    for name, dims, type_id, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ValueError(f"{path}: tensor {name} has an unknown type id {type_id}") from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        inner, rows = (dims[0] if dims else 1), math.prod(dims[1:])
+        if inner % block:
+            raise ValueError(
+                f"{path}: tensor {name} rows of {inner} are not whole {qtype.name} blocks"
+            )
+        row_bytes = inner // block * type_size
+        start = base + offset
+        if start + rows * row_bytes > size:
+            raise ValueError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
+        data = np.memmap(path, np.uint8, "r", offset=start, shape=(rows, row_bytes))
+        tensors[name] = TensorInfo(name, tuple(reversed(dims)), qtype, data)
+    return metadata, tensors
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict[str, object], dict[str, TensorInfo]]:
+    """``(metadata, tensors by name)`` of the GGUF file at ``path``: the header parsed, the
+    tensors memory-mapped, nothing else read. Errors as :func:`read_gguf_metadata`, and
+    ValueError for a tensor of an unknown type, of partial blocks or past the file's end."""
+    return _read(path, True)
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, object]:
+    """The key/value metadata of the GGUF file at ``path`` (little-endian GGUF v2/v3).
+
+    Raises ``FileNotFoundError`` when there is no such file, and ``ValueError`` naming the path when
+    it is not a GGUF file or its header is malformed.
+    """
+    return _read(path, False)[0]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from models.gguf import load_gguf
 from models.hf import config_from_hf, load_hf_checkpoint
 from models.medusa import load_medusa
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from models.transformer import Transformer
 
 SHIPPED_DIR = pathlib.Path(__file__).parent / "shipped"
@@ -116,18 +116,16 @@ def load_model(name, *, dtype=None, attn_impl: str = "auto") -> Transformer:
     return load_gguf(path, dtype=dtype, attn_impl=attn_impl)
 
 
-def tokenizer_for(name):
+def tokenizer_for(name) -> Tokenizer:
     """The tokenizer of the model behind ``name``: the GGUF file's own, a directory's
     ``tokenizer.json``, else (the shipped code models, bare checkpoints) ``ByteTokenizer``."""
     path = model_path(name)
     if path.is_file() or (path / "tokenizer.json").is_file():
-        from models.tokenizer import load_tokenizer  # TEMPORARY until the tokenizer lands
-
         return load_tokenizer(path)
     return ByteTokenizer()
 
 
-def pretrained(name: str, *, dtype=None, attn_impl: str = "auto") -> tuple:
+def pretrained(name: str, *, dtype=None, attn_impl: str = "auto") -> tuple[Transformer, Tokenizer]:
     """``(model, tokenizer)`` by name, e.g. ``pretrained("smollm2-135m-instruct")``.
 
     Names: "smollm2-135m-instruct" (SmolLM2-135M-Instruct, the Q4_1 GGUF file of the

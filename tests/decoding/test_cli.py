@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -32,6 +33,11 @@ from models.hf import save_hf_checkpoint
         (["hi", "--speculative"], "speculative"),
         ([], "prompt"),
         ([""], "prompt must not be empty"),
+        (["hi", "--model", "code-target", "--chat"], "has no chat template"),
+        (["hi", "--system", "be brief"], "--system needs --chat"),
+        (["--interactive", "--speculative", "prompt-lookup"], "--interactive"),
+        (["hi", "--model", "missing.gguf"], "missing.gguf"),
+        (["hi", "--dtype", "int8"], "dtype"),
     ],
 )
 def test_bad_arguments_are_usage_errors(argv, match, capsys):
@@ -65,10 +71,55 @@ def test_generates_from_a_checkpoint_directory(tiny_model, tmp_path, capsys):
     assert exc.value.code == 2
 
 
-def test_default_model_is_the_shipped_code_target(capsys):
-    assert main(["def fibonacci(n):", "--max-new-tokens", "4", "--temperature", "0.8"]) == 0
+def test_code_model_continues_a_plain_prompt(capsys):
+    argv = ["def fibonacci(n):", "--model", "code-target", "--max-new-tokens", "4"]
+    assert main([*argv, "--temperature", "0.8"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def fibonacci(n):") and " tokens | prefill" in err
+
+
+def test_chat_with_the_default_model_streams_an_answer(smollm2_gguf, capsys):
+    assert main(["--chat", "What is the capital of France?", "--max-new-tokens", "24"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "The capital of France is Paris."  # greedy; stopped at <|im_end|>
+    assert "8 tokens" in err and "paged engine" in err
+
+
+def test_interactive_chat_prefills_only_the_new_turn(smollm2_gguf, monkeypatch, capsys):
+    turns = iter(["What is the capital of France?", "And of Italy?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(turns))
+    assert main(["--interactive", "--max-new-tokens", "24", "--context", "512"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out and "Rome" in out
+    stats = [line for line in err.splitlines() if "prompt tokens" in line]
+    (first_new, first_total), (second_new, second_total) = [
+        map(int, line.split("prefill ")[1].split(" prompt")[0].split(" of ")) for line in stats
+    ]
+    assert first_new == first_total - 1  # the last prompt token is fed by the first decode step
+    # Turn two reuses turn one's full pages: it prefills its own tokens and the partial page.
+    assert second_total > first_total and second_new < second_total - first_total + 16
+
+
+def test_bfloat16_chat(smollm2_gguf, capsys):
+    argv = ["--chat", "What is the capital of France?", "--max-new-tokens", "8"]
+    assert main([*argv, "--dtype", "bfloat16"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_ctrl_c_stops_quietly(tmp_path):
+    """SIGINT while text streams: exit 130, what was generated stays on the screen, no traceback."""
+    argv = [sys.executable, "-m", "decoding", "def f(x):", "--model", "code-target"]
+    proc = subprocess.Popen(
+        [*argv, "--max-new-tokens", "1500", "--temperature", "1.0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.read(len("def f(x):") + 8)  # the prompt and the first streamed text
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err
 
 
 def _usage_error(argv, capsys) -> str:

