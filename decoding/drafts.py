@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from decoding.generate import _cache_for
-from decoding.sampling import SamplingConfig, probabilities, sample
+from decoding.sampling import probabilities, sample
 from models import KVCache
 from models.transformer import rope_tables
 
@@ -80,7 +80,8 @@ class Proposal(NamedTuple):
     """What a draft kind proposes for one verification step.
 
     tokens: [B, k] int32; q: [B, k, V] float32, the distribution each token was drawn from
-    (None when greedy: the greedy rule compares tokens only);
+    (one-hot for greedy settings; the greedy rule compares tokens only, and for a greedy
+    ``SamplingConfig`` XLA drops q as unused);
     state: the draft's new state; cache: the target's cache (changed only by a draft that shares
     it); calls: int, draft forward calls made.
     """
@@ -124,7 +125,7 @@ def forward(model, tokens, cache: KVCache, num_layers: int | None = None):
     return logits, cache.replace(k=tuple(k), v=tuple(v), lengths=cache.lengths + T)
 
 
-def autoregressive_proposal(step, cache, x0, k: int, sampling: SamplingConfig, key):
+def autoregressive_proposal(step, cache, x0, k: int, sampling, key):
     """k tokens from a model draft: ``step(tokens [B, T], cache) -> (logits [B, T, V], cache)``.
 
     Feeds ``x0`` [B, T0] (its last token is the sequence's last), then each drafted token but the
@@ -134,8 +135,7 @@ def autoregressive_proposal(step, cache, x0, k: int, sampling: SamplingConfig, k
     keys = jax.random.split(key, k)
 
     def draw(logits, j):
-        q = None if sampling.greedy else probabilities(logits, sampling)  # greedy: unused
-        return sample(logits, keys[j], sampling), q
+        return sample(logits, keys[j], sampling), probabilities(logits, sampling)
 
     def body(carry, j):
         logits, cache = carry
@@ -146,7 +146,7 @@ def autoregressive_proposal(step, cache, x0, k: int, sampling: SamplingConfig, k
     (logits, cache), (toks, qs) = jax.lax.scan(body, (logits[:, -1], cache), jnp.arange(k - 1))
     last_tok, last_q = draw(logits, k - 1)
     tokens = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
-    q = None if sampling.greedy else jnp.concatenate([jnp.moveaxis(qs, 0, 1), last_q[:, None]], 1)
+    q = jnp.concatenate([jnp.moveaxis(qs, 0, 1), last_q[:, None]], 1)
     return tokens, q, cache
 
 
@@ -189,7 +189,7 @@ class ModelDraft:
         _, cache = nnx.merge(self.graphdef, params)(tokens, cache=cache)
         return cache.replace(lengths=prompt_lengths.astype(jnp.int32))
 
-    def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
+    def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         model = nnx.merge(self.graphdef, ctx.params)
         n = ctx.cache.lengths - 1
         x0 = jnp.take_along_axis(ctx.seq, n[:, None] + jnp.arange(2), axis=1)  # [B, 2]
@@ -239,7 +239,7 @@ class EarlyExit:
     def prefill(self, params, state, tokens, prompt_lengths):
         return state
 
-    def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
+    def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         n = ctx.cache.lengths
         last = jnp.take_along_axis(ctx.seq, n[:, None], axis=1)  # [B, 1]
 
@@ -286,10 +286,10 @@ class PromptLookup:
     def prefill(self, params, state, tokens, prompt_lengths):
         return state
 
-    def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
+    def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         V = ctx.target.config.vocab_size
         tokens = lookup(ctx.seq, ctx.cache.lengths + 1, k, self.min_ngram, self.max_ngram)
-        q = None if sampling.greedy else jax.nn.one_hot(tokens, V, dtype=jnp.float32)
+        q = jax.nn.one_hot(tokens, V, dtype=jnp.float32)
         return Proposal(tokens, q, None, ctx.cache, 0)
 
 

@@ -17,16 +17,30 @@
    released in the same step.
 
 A request's tokens depend only on itself: its PRNG key is ``fold_in(key(seed), i)`` for its
-``i``-th new token and it is sampled alone under its own ``SamplingConfig`` (see
-``engine_steps``). A shared or cached page is never written: a write to one goes to a private copy.
+``i``-th new token and it is sampled alone under its own ``SamplingConfig``, passed to the one
+compiled decode step as data (see ``engine_steps``). A shared or cached page is never written: a
+write to one goes to a private copy.
+
+Results are handed out once: ``step()`` returns each new token once (for streaming),
+``pop_finished()`` each finished request's tokens once (``run_until_done()`` steps, then pops).
+``abort(rid)`` cancels a waiting or running request and frees its pages at once.
+
+Failure: Ctrl-C (SIGINT, main thread) during ``step()`` is held until the step is complete and
+consistent, then raised; the interrupted step's tokens come with the next ``step()``. Any other
+exception inside ``step()`` (an asynchronous one included) leaves the pool possibly donated and
+deleted and the page tables possibly mid-change, so the engine rebuilds both from the requests'
+tokens (the one source of truth) before re-raising: every unfinished request goes back to the
+queue and is recomputed when readmitted, exactly as after a preemption, so its tokens are
+unchanged; the prefix cache starts empty. If that rebuild fails, every later call raises
+``RuntimeError`` saying so.
 
 Example::
 
     eng = Engine(model, num_pages=256)
     rid = eng.submit([1, 2, 3], max_new_tokens=20, seed=0)
     while eng.busy:
-        events = eng.step()  # {request id: [new token]}, for streaming
-    out = eng.run_until_done()  # {request id: generated tokens}
+        events = eng.step()  # {request id: [new tokens]}, for streaming
+    out = eng.pop_finished()  # {request id: generated tokens}, each handed out once
 """
 
 from __future__ import annotations
@@ -40,11 +54,14 @@ import numpy as np
 from flax import nnx
 
 from decoding import engine_steps
+from decoding.checks import check_bool, check_int, check_model, check_optional_int
+from decoding.interrupts import deferred_interrupts
 from decoding.paging import BlockTables, PageAllocator, block_hashes, pages_for
-from decoding.sampling import SamplingConfig
+from decoding.sampling import SamplingConfig, SamplingParams
 from models import KVCache
 from models.transformer import decode_kernels
 
+_GREEDY = SamplingConfig()
 MIN_CHUNK = 16  # the smallest prefill chunk bucket
 COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
 
@@ -77,15 +94,6 @@ class _Request:
     def done(self) -> bool:
         n = len(self.tokens) - self.prompt_len
         return n >= self.max_new or (n > 0 and self.tokens[-1] == self.eos_id)
-
-
-def _check_int(name: str, value, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value >= high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"{name} must be {bounds}, got {value!r}")
-    return int(value)
 
 
 def _check_sampling(name: str, sampling) -> SamplingConfig | None:
@@ -124,36 +132,45 @@ class Engine:
         sampling: SamplingConfig | None = None,
         max_seq_len: int | None = None,
     ):
-        if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
-            raise TypeError(f"model must be a models.Transformer, got {type(model).__name__}")
-        if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
+        check_model("model", model)
         self.config = model.config
-        self.max_batch = _check_int("max_batch", max_batch, 1)
-        self.page_size = _check_int("page_size", page_size, 1)
-        self.max_prefill_tokens = _check_int("max_prefill_tokens", max_prefill_tokens, 1)
+        self.max_batch = check_int("max_batch", max_batch, 1)
+        self.page_size = page_size = check_int("page_size", page_size, 1)
+        self.max_prefill_tokens = check_int("max_prefill_tokens", max_prefill_tokens, 1)
         self.sampling = _check_sampling("sampling", sampling) or SamplingConfig()
-        self.prefix_caching = prefix_caching
-        self.allocator = PageAllocator(_check_int("num_pages", num_pages, 1), page_size)
+        self.prefix_caching = check_bool("prefix_caching", prefix_caching)
+        num_pages = check_int("num_pages", num_pages, 1)
         limit = self.config.max_position
+        max_seq_len = check_optional_int("max_seq_len", max_seq_len, 2, limit + 1)
         self.max_seq_len = limit if max_seq_len is None else max_seq_len
-        _check_int("max_seq_len", self.max_seq_len, 2, limit + 1)
         self.max_pages = min(num_pages, pages_for(self.max_seq_len - 1, page_size))
-        self.tables = BlockTables(self.allocator, self.max_batch, self.max_pages)
         self._scratch = num_pages
         graphdef, self._params = nnx.split(model)
         self._kernels = decode_kernels(model, self._params)  # packed weights, few-row steps (CPU)
         self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef)
-        pool = KVCache.paged(self.config, num_pages + 1, page_size, np.zeros((1, 1), np.int32))
-        self._k, self._v = pool.k, pool.v
-        self._configs: list[SamplingConfig] = [self.sampling]
+        self._new_pages()
+        self._k, self._v = self._new_pool()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # admission order
-        self._finished: dict[int, list[int]] = {}
+        self._live: dict[int, _Request] = {}  # submitted, neither finished nor aborted
+        self._finished: dict[int, list[int]] = {}  # results not yet handed out
+        self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
+        self._broken: str | None = None
         self._next_rid = 0
         self._admissions = 0
         self._counts = collections.Counter()
-        self._busy_s = 0.0
+        self._busy_s = self._compile_s = 0.0
+
+    def _new_pages(self) -> None:
+        """A fresh allocator (an empty prefix cache) and block tables."""
+        self.allocator = PageAllocator(self._scratch, self.page_size)
+        self.tables = BlockTables(self.allocator, self.max_batch, self.max_pages)
+
+    def _new_pool(self):
+        """Zeroed K and V pools of ``num_pages + 1`` pages (the last one scratch)."""
+        empty = np.zeros((1, 1), np.int32)
+        pool = KVCache.paged(self.config, self._scratch + 1, self.page_size, empty)
+        return pool.k, pool.v
 
     # ----------------------------------------------------------------------------- requests
 
@@ -172,12 +189,13 @@ class Engine:
         request is malformed or can never fit: an empty prompt, a token outside the vocabulary,
         or prompt + max_new_tokens beyond the pool or ``max_seq_len``.
         """
+        self._check_usable()
         prompt = self._check_prompt(prompt_tokens)
-        max_new = _check_int("max_new_tokens", max_new_tokens, 1)
+        max_new = check_int("max_new_tokens", max_new_tokens, 1)
         sampling = _check_sampling("sampling", sampling) or self.sampling
         V = self.config.vocab_size
-        eos = None if eos_id is None else _check_int("eos_id", eos_id, 0, V)
-        seed = None if seed is None else _check_int("seed", seed, 0, 2**32)
+        eos = check_optional_int("eos_id", eos_id, 0, V)
+        seed = check_optional_int("seed", seed, 0, 2**32)
         total = len(prompt) + max_new
         need = pages_for(total - 1, self.page_size)  # the last new token is never cached
         if need > self.allocator.num_pages:
@@ -190,16 +208,40 @@ class Engine:
                 f"prompt length {len(prompt)} + max_new_tokens {max_new} exceeds max_seq_len "
                 f"{self.max_seq_len} (default: the model's max_position)"
             )
-        rid = self._next_rid
-        self._next_rid += 1
-        if sampling not in self._configs:
-            self._configs.append(sampling)
-        self._waiting.append(
-            _Request(
-                rid, len(prompt), max_new, sampling, eos, rid if seed is None else seed, prompt
-            )
-        )
+        with deferred_interrupts():
+            rid = self._next_rid
+            self._next_rid += 1
+            seed = rid if seed is None else seed
+            req = _Request(rid, len(prompt), max_new, sampling, eos, seed, prompt)
+            self._live[rid] = req
+            self._waiting.append(req)
         return rid
+
+    def abort(self, rid) -> list[int]:
+        """Cancels request ``rid`` -> the tokens it generated so far.
+
+        A waiting request leaves the queue; a running one leaves its batch row and its pages are
+        released at once (full pages it registered stay in the prefix cache, reusable and
+        evictable); a finished one's result is dropped. Other requests are unaffected. Its
+        tokens not yet returned by ``step()`` are dropped too. Raises ``KeyError`` naming
+        ``rid`` when no such request is live or waiting to be handed out.
+        """
+        self._check_usable()
+        with deferred_interrupts():
+            if rid in self._finished:
+                self._events.pop(rid, None)
+                return self._finished.pop(rid)
+            req = self._live.get(rid) if isinstance(rid, int | np.integer) else None
+            if req is None:
+                raise KeyError(f"no request with id {rid!r} is waiting, running or finished")
+            if req in self._running:
+                self._release_row(req)
+            if req in self._waiting:
+                self._waiting.remove(req)
+            del self._live[rid]
+            self._events.pop(rid, None)
+            self._counts["aborted"] += 1
+            return req.out
 
     def _check_prompt(self, prompt_tokens) -> list[int]:
         if isinstance(prompt_tokens, np.ndarray | jax.Array):
@@ -229,13 +271,25 @@ class Engine:
     # ----------------------------------------------------------------------------- stepping
 
     def step(self) -> dict[int, list[int]]:
-        """One scheduler step -> ``{request id: [new token]}`` for the requests that got one (none
-        when there is no work or every admitted request is still prefilling)."""
-        t0 = time.perf_counter()
-        self._admit()
-        self._prefill()
-        events = self._decode()
-        self._busy_s += time.perf_counter() - t0
+        """One scheduler step -> ``{request id: [new tokens]}``, each token returned once (none
+        when there is no work or every admitted request is still prefilling; more than one
+        after an interrupted step, whose tokens come with the next).
+
+        On an exception the engine rebuilds itself first (module doc), then re-raises.
+        """
+        self._check_usable()
+        with deferred_interrupts():
+            t0 = time.perf_counter()
+            try:
+                self._admit()
+                self._prefill()
+                self._decode()
+            except BaseException:
+                self._rebuild()
+                raise
+            finally:
+                self._busy_s += time.perf_counter() - t0
+        events, self._events = self._events, {}
         return events
 
     @property
@@ -243,12 +297,59 @@ class Engine:
         """Some request is waiting or running."""
         return bool(self._waiting or self._running)
 
+    def pop_finished(self) -> dict[int, list[int]]:
+        """``{request id: generated tokens}`` of the requests finished since the last call, each
+        handed out once (the engine keeps no result after this)."""
+        out, self._finished = self._finished, {}
+        return out
+
     def run_until_done(self) -> dict[int, list[int]]:
-        """Steps until no request is waiting or running -> ``{request id: generated tokens}`` of
-        every request finished so far."""
+        """Steps until no request is waiting or running -> ``pop_finished()``: the requests that
+        finished during this call (and any finished earlier that were not yet handed out)."""
         while self.busy:
             self.step()
-        return dict(self._finished)
+        return self.pop_finished()
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    def _call(self, fn, *args):
+        """``fn(*args)``, its time counted as compilation when it traced (``engine_steps.TRACES``)."""
+        traces, t0 = engine_steps.TRACES.total(), time.perf_counter()
+        out = fn(*args)
+        if engine_steps.TRACES.total() != traces:
+            self._compile_s += time.perf_counter() - t0
+        return out
+
+    def _rebuild(self) -> None:
+        """After an exception inside ``step``: a fresh allocator, block tables and (when the pool's
+        buffers were donated and lost, or failed) pool; every unfinished request back to the
+        queue, running ones first in admission order, to be recomputed from its tokens."""
+        try:
+            running = sorted(self._running, key=lambda r: r.admitted)
+            order = running + list(self._waiting) + list(self._live.values())
+            order = [r for r in dict.fromkeys(order) if self._live.get(r.rid) is r]
+            try:
+                jax.block_until_ready((self._k, self._v))
+                lost = any(x.is_deleted() for x in (*self._k, *self._v))
+            except Exception:  # an execution error surfaced in the pool's buffers
+                lost = True
+            if lost:
+                self._k = self._v = ()
+                self._k, self._v = self._new_pool()
+            self._new_pages()
+            for r in order:
+                r.computed = r.registered = 0
+                r.row, r.hashes = -1, []
+            self._running, self._waiting = [], collections.deque(order)
+            self._counts["rebuilds"] += 1
+        except BaseException as e:
+            self._broken = (
+                f"this Engine cannot continue: rebuilding it after an exception in step() failed "
+                f"({type(e).__name__}: {e}); create a new Engine and resubmit the requests"
+            )
+            raise
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_batch:
@@ -329,9 +430,10 @@ class Engine:
         table = np.full((1, self.max_pages), self._scratch, np.int32)
         pages = self.tables.rows[req.row][: pages_for(start + n, P)]
         table[0, : len(pages)] = pages
-        self._k, self._v = self._prefill_fn(
-            self._params, self._k, self._v, tokens, np.array([start], np.int32), table
-        )
+        self._k, self._v = self._call(
+            self._prefill_fn, self._params, self._k, self._v, tokens, np.array([start], np.int32),
+            table,
+        )  # fmt: skip
         req.computed += n
         self._counts["prefill_tokens"] += n
         self._register(req)
@@ -351,38 +453,37 @@ class Engine:
                 self._preempt(max(self._running, key=lambda r: r.admitted))
         return [r for r in self._running if r.decoding]
 
-    def _decode(self) -> dict[int, list[int]]:
+    def _decode(self) -> None:
         rows = self._grow_decoding_rows()
         if not rows:
-            return {}
+            return
         B = self.max_batch
-        last, lengths, index, config_idx = (np.zeros(B, np.int32) for _ in range(4))
+        last, lengths, index = (np.zeros(B, np.int32) for _ in range(3))
         seeds = np.zeros(B, np.uint32)
         table = np.full((B, self.max_pages), self._scratch, np.int32)
+        settings = [_GREEDY] * B  # padding rows: greedy, the cheapest
         for req in rows:
             b = req.row
             last[b], lengths[b], seeds[b] = req.tokens[-1], req.computed, req.seed
             index[b] = len(req.tokens) - req.prompt_len
-            config_idx[b] = self._configs.index(req.sampling)
+            settings[b] = req.sampling
             pages = self.tables.rows[b]
             table[b, : len(pages)] = pages
-        new, self._k, self._v = self._decode_fn(
-            self._params, self._kernels, self._k, self._v, last, lengths, table, seeds, index,
-            config_idx, configs=tuple(self._configs),
+        new, self._k, self._v = self._call(
+            self._decode_fn, self._params, self._kernels, self._k, self._v, last, lengths, table,
+            seeds, index, SamplingParams.rows(settings),
         )  # fmt: skip
         new = np.asarray(new)
         self._counts["decode_steps"] += 1
-        events = {}
         for req in rows:
             token = int(new[req.row])
+            self._events.setdefault(req.rid, []).append(token)
             req.tokens.append(token)
             req.computed += 1
-            events[req.rid] = [token]
             self._counts["generated_tokens"] += 1
             self._register(req)
             if req.done:
                 self._retire(req)
-        return events
 
     def _release_row(self, req: _Request) -> None:
         self.tables.free(req.row)
@@ -390,14 +491,17 @@ class Engine:
         req.row = -1
 
     def _retire(self, req: _Request) -> None:
-        self._release_row(req)
+        # Result first, then release: at every point the request is live or finished.
         self._finished[req.rid] = req.out
+        del self._live[req.rid]
+        self._counts["finished"] += 1
+        self._release_row(req)
 
     def _preempt(self, req: _Request) -> None:
         """Frees the request's pages; it is recomputed from its tokens when readmitted."""
+        self._waiting.appendleft(req)
         self._release_row(req)
         req.computed = req.registered = 0
-        self._waiting.appendleft(req)
         self._counts["preemptions"] += 1
 
     def _apply(self, copies) -> None:
@@ -405,7 +509,7 @@ class Engine:
             part = copies[i : i + COPY_BATCH]
             pad = [(self._scratch, self._scratch)] * (COPY_BATCH - len(part))
             src, dst = np.array(part + pad, np.int32).T
-            self._k, self._v = engine_steps.copy_pages(self._k, self._v, src, dst)
+            self._k, self._v = self._call(engine_steps.copy_pages, self._k, self._v, src, dst)
             self._counts["page_copies"] += len(part)
 
     # ----------------------------------------------------------------------------- stats
@@ -416,7 +520,9 @@ class Engine:
         ``utilization`` is used token slots over allocated token slots: positions holding a
         cached token of a running request, over ``P`` times the pages running requests hold
         (0.0 when they hold none). ``prefix_cache_hits`` counts pages reused from the cache;
-        ``tokens_per_s`` is generated tokens over the time spent in ``step``.
+        ``tokens_per_s`` is generated tokens over the time spent in ``step`` less ``compile_s``
+        (steps that traced a device step: its compilation); ``finished`` and ``aborted`` count
+        requests; ``rebuilds`` the times an exception in ``step`` made the engine rebuild.
         """
         alloc, P = self.allocator, self.page_size
         used = {}
@@ -425,6 +531,7 @@ class Engine:
                 used[page] = max(used.get(page, 0), min(P, max(req.computed - i * P, 0)))
         pages_used = alloc.num_pages - alloc.num_available
         c = self._counts
+        run_s = self._busy_s - self._compile_s
         return dict(
             pages_total=alloc.num_pages,
             pages_free=alloc.num_free,
@@ -433,7 +540,9 @@ class Engine:
             utilization=sum(used.values()) / (pages_used * P) if pages_used else 0.0,
             running=len(self._running),
             waiting=len(self._waiting),
-            finished=len(self._finished),
+            finished=c["finished"],
+            aborted=c["aborted"],
+            rebuilds=c["rebuilds"],
             prefix_cache_hits=c["prefix_cache_hits"],
             preemptions=c["preemptions"],
             decode_steps=c["decode_steps"],
@@ -441,5 +550,6 @@ class Engine:
             generated_tokens=c["generated_tokens"],
             page_copies=c["page_copies"],
             evictions=alloc.evictions,
-            tokens_per_s=c["generated_tokens"] / self._busy_s if self._busy_s else 0.0,
+            compile_s=self._compile_s,
+            tokens_per_s=c["generated_tokens"] / run_s if run_s > 0 else 0.0,
         )

@@ -4,7 +4,8 @@
   pages: one ``Tq = C > 1`` cached forward through ``attention_with_kvcache`` with a block table.
   Its logits are dead code (XLA drops them): the chunk's last token is fed by the decode step.
 * ``decode_rows``: feeds each row's last token [B, 1] at its own position, samples each row's next
-  token with that row's sampling config and PRNG key.
+  token with that row's sampling settings (``SamplingParams`` rows: data, so one compiled step
+  serves every setting) and PRNG key.
 * ``copy_pages``: page copies for copy on write.
 
 The pool is a tuple of ``[num_pages + 1, P, Hkv, D]`` arrays per layer for keys and for values,
@@ -13,7 +14,7 @@ block-table entries past a row's pages point there, so padding writes never touc
 
 ``TRACES`` counts how often each step was traced (= compiled): the engine keeps every shape fixed
 (batch ``max_batch``, block table ``max_pages``, chunk lengths in power-of-two buckets), so it
-grows only with new chunk buckets or new sampling configs, never as requests come and go.
+grows only with new chunk buckets, never as requests come and go or with new sampling settings.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import collections
 import functools
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from decoding.sampling import SamplingConfig, sample
+from decoding.sampling import SamplingParams, sample
 from models import KVCache
 from models.transformer import decode_layout
 
@@ -42,18 +42,6 @@ def row_keys(seeds, index):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, index)
 
 
-def sample_rows(logits, keys, config_idx, configs: tuple[SamplingConfig, ...]):
-    """logits [B, V], keys [B], config_idx [B] int32 -> [B] int32.
-
-    Row ``b`` draws alone (batch 1) with ``keys[b]`` under ``configs[config_idx[b]]``.
-    """
-    out = jnp.zeros(logits.shape[:1], jnp.int32)
-    for c, config in enumerate(configs):
-        drawn = jax.vmap(lambda row, key, cfg=config: sample(row[None], key, cfg)[0])(logits, keys)
-        out = jnp.where(config_idx == c, drawn, out)
-    return out
-
-
 def prefill_chunk(graphdef, params, k, v, tokens, start, table):
     """tokens [1, C] at positions ``start[0] ..``, pages ``table`` [1, max_pages] -> (k, v)."""
     TRACES["prefill"] += 1
@@ -63,19 +51,20 @@ def prefill_chunk(graphdef, params, k, v, tokens, start, table):
 
 
 def decode_rows(
-    graphdef, params, kernels, k, v, last, lengths, table, seeds, index, config_idx, *, configs
+    graphdef, params, kernels, k, v, last, lengths, table, seeds, index, sampling: SamplingParams
 ):
     """One token per row: last [B] fed at position lengths [B] through table [B, max_pages];
     ``kernels`` from ``models.transformer.decode_kernels`` (few-row products on CPU).
 
-    Returns ``(next tokens [B] int32, k, v)``; seeds [B] uint32, index [B] int32 and
-    config_idx [B] int32 pick each row's key and sampling config (see ``sample_rows``).
+    Returns ``(next tokens [B] int32, k, v)``; seeds [B] uint32 and index [B] int32 give each
+    row's key (``row_keys``), ``sampling`` [B] its settings: row ``b`` draws alone (as at batch
+    1), a greedy row (temperature 0) takes the argmax.
     """
     TRACES["decode"] += 1
     model = decode_layout(nnx.merge(graphdef, params), kernels)
     cache = KVCache(k=k, v=v, lengths=lengths, block_table=table)
     logits, cache = model(last[:, None], cache=cache)
-    tokens = sample_rows(logits[:, -1], row_keys(seeds, index), config_idx, configs)
+    tokens = sample(logits[:, -1], row_keys(seeds, index), sampling)
     return tokens, cache.k, cache.v
 
 
@@ -87,10 +76,7 @@ def jitted(graphdef):
     engines over the same model share compilations.
     """
     prefill = jax.jit(functools.partial(prefill_chunk, graphdef), donate_argnums=(1, 2))
-    decode = jax.jit(
-        functools.partial(decode_rows, graphdef), static_argnames=("configs",),
-        donate_argnums=(2, 3),
-    )  # fmt: skip
+    decode = jax.jit(functools.partial(decode_rows, graphdef), donate_argnums=(2, 3))
     return prefill, decode
 
 

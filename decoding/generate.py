@@ -12,6 +12,9 @@ The pieces, gpt-fast style, so that speculative decoding can reuse the same stat
   for every position a row may write are allocated before the loop and freed when it returns),
   times the two phases, strips padding.
 
+Sampling settings are data (``sampling.SamplingParams``, traced), so every temperature, top-k,
+top-p and min-p shares one compiled prefill and loop.
+
 Bucketing: batch to a power of two, the prompt length by :func:`prompt_bucket` (padding under
 ``PROMPT_BUCKET`` tokens or a quarter, so a short prompt's work is never doubled) and the token
 buffer to a multiple of ``NEW_TOKENS_BUCKET``; ``max_new_tokens`` and ``eos_id`` are traced
@@ -21,6 +24,7 @@ computes logits only at each prompt's last token.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -31,6 +35,7 @@ import numpy as np
 from flax import nnx, struct
 
 from decoding import paging
+from decoding.checks import check_int, check_model, check_optional_int
 from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
 from models.shard import mesh_of, replicated
@@ -76,7 +81,7 @@ class GenerateResult:
     stats: dict
 
 
-def _append(state: DecodeState, logits, eos_id, sampling: SamplingConfig) -> DecodeState:
+def _append(state: DecodeState, logits, eos_id, sampling) -> DecodeState:
     """Samples from logits [B, V], appends to rows not done, advances the step."""
     nxt = sample(logits, jax.random.fold_in(state.key, state.step), sampling)
     live = ~state.done
@@ -102,12 +107,13 @@ def prefill(
     done,
     eos_id,
     num_new_max,
-    sampling: SamplingConfig,
+    sampling,
 ) -> DecodeState:
     """Prompt pass: tokens [B, Tp] right-padded, prompt_lengths [B] >= 1, an empty cache.
 
     Traceable (``generate`` jits it). ``done`` [B] bool marks rows to skip (batch padding);
-    ``num_new_max`` (static) is the width N of the token buffer.
+    ``num_new_max`` (static) is the width N of the token buffer; ``sampling`` a
+    ``SamplingConfig`` or ``SamplingParams`` (scalar or per row), as in ``sampling.sample``.
     """
     B = tokens.shape[0]
     logits, cache = model(tokens, cache=cache, logits_at=prompt_lengths - 1)  # [B, 1, V]
@@ -124,7 +130,7 @@ def prefill(
     return _append(state, logits[:, 0], eos_id, sampling)
 
 
-def decode_step(model, state: DecodeState, *, eos_id, sampling: SamplingConfig) -> DecodeState:
+def decode_step(model, state: DecodeState, *, eos_id, sampling) -> DecodeState:
     """One token for every row: feed ``state.last`` [B, 1], sample, append. Traceable.
 
     Rows already done still run (their cache writes land in their own reserved positions) but
@@ -134,7 +140,7 @@ def decode_step(model, state: DecodeState, *, eos_id, sampling: SamplingConfig) 
     return _append(state.replace(cache=cache), logits[:, -1], eos_id, sampling)
 
 
-def decode(model, state: DecodeState, *, max_new_tokens, eos_id, sampling: SamplingConfig):
+def decode(model, state: DecodeState, *, max_new_tokens, eos_id, sampling):
     """``decode_step`` until all rows are done or ``max_new_tokens`` tokens were sampled.
 
     Traceable; ``max_new_tokens`` and ``eos_id`` may be traced int32 scalars.
@@ -149,11 +155,9 @@ def decode(model, state: DecodeState, *, max_new_tokens, eos_id, sampling: Sampl
     return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "num_new_max", "sampling"), donate_argnames=("cache",)
-)
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_new_max"), donate_argnames=("cache",))
 def _prefill_jit(
-    params, tokens, prompt_lengths, cache, key, done, eos_id, *, graphdef, num_new_max, sampling
+    params, tokens, prompt_lengths, cache, key, done, eos_id, sampling, *, graphdef, num_new_max
 ):
     model = nnx.merge(graphdef, params)
     return prefill(
@@ -169,15 +173,19 @@ def _prefill_jit(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("state",))
-def _decode_jit(params, kernels, state, max_new_tokens, eos_id, *, graphdef, sampling):
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def _decode_jit(params, kernels, state, max_new_tokens, eos_id, sampling, *, graphdef):
     model = decode_layout(nnx.merge(graphdef, params), kernels)
     return decode(model, state, max_new_tokens=max_new_tokens, eos_id=eos_id, sampling=sampling)
 
 
 # Executables compiled ahead of time, keyed by function, static arguments and the shapes/dtypes
-# of the dynamic ones (what jit keys on), so that compilation is timed apart from running.
-_EXECUTABLES: dict[tuple, jax.stages.Compiled] = {}
+# of the dynamic ones (what jit keys on), so that compilation is timed apart from running; the
+# least recently used is dropped past MAX_EXECUTABLES (each holds its code and, for a model
+# closed over by a draft kind, nothing else: weights are arguments).
+MAX_EXECUTABLES = 32
+_EXECUTABLES: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
+_COMPILED = [0]
 
 
 def _run(fn, args: tuple, **static):
@@ -188,15 +196,20 @@ def _run(fn, args: tuple, **static):
     exe, compile_s = _EXECUTABLES.get(key), 0.0
     if exe is None:
         t0 = time.perf_counter()
-        exe = _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+        exe = fn.lower(*args, **static).compile()
         compile_s = time.perf_counter() - t0
+        _COMPILED[0] += 1
+        _EXECUTABLES[key] = exe
+        while len(_EXECUTABLES) > MAX_EXECUTABLES:
+            _EXECUTABLES.popitem(last=False)
+    _EXECUTABLES.move_to_end(key)
     return exe(*args), compile_s
 
 
 def compiled_count() -> int:
     """How many prefill and loop executables (of generate and speculative_generate) were
-    compiled: grows by one per compilation."""
-    return len(_EXECUTABLES)
+    compiled: grows by one per compilation (at most ``MAX_EXECUTABLES`` are kept)."""
+    return _COMPILED[0]
 
 
 def _round_up(n: int, m: int) -> int:
@@ -243,51 +256,46 @@ def _cache_for(model, kind: str, need, n_pad: int, capacity: int, page_size: int
     """An empty cache for ``len(need)`` real rows, row b writing ``need[b]`` positions, and
     ``n_pad`` batch-padding rows; for a paged cache also its ``BlockTables`` (else None).
 
-    Padding rows all share one row's worth of pages: they write there but nobody reads it.
+    The pool holds ``num_pages`` pages for the real rows (default: ``capacity`` positions for
+    every row of the bucketed batch, so that its shape depends on the bucket only) plus one
+    scratch page past them that every padding row's block table points at: padding rows write
+    there and nobody reads it, so they never take pages from the pool.
     """
     config, mesh = model.config, mesh_of(model)
-    batch = len(need) + n_pad
+    B = len(need)
     if kind == "contiguous":
-        return KVCache.contiguous(config, batch, capacity, mesh=mesh), None
+        return KVCache.contiguous(config, B + n_pad, capacity, mesh=mesh), None
     page_size = min(page_size, capacity)  # a larger page would only hold unused positions
     max_pages = paging.pages_for(capacity, page_size)
-    pool = batch * max_pages if num_pages is None else num_pages
-    tables = paging.BlockTables(paging.PageAllocator(pool, page_size), batch, max_pages)
-    tables.reserve(list(need) + ([capacity] if n_pad else []) + [0] * max(n_pad - 1, 0))
-    for b in range(len(need) + 1, batch):
-        tables.share_prefix(len(need), b, max_pages)
-    return KVCache.paged(config, pool, page_size, tables.table(), mesh=mesh), tables
+    pool = (B + n_pad) * max_pages if num_pages is None else num_pages
+    tables = paging.BlockTables(paging.PageAllocator(pool, page_size), B, max_pages)
+    tables.reserve(need)
+    table = np.concatenate([tables.table(), np.full((n_pad, max_pages), pool, np.int32)])
+    cache = KVCache.paged(config, pool + 1, page_size, table, mesh=mesh)
+    return cache, tables
 
 
 def _check_arguments(
-    model, prompts, *, max_new_tokens, sampling, eos_id, seed, cache, page_size, extra: int = 0
-) -> tuple[SamplingConfig, list[list[int]]]:
+    model, prompts, *, max_new_tokens, sampling, eos_id, seed, cache, page_size, num_pages,
+    extra: int = 0, name: str = "model",
+) -> tuple[SamplingConfig, list[list[int]]]:  # fmt: skip
     """Validates what ``generate`` and ``speculative_generate`` share -> (sampling, rows).
 
-    ``extra``: positions a row may write past its last token (speculative: the draft length).
+    ``extra``: positions a row may write past its last token (speculative: the draft length);
+    ``name``: the model's argument name.
     """
+    check_model(name, model)
     sampling = SamplingConfig() if sampling is None else sampling
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int | np.integer)
-        or (max_new_tokens < 1)
-    ):
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if cache not in CACHE_KINDS:
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    if not isinstance(cache, str) or cache not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    check_int("page_size", page_size, 1)
+    check_optional_int("num_pages", num_pages, 1)
     check_seed(seed)
     config = model.config
-    if eos_id is not None:
-        if isinstance(eos_id, bool) or not isinstance(eos_id, int | np.integer):
-            raise TypeError(
-                f"eos_id must be an int or None, got {type(eos_id).__name__} {eos_id!r}"
-            )
-        if not 0 <= eos_id < config.vocab_size:
-            raise ValueError(f"eos_id must be in [0, {config.vocab_size}), got {eos_id!r}")
+    check_optional_int("eos_id", eos_id, 0, config.vocab_size)
     rows = _check_prompts(prompts, config.vocab_size)
     longest = max(len(r) for r in rows)
     if longest + max_new_tokens + extra > config.max_position:
@@ -400,7 +408,9 @@ def generate(
         use (bucketed prompt + new tokens), so a huge P allocates no more than a contiguous
         cache.
       num_pages: size of the page pool (a static shape: keep it fixed across calls to avoid
-        recompiling); default ``B_pad * pages_for(Tp + N)``, the contiguous cache's size. Too
+        recompiling); default ``B_pad * pages_for(Tp + N)``, the contiguous cache's size.
+        Padding rows of the bucketed batch take none of it (they write one scratch page past
+        it). Too
         small a pool raises ``paging.OutOfPagesError`` before any work.
 
     Returns:
@@ -415,6 +425,7 @@ def generate(
         seed=seed,
         cache=cache,
         page_size=page_size,
+        num_pages=num_pages,
     )
     batch = _bucket(rows, max_new_tokens)
     B = batch.num_rows
@@ -422,19 +433,21 @@ def generate(
     kv, tables = _cache_for(model, cache, batch.need, n_pad, batch.capacity, page_size, num_pages)
     try:
         graphdef, params = nnx.split(model)
-        static = dict(graphdef=graphdef, sampling=sampling)
+        static = dict(graphdef=graphdef)
         put = functools.partial(jax.device_put, device=replicated(model))  # a sharded model's mesh
         eos, max_new = (
             put(np.int32(-1 if eos_id is None else eos_id)),
             put(np.int32(max_new_tokens)),
         )
+        settings = put(sampling.params())
         args = (params, put(batch.tokens), put(batch.prompt_lengths), kv)
-        args += (jax.random.key(put(np.uint32(seed))), put(batch.done), eos)
+        args += (jax.random.key(put(np.uint32(seed))), put(batch.done), eos, settings)
         del kv  # donated
+        kernels = decode_kernels(model, params)
         (out, num_new, steps), prefill_s, decode_s, compile_s = _timed_phases(
             lambda: _run(_prefill_jit, args, num_new_max=batch.num_new_max, **static),
             lambda state: _run(
-                _decode_jit, (params, decode_kernels(model, params), state, max_new, eos), **static
+                _decode_jit, (params, kernels, state, max_new, eos, settings), **static
             ),
             lambda state: (state.tokens, state.num_new, state.step),
         )

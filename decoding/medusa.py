@@ -37,7 +37,7 @@ from flax import nnx
 
 from decoding import tree
 from decoding.drafts import Context, Proposal, _check_vocab, default_k, lookup
-from decoding.sampling import SamplingConfig, argmax, probabilities, sample
+from decoding.sampling import all_greedy, argmax, branch, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
 from models.transformer import decode_kernels, decode_layout
@@ -61,7 +61,7 @@ class Verified(NamedTuple):
     state: Any
 
 
-def verify_chain(target, last, prop: Proposal, sampling: SamplingConfig, key, hidden=False):
+def verify_chain(target, last, prop: Proposal, sampling, key, hidden=False):
     """The target's forward on ``[last, d_1 .. d_k]`` and the acceptance rule.
 
     Returns (n [B], nxt [B], cache, hidden states [B, k+1, dim] or None).
@@ -172,7 +172,7 @@ class MedusaDraft:
         heads = decode_layout(nnx.merge(self.graphdef, params[0]), params[1])
         return heads(h[:, None], num=k)[:, 0]
 
-    def propose(self, ctx: Context, k: int, sampling: SamplingConfig, key) -> Proposal:
+    def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         if self.tree is not None:
             logits = self.head_logits(ctx.params, ctx.state, self.tree.depth)
             last = jnp.take_along_axis(ctx.seq, ctx.cache.lengths[:, None], axis=1)[:, 0]
@@ -181,13 +181,12 @@ class MedusaDraft:
         logits = self.head_logits(ctx.params, ctx.state, k)  # [B, k, V]
         B, _, V = logits.shape
         tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
-        q = None if sampling.greedy else probabilities(logits, sampling)  # greedy: unused
+        q = probabilities(logits, sampling)
         if self.lookup_ngram is not None:
             n = self.lookup_ngram
             found, seen = lookup(ctx.seq, ctx.cache.lengths + 1, k, n, n, return_found=True)
             tokens = jnp.where(found[:, None], seen, tokens)
-            if q is not None:
-                q = jnp.where(found[:, None, None], jax.nn.one_hot(seen, V, dtype=q.dtype), q)
+            q = jnp.where(found[:, None, None], jax.nn.one_hot(seen, V, dtype=q.dtype), q)
         return Proposal(tokens, q, ctx.state, ctx.cache, 1)
 
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
@@ -209,11 +208,11 @@ class MedusaDraft:
         logits, cache, hidden = target(
             tokens, positions, cache=prop.cache, return_hidden=True, tree_mask=mask
         )
-        if sampling.greedy:
-            best, n, path, nxt = tree.accept_tree_greedy(spec, tokens, argmax(logits))
-        else:
-            p = probabilities(logits, sampling)
-            best, n, path, nxt = tree.accept_tree(spec, tokens, p, key)
+        best, n, path, nxt = branch(
+            all_greedy(sampling),
+            lambda: tree.accept_tree_greedy(spec, tokens, argmax(logits)),
+            lambda: tree.accept_tree(spec, tokens, probabilities(logits, sampling), key),
+        )
         cache = tree.compact_path(spec, cache, start, best)
         return Verified(path, n, nxt, cache, hidden[jnp.arange(B), best])
 

@@ -37,7 +37,7 @@ from decoding.generate import (
     prefill,
 )
 from decoding.medusa import Medusa
-from decoding.sampling import SamplingConfig, argmax, probabilities
+from decoding.sampling import SamplingConfig, all_greedy, argmax, branch, probabilities
 from models import KVCache, Transformer
 from models.shard import replicated
 from models.transformer import decode_kernels, decode_layout
@@ -110,13 +110,16 @@ def accept_greedy(best, draft_tokens):
     return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
 
 
-def verify(logits, q, draft_tokens, sampling: SamplingConfig, key):
+def verify(logits, q, draft_tokens, sampling, key):
     """The target's logits [B, k+1, V] after ``[last, d_1 .. d_k]`` -> (n, next): :func:`accept`
-    on ``p = probabilities(logits)``, or :func:`accept_greedy` when ``sampling`` is greedy (q is
-    then unused and may be None)."""
-    if sampling.greedy:
-        return accept_greedy(argmax(logits), draft_tokens)
-    return accept(probabilities(logits, sampling), q, draft_tokens, key)
+    on ``p = probabilities(logits)``, or :func:`accept_greedy` when every row of ``sampling``
+    (a ``SamplingConfig`` or ``SamplingParams``) is greedy: decided on the device for traced
+    settings; for a greedy ``SamplingConfig`` while tracing (q is then unused and may be None)."""
+    return branch(
+        all_greedy(sampling),
+        lambda: accept_greedy(argmax(logits), draft_tokens),
+        lambda: accept(probabilities(logits, sampling), q, draft_tokens, key),
+    )
 
 
 def _emitted(draft_tokens, n, nxt, num_new, done, eos_id, max_new_tokens):
@@ -227,12 +230,12 @@ def speculative_prefill(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "draft", "seq_len", "sampling"),
+    static_argnames=("graphdef", "draft", "seq_len"),
     donate_argnames=("cache", "draft_state"),
 )
 def _prefill_jit(
     target_params, params, tokens, prompt_lengths, cache, draft_state, key, done, eos_id,
-    max_new, *, graphdef, draft, seq_len, sampling,
+    max_new, sampling, *, graphdef, draft, seq_len,
 ):  # fmt: skip
     return speculative_prefill(
         nnx.merge(graphdef, target_params), draft, params, draft_state, tokens, prompt_lengths,
@@ -241,11 +244,9 @@ def _prefill_jit(
     )  # fmt: skip
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "draft", "k", "sampling"), donate_argnames=("state",)
-)
+@functools.partial(jax.jit, static_argnames=("graphdef", "draft", "k"), donate_argnames=("state",))
 def _decode_jit(
-    target_params, kernels, params, state, max_new, eos_id, *, graphdef, draft, k, sampling
+    target_params, kernels, params, state, max_new, eos_id, sampling, *, graphdef, draft, k
 ):
     target = decode_layout(nnx.merge(graphdef, target_params), kernels)
     return speculative_decode(
@@ -313,7 +314,8 @@ def speculative_generate(
     extra = max(k, getattr(kind, "verify_width", 0))  # slots a step writes past the last token
     sampling, rows = _check_arguments(
         target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-        seed=seed, cache=cache, page_size=page_size, extra=extra,
+        seed=seed, cache=cache, page_size=page_size, num_pages=num_pages, extra=extra,
+        name="target",
     )  # fmt: skip
     batch = _bucket(rows, max_new_tokens, extra=extra)
     B, n_pad = batch.num_rows, len(batch.done) - batch.num_rows
@@ -324,7 +326,7 @@ def speculative_generate(
             target, params, cache, batch, page_size, num_pages
         )
         graphdef, target_params = nnx.split(target)
-        static = dict(graphdef=graphdef, draft=kind, sampling=sampling)
+        static = dict(graphdef=graphdef, draft=kind)
         put = functools.partial(jax.device_put, device=replicated(target))  # a sharded model's mesh
         eos, max_new = (
             put(np.int32(-1 if eos_id is None else eos_id)),
@@ -338,6 +340,7 @@ def speculative_generate(
             put(batch.done),
             eos,
             max_new,
+            settings := put(sampling.params()),
         )
         del kv, draft_state  # donated
         seq_len = batch.tokens.shape[1] + batch.num_new_max
@@ -345,7 +348,8 @@ def speculative_generate(
             lambda: _run(_prefill_jit, args, seq_len=seq_len, **static),
             lambda s: _run(
                 _decode_jit,
-                (target_params, decode_kernels(target, target_params), params, s, max_new, eos),
+                (target_params, decode_kernels(target, target_params), params, s, max_new, eos,
+                 settings),
                 k=k,
                 **static,
             ),

@@ -8,6 +8,11 @@ two pool sizes), so the whole module compiles a handful of steps.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -17,6 +22,7 @@ from hypothesis import strategies as st
 from decoding import engine_steps
 from decoding.engine import Engine
 from decoding.generate import generate
+from decoding.interrupts import deferred_interrupts
 from decoding.sampling import SamplingConfig
 from models import rows_matmul
 
@@ -302,3 +308,169 @@ def test_shipped_model_sampled_with_shared_prefixes_and_preemption():
     stats = eng.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert_clean(eng)
+
+
+def test_twenty_sampling_settings_compile_the_decode_step_once(tiny_model, greedy_refs):
+    """Settings are data: 20 temperatures / top-p values batched together reuse one decode
+    step, and a greedy row among sampled rows gives its tokens alone."""
+    eng = make_engine(tiny_model)
+    run_schedule(eng, [(0, 0, 3), (0, 3, 2), (0, 4, 2)])  # warm: decode step, both chunk buckets
+    before = engine_steps.TRACES["decode"]
+    temperatures = np.linspace(0.05, 2, 20)
+    settings = [SamplingConfig(float(t), i % 5, 1 - i / 40) for i, t in enumerate(temperatures)]
+    greedy = [eng.submit(PROMPTS[i], MAX_NEW) for i in (0, 4)]
+    sampled = [eng.submit(PROMPTS[1], MAX_NEW, sampling=s, seed=3) for s in settings]
+    out = eng.run_until_done()
+    assert engine_steps.TRACES["decode"] == before
+    assert [out[r] for r in greedy] == [greedy_refs[0], greedy_refs[4]]
+    for rid, s in zip(sampled, settings, strict=True):  # each row sampled under its own settings
+        want = generate(tiny_model, [PROMPTS[1]], max_new_tokens=MAX_NEW, sampling=s, seed=3)
+        assert out[rid] == want.tokens[0]
+    assert len({tuple(out[r]) for r in sampled}) > 3
+    assert_clean(eng)
+
+
+def test_results_are_handed_out_once(tiny_model, greedy_refs):
+    eng = make_engine(tiny_model)
+    a = eng.submit(PROMPTS[0], 3)
+    while eng.busy:
+        eng.step()
+    assert eng.pop_finished() == {a: greedy_refs[0][:3]}
+    assert eng.pop_finished() == {}
+    b = eng.submit(PROMPTS[4], 2)
+    assert eng.run_until_done() == {b: greedy_refs[4][:2]}  # a is not handed out again
+    assert eng.run_until_done() == {} and eng.stats()["finished"] == 2
+
+
+def test_abort_waiting_and_running_requests(tiny_model, greedy_refs):
+    eng = make_engine(tiny_model, num_pages=SMALL_POOL)
+    ids = [eng.submit(p, MAX_NEW) for p in PROMPTS[:5]]  # batch 4: the fifth waits
+    for _ in range(4):
+        eng.step()
+    req = next(r for r in eng._running if r.decoding)
+    victim = req.rid
+    before = eng.allocator.num_available
+    held = sum(eng.allocator.refcount(p) == 1 for p in eng.tables.rows[req.row])  # not shared
+    got = eng.abort(victim)
+    assert 0 < len(got) < MAX_NEW and got == greedy_refs[ids.index(victim)][: len(got)]
+    assert held > 0 and eng.allocator.num_available == before + held  # freed at once
+    assert eng.abort(ids[4]) == []  # still waiting
+    with pytest.raises(KeyError, match="12345"):
+        eng.abort(12345)
+    with pytest.raises(KeyError, match=str(victim)):
+        eng.abort(victim)
+    out = eng.run_until_done()
+    assert set(out) == set(ids) - {victim, ids[4]}
+    for rid in out:
+        assert out[rid] == greedy_refs[ids.index(rid)]
+    assert eng.stats()["aborted"] == 2 and eng.stats()["finished"] == 3
+    assert_clean(eng)
+    done = eng.submit(PROMPTS[0], 2)
+    while eng.busy:
+        eng.step()
+    assert eng.abort(done) == greedy_refs[0][:2]  # finished, not handed out: dropped
+    assert eng.pop_finished() == {}
+
+
+def test_stats_rates_exclude_compilation(tiny_model):
+    engine_steps.jitted.cache_clear()  # new jitted steps: this engine compiles them
+    eng = make_engine(tiny_model)
+    eng.submit(PROMPTS[3], 4)
+    eng.run_until_done()
+    s = eng.stats()
+    assert s["compile_s"] > 0
+    assert s["tokens_per_s"] == pytest.approx(4 / (eng._busy_s - s["compile_s"]))
+
+
+def _timed_run(eng, prompts) -> float:
+    t0 = time.perf_counter()
+    for p in prompts:
+        eng.submit(p, MAX_NEW)
+    eng.run_until_done()
+    return time.perf_counter() - t0
+
+
+def test_sigint_at_random_times_loses_nothing(tiny_model, greedy_refs):
+    """Real SIGINTs (os.kill from timer threads) at random times while the engine steps: each
+    interrupt that lands in step() is raised when the step is consistent; stepping on, every
+    request finishes with its uninterrupted tokens, each token streamed exactly once, and every
+    page comes back. A small pool, so interrupts also land in preemptions and copies."""
+    eng = make_engine(tiny_model, num_pages=SMALL_POOL)
+    span = _timed_run(eng, PROMPTS)  # warm, and how long a run takes
+    rng = np.random.default_rng(0)
+    in_step = elsewhere = 0
+    deadline = time.monotonic() + 60
+    for _ in range(8):
+        if time.monotonic() > deadline:
+            break
+        ids = {eng.submit(p, MAX_NEW): i for i, p in enumerate(PROMPTS)}
+        streamed: dict[int, list[int]] = {}
+        timers = [
+            threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT))
+            for t in rng.uniform(0, span, 3)
+        ]
+        for t in timers:
+            t.start()
+        while eng.busy or any(t.is_alive() for t in timers):
+            try:
+                events = eng.step()
+            except KeyboardInterrupt:
+                in_step += 1
+                continue
+            try:
+                with deferred_interrupts():  # the test's own bookkeeping runs to its end too
+                    for rid, tokens in events.items():
+                        streamed.setdefault(rid, []).extend(tokens)
+                    if not eng.busy:
+                        time.sleep(0.001)
+            except KeyboardInterrupt:
+                elsewhere += 1
+        out = eng.pop_finished()
+        assert {rid: out[rid] for rid in ids} == {rid: greedy_refs[i] for rid, i in ids.items()}
+        assert streamed == {rid: out[rid] for rid in ids}
+        assert_clean(eng)
+    assert in_step > 0, (in_step, elsewhere)
+    assert eng.stats()["rebuilds"] == 0  # nothing was torn down
+
+
+class _Alarm(Exception):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # alarm in a gc hook
+def test_exceptions_at_random_points_rebuild_the_engine(tiny_model, greedy_refs):
+    """An exception raised asynchronously at any bytecode inside step() (a SIGALRM handler,
+    signal.setitimer at random times), including between a jitted call's return and the
+    assignment of the donated pool: the engine rebuilds itself and every request still finishes
+    with its uninterrupted tokens, no page leaked."""
+
+    def alarm(signum, frame):
+        raise _Alarm
+
+    eng = make_engine(tiny_model, num_pages=SMALL_POOL)
+    span = _timed_run(eng, PROMPTS)
+    rng = np.random.default_rng(1)
+    old = signal.signal(signal.SIGALRM, alarm)
+    raised, deadline = 0, time.monotonic() + 60
+    try:
+        for delay in rng.uniform(0, span, 10):
+            if time.monotonic() > deadline:
+                break
+            ids = {eng.submit(p, MAX_NEW): i for i, p in enumerate(PROMPTS)}
+            signal.setitimer(signal.ITIMER_REAL, delay)
+            while eng.busy:
+                try:
+                    eng.step()
+                except _Alarm:
+                    raised += 1
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except _Alarm:
+                pass
+            out = eng.pop_finished()
+            assert {rid: out[rid] for rid in ids} == {rid: greedy_refs[i] for rid, i in ids.items()}
+            assert_clean(eng)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert raised > 0 and eng.stats()["rebuilds"] == raised

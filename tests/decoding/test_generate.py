@@ -3,6 +3,8 @@ per-row EOS, seeds, no recompilation across similar calls, pool errors before wo
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,7 +174,7 @@ def test_page_size_is_capped_at_what_the_request_uses(tiny_model, monkeypatch):
         generate(tiny_model, PROMPTS, max_new_tokens=NEW, page_size=1_000_000)
     [(num_pages, page_size)] = sizes
     assert page_size == 16 + 64  # bucketed prompt (9 -> 16) + new tokens
-    assert num_pages == 4  # B = 3 padded to 4, one page each
+    assert num_pages == 4 + 1  # B = 3 padded to 4, one page each, and the scratch page
 
 
 def test_prefill_and_decode_step_compose_and_roll_back(tiny_model, greedy_paged):
@@ -217,3 +219,66 @@ def test_decode_layout_model_greedy_equals_full_forward_argmax():
     model = Transformer(config, rngs=nnx.Rngs(3))
     res = generate(model, PROMPTS, max_new_tokens=8)
     assert res.tokens == full_forward_greedy(model, PROMPTS, 8)
+
+
+def test_twenty_sampling_settings_compile_the_loop_once(tiny_model):
+    """Settings are data: 20 temperatures / top-p / top-k / min-p values (and greedy) share one
+    prefill and one loop; each still samples as itself (same seed, different settings)."""
+    generate(tiny_model, PROMPTS, max_new_tokens=NEW, sampling=TOP_P)  # compiled (or reused)
+    before = compiled_count()
+    outs = set()
+    for i, t in enumerate(np.linspace(0.0, 1.9, 20)):
+        cfg = SamplingConfig(temperature=float(t), top_p=1.0 - i / 40, top_k=i % 7, min_p=i / 100)
+        res = generate(tiny_model, PROMPTS, max_new_tokens=NEW, sampling=cfg, seed=1)
+        assert res.stats["compile_s"] == 0.0
+        outs.add(tuple(map(tuple, res.tokens)))
+    assert compiled_count() == before
+    assert len(outs) > 10
+
+
+def test_executable_cache_is_bounded(tiny_model, monkeypatch):
+    gen = importlib.import_module("decoding.generate")  # the module, not the function
+    monkeypatch.setattr(gen, "MAX_EXECUTABLES", 2)
+    before = compiled_count()
+    for n in (3, 20, 40):  # three prompt buckets: 6 executables
+        generate(tiny_model, [[1] * n], max_new_tokens=2)
+    assert len(gen._EXECUTABLES) <= 2 and compiled_count() >= before + 4
+
+
+def test_padding_rows_take_no_pages(tiny_model):
+    """Three prompts (padded to four rows) fit the pool four prompts need, less the fourth's
+    page (they took a full row of 5 more pages for the padding row)."""
+    four = PROMPTS + [[4, 4]]
+    pages = 6  # pages of 16 for 17, 16, 21 and 16 positions
+    want = generate(tiny_model, four, max_new_tokens=NEW, num_pages=pages)
+    res = generate(tiny_model, PROMPTS, max_new_tokens=NEW, num_pages=pages - 1)
+    assert res.tokens == want.tokens[:3]
+    with pytest.raises(paging.OutOfPagesError):
+        generate(tiny_model, PROMPTS, max_new_tokens=NEW, num_pages=pages - 2)
+
+
+def test_numpy_scalars_accepted(tiny_model, greedy_paged):
+    res = generate(
+        tiny_model, PROMPTS, max_new_tokens=np.int64(NEW), eos_id=np.int32(0),
+        seed=np.uint32(3), page_size=np.int64(16), num_pages=np.int64(8),
+    )  # fmt: skip
+    assert res.tokens == generate(tiny_model, PROMPTS, max_new_tokens=NEW, eos_id=0).tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"page_size": True}, "page_size"),
+        ({"num_pages": True}, "num_pages"),
+        ({"num_pages": 2.0}, "num_pages"),
+        ({"seed": True}, "seed"),
+        ({"model": "tiny"}, "model"),
+        ({"model": object()}, "model"),
+        ({"sampling": "greedy"}, "sampling"),
+    ],
+)
+def test_bools_and_wrong_objects_are_type_errors(tiny_model, kwargs, match):
+    args = {"model": tiny_model, "max_new_tokens": 4} | kwargs
+    with pytest.raises(TypeError, match=match):
+        generate(args.pop("model"), PROMPTS, **args)

@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from decoding.sampling import SamplingConfig, argmax, filtered_logits, probabilities, sample
+from decoding.checks import ArgumentTypeError
+from decoding.sampling import (
+    TOP_K_BOUND,
+    SamplingConfig,
+    SamplingParams,
+    argmax,
+    filtered_logits,
+    probabilities,
+    sample,
+)
 
 N_DRAWS = 20_000
 LOGITS = np.array([2.0, 1.5, 1.5, 0.3, -0.7, -1.0, -3.0, 0.9], np.float32)  # V = 8, a tie at 1.5
@@ -49,10 +58,19 @@ def exact_distribution(logits, cfg: SamplingConfig) -> np.ndarray:
     return softmax(x)
 
 
-def draw(cfg: SamplingConfig, seed: int = 0, logits=LOGITS) -> np.ndarray:
+def draw(cfg: SamplingConfig, seed: int = 0, logits=LOGITS, data: bool = False) -> np.ndarray:
+    """Token counts of N_DRAWS rows sampled under ``cfg``: a static argument, or (``data``) one
+    ``SamplingParams`` row per draw, traced (what the engine and generate compile)."""
     batch = jnp.broadcast_to(jnp.asarray(logits), (N_DRAWS, len(logits)))
-    tokens = jax.jit(sample, static_argnums=2)(batch, jax.random.key(seed), cfg)
+    if data:
+        params = SamplingParams.rows([cfg] * N_DRAWS)
+        tokens = _sample_data(batch, jax.random.key(seed), params)
+    else:
+        tokens = jax.jit(sample, static_argnums=2)(batch, jax.random.key(seed), cfg)
     return np.bincount(np.asarray(tokens), minlength=len(logits))
+
+
+_sample_data = jax.jit(sample)
 
 
 CONFIGS = {
@@ -72,14 +90,21 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("data", [False, True], ids=["static", "data"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_empirical_matches_exact(name):
+def test_empirical_matches_exact(name, data):
     cfg = CONFIGS[name]
     expected = exact_distribution(LOGITS, cfg)
+    sampling = SamplingParams.rows([cfg]) if data else cfg
     np.testing.assert_allclose(
-        np.asarray(probabilities(jnp.asarray(LOGITS), cfg)), expected, rtol=1e-5, atol=1e-7
+        np.asarray(jax.jit(probabilities)(jnp.asarray(LOGITS)[None], sampling))[0]
+        if data
+        else np.asarray(probabilities(jnp.asarray(LOGITS), cfg)),
+        expected,
+        rtol=1e-5,
+        atol=1e-7,
     )
-    counts = draw(cfg)
+    counts = draw(cfg, data=data)
     support = expected > 0
     assert counts[~support].sum() == 0, f"drew filtered tokens: {counts} vs {expected}"
     if support.sum() == 1:
@@ -202,3 +227,66 @@ def test_probabilities_are_a_distribution_for_any_finite_temperature(temperature
     assert np.isfinite(p).all() and (p >= 0).all(), (temperature, row, p)
     assert abs(p.sum() - 1.0) < 1e-5
     assert p[logits.argmax()] == p.max()
+
+
+def test_data_path_draws_the_same_tokens_as_a_static_config():
+    """One compiled sampler for every setting gives, per config, the static program's tokens."""
+    logits = jax.random.normal(jax.random.key(3), (32, 100))
+    for cfg in list(CONFIGS.values()) + [SamplingConfig(), SamplingConfig(1.0, top_k=90)]:
+        params = SamplingParams.rows([cfg] * 32)
+        static = sample(logits, jax.random.key(4), cfg)
+        np.testing.assert_array_equal(_sample_data(logits, jax.random.key(4), params), static)
+        np.testing.assert_array_equal(
+            jax.jit(filtered_logits)(logits, params), filtered_logits(logits, cfg)
+        )
+
+
+def test_rows_of_one_batch_use_their_own_settings():
+    """A greedy row in a batch of sampled rows is its argmax; each sampled row draws from its
+    own config's distribution; a row with per-row keys draws as it would alone."""
+    cfgs = [SamplingConfig(), CONFIGS["top_k_2_tie_at_threshold"], CONFIGS["top_p_0.5"]]
+    cfgs += [SamplingConfig(temperature=1.0, top_k=TOP_K_BOUND + 1)]
+    n = 3000
+    rows = [cfgs[i % len(cfgs)] for i in range(n * len(cfgs))]
+    batch = jnp.broadcast_to(jnp.asarray(LOGITS), (len(rows), len(LOGITS)))
+    tokens = np.asarray(_sample_data(batch, jax.random.key(0), SamplingParams.rows(rows)))
+    for i, cfg in enumerate(cfgs):
+        counts = np.bincount(tokens[i :: len(cfgs)], minlength=len(LOGITS))
+        expected = exact_distribution(LOGITS, cfg)
+        assert counts[expected == 0].sum() == 0, (cfg, counts)
+        if cfg.greedy:
+            assert counts[int(np.argmax(LOGITS))] == n
+            continue
+        _, pvalue = stats.chisquare(counts[expected > 0], n * expected[expected > 0])
+        assert pvalue > 1e-3, (cfg, counts)
+    keys = jax.random.split(jax.random.key(5), len(cfgs))
+    logits = jax.random.normal(jax.random.key(6), (len(cfgs), 50))
+    together = _sample_data(logits, keys, SamplingParams.rows(cfgs))
+    for b, cfg in enumerate(cfgs):
+        alone = sample(logits[b : b + 1], keys[b], cfg)
+        assert int(together[b]) == int(alone[0])
+
+
+def test_new_settings_do_not_recompile():
+    traces = []
+
+    @jax.jit
+    def run(logits, key, params):
+        traces.append(1)
+        return sample(logits, key, params)
+
+    logits = jax.random.normal(jax.random.key(1), (4, 30))
+    for t in np.linspace(0.0, 2.0, 20):
+        cfg = SamplingConfig(temperature=float(t), top_p=1.0 - float(t) / 4, top_k=int(t * 10))
+        run(logits, jax.random.key(0), SamplingParams.rows([cfg] * 4))
+    assert len(traces) == 1
+
+
+def test_numpy_scalars_accepted_bools_rejected():
+    cfg = SamplingConfig(np.float32(0.5), np.int64(3), np.float64(0.9), np.float32(0.0))
+    assert cfg == SamplingConfig(0.5, 3, 0.9, 0.0) and type(cfg.top_k) is int
+    for kwargs in ({"temperature": True}, {"top_k": True}, {"top_p": np.bool_(True)}):
+        with pytest.raises(ArgumentTypeError, match=next(iter(kwargs))):
+            SamplingConfig(**kwargs)
+    with pytest.raises(TypeError, match="sampling"):
+        sample(jnp.zeros((1, 4)), jax.random.key(0), "greedy")
