@@ -183,6 +183,15 @@ def encode_prompt(prompt: str, tokenizer, config) -> tuple[list[int], int | None
     return ([bos_id] + ids if bos_id is not None else ids), special(config.eos_id, tokenizer.eos_id)
 
 
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` (from argv or stdin, where undecodable bytes become surrogates) is text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_arguments(parser, args) -> SamplingConfig:
     try:
         sampling = SamplingConfig(
@@ -199,6 +208,9 @@ def _check_arguments(parser, args) -> SamplingConfig:
         parser.error("a prompt is required (or --interactive)")
     elif not args.prompt:
         parser.error("prompt must not be empty")
+    for flag, text in (("prompt", args.prompt), ("--system", args.system)):
+        if text is not None and not _is_utf8(text):
+            parser.error(f"{flag} is not valid UTF-8 text")
     if args.num_draft_tokens is not None and args.speculative is None:
         parser.error("--num-draft-tokens needs --speculative")
     if args.system is not None and not (args.chat or args.interactive):
@@ -234,7 +246,12 @@ def _interactive(session: ChatSession, first: str | None) -> int:
             except EOFError:
                 print(file=sys.stderr)
                 return 0
+            except UnicodeDecodeError:
+                pending = "\udcff"  # reported below like any other undecodable input
         text, pending = pending.strip(), None
+        if not _is_utf8(text):
+            print("[that line is not valid UTF-8 text]", file=sys.stderr)
+            continue
         if text in ("/exit", "/quit"):
             return 0
         if text == "/reset":

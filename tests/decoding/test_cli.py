@@ -38,6 +38,7 @@ from models.hf import save_hf_checkpoint
         (["--interactive", "--speculative", "prompt-lookup"], "--interactive"),
         (["hi", "--model", "missing.gguf"], "missing.gguf"),
         (["hi", "--dtype", "int8"], "dtype"),
+        (["\udcff abc"], "prompt is not valid UTF-8"),  # how argv holds undecodable bytes
     ],
 )
 def test_bad_arguments_are_usage_errors(argv, match, capsys):
