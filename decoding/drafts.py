@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from decoding.checks import check_int
 from decoding.generate import _cache_for
 from decoding.sampling import probabilities, sample
 from models import KVCache
@@ -222,9 +223,9 @@ class EarlyExit:
         return default_k("early-exit")
 
     def __post_init__(self):
-        L = self.num_layers
-        if isinstance(L, bool) or not isinstance(L, int) or L < 1:
-            raise ValueError(f"EarlyExit num_layers must be an int >= 1, got {L!r}")
+        object.__setattr__(
+            self, "num_layers", check_int("EarlyExit num_layers", self.num_layers, 1)
+        )
 
     def check(self, target, k: int) -> None:
         if self.num_layers >= target.config.num_layers:
@@ -269,9 +270,9 @@ class PromptLookup:
 
     def __post_init__(self):
         for name in ("max_ngram", "min_ngram"):
-            n = getattr(self, name)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"PromptLookup {name} must be an int >= 1, got {n!r}")
+            object.__setattr__(
+                self, name, check_int(f"PromptLookup {name}", getattr(self, name), 1)
+            )
         if self.min_ngram > self.max_ngram:
             raise ValueError(
                 f"PromptLookup min_ngram={self.min_ngram} must be <= max_ngram={self.max_ngram}"
@@ -296,19 +297,34 @@ class PromptLookup:
 def lookup(seq, length, k: int, min_ngram: int, max_ngram: int, *, return_found: bool = False):
     """The n-gram lookup of :class:`PromptLookup`: seq [B, L], length [B] (known tokens per row)
     -> [B, k] int32 proposals; with ``return_found``, ``(found [B] bool, proposals)``, found
-    where some n-gram matched."""
+    where some n-gram matched.
+
+    One pass for every n: ``m[b, e]``, the number of tokens before and at ``e`` that equal the
+    last known ones (the common suffix of ``seq[b, :e+1]`` and ``seq[b, :length]``, capped at
+    ``max_ngram``), is counted by a ``fori_loop`` over ``j < max_ngram``, so the program's
+    size does not grow with ``max_ngram`` (its work is O(max_ngram * L)). The longest matching
+    n is ``min(max_ngram, max_e m)`` (a match of n is one of every shorter n), kept if it is
+    at least ``min_ngram``; its continuation starts after the latest ``e`` with ``m >= n``.
+    """
     B, L = seq.shape
     pos = jnp.arange(L)
-    cont = jnp.full((B,), -1, jnp.int32)  # where the continuation starts; -1 = no match yet
-    for n in range(min_ngram, max_ngram + 1):  # longer matches overwrite shorter ones
-        # match[b, s]: seq[b, s:s+n] == the last n known tokens, and a continuation exists.
-        match = (pos[None] + n < length[:, None]) & (length[:, None] >= n)
-        for j in range(n):
-            tail = jnp.take_along_axis(seq, jnp.maximum(length - n + j, 0)[:, None], axis=1)
-            match &= jnp.roll(seq, -j, axis=1) == tail
-        latest = jnp.max(jnp.where(match, pos[None], -1), axis=1)  # most recent start, or -1
-        cont = jnp.where(latest >= 0, latest + n, cont)
-    idx = jnp.where(cont[:, None] >= 0, cont[:, None] + jnp.arange(k), length[:, None] - 1)
-    idx = jnp.minimum(idx, length[:, None] - 1)
+    last = length[:, None] - 1
+
+    def count(j, carry):
+        run, m = carry  # run: the suffix match so far is unbroken
+        here = jnp.take_along_axis(seq, jnp.clip(pos[None] - j, 0, L - 1), axis=1)
+        tail = jnp.take_along_axis(seq, jnp.maximum(last - j, 0), axis=1)
+        run &= (here == tail) & (pos[None] >= j) & (last >= j)
+        return run, m + run
+
+    end_ok = pos[None] < last  # a continuation exists after e
+    init = (jnp.broadcast_to(end_ok, (B, L)), jnp.zeros((B, L), jnp.int32))
+    _, m = jax.lax.fori_loop(0, max_ngram, count, init, unroll=min(max_ngram, 4))
+    n = jnp.minimum(jnp.max(m, axis=1), max_ngram)  # the longest n with a match
+    found = n >= min_ngram
+    latest = jnp.max(jnp.where(m >= jnp.maximum(n, 1)[:, None], pos[None], -1), axis=1)
+    cont = jnp.where(found, latest + 1, -1)
+    idx = jnp.where(cont[:, None] >= 0, cont[:, None] + jnp.arange(k), last)
+    idx = jnp.minimum(idx, last)
     tokens = jnp.take_along_axis(seq, idx, axis=1).astype(jnp.int32)
-    return (cont >= 0, tokens) if return_found else tokens
+    return (found, tokens) if return_found else tokens

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from decoding import tree
+from decoding.checks import check_optional_int
 from decoding.drafts import Context, Proposal, _check_vocab, default_k, lookup
 from decoding.sampling import all_greedy, argmax, branch, probabilities, sample
 from decoding.tree import TreeSpec
@@ -90,10 +91,7 @@ class Medusa:
             raise TypeError(f"heads must be a models.MedusaHeads, got {type(heads).__name__}")
         if tree is not None and not isinstance(tree, TreeSpec):
             raise TypeError(f"tree must be a decoding.TreeSpec or None, got {type(tree).__name__}")
-        if lookup_ngram is not None and (
-            isinstance(lookup_ngram, bool) or not isinstance(lookup_ngram, int) or lookup_ngram < 1
-        ):
-            raise ValueError(f"lookup_ngram must be None or an int >= 1, got {lookup_ngram!r}")
+        lookup_ngram = check_optional_int("lookup_ngram", lookup_ngram, 1)
         if lookup_ngram is not None and tree is not None:
             raise ValueError("lookup_ngram drafts a chain: it cannot be combined with tree")
         self.heads, self.tree, self.lookup_ngram = heads, tree, lookup_ngram
@@ -139,6 +137,11 @@ class MedusaDraft:
         if self.dim != target.config.dim:
             raise ValueError(
                 f"Medusa heads have dim {self.dim}, the target has {target.config.dim}"
+            )
+        if self.tree is not None and self.tree.top > self.vocab_size:
+            raise ValueError(
+                f"tree choices go up to {self.tree.top - 1} (the {self.tree.top}-th best token of "
+                f"a head) but the vocabulary has {self.vocab_size} tokens"
             )
         if self.tree is not None and self.tree.depth > self.num_heads:
             raise ValueError(

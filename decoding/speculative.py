@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from decoding.checks import check_model, check_optional_int
 from decoding.drafts import Context, EarlyExit, ModelDraft, PromptLookup
 from decoding.generate import (
     GenerateResult,
@@ -270,10 +271,8 @@ def draft_kind(draft):
 
 
 def _check_k(num_draft_tokens, default: int) -> int:
-    k = default if num_draft_tokens is None else num_draft_tokens
-    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-        raise ValueError(f"num_draft_tokens must be an int >= 1 or None, got {k!r}")
-    return int(k)
+    k = check_optional_int("num_draft_tokens", num_draft_tokens, 1)
+    return default if k is None else k
 
 
 def speculative_generate(
@@ -308,6 +307,7 @@ def speculative_generate(
       steps; prefill not counted), ``draft_calls`` (draft forward calls, prefill included) and
       ``num_draft_tokens``.
     """
+    check_model("target", target)
     kind, params = draft_kind(draft)
     k = _check_k(num_draft_tokens, kind.default_num_draft_tokens)
     kind.check(target, k)

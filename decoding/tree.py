@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decoding.checks import check_int, is_int
 from models import KVCache
 
 
@@ -44,9 +45,9 @@ class TreeSpec:
         clean = []
         for p in paths:
             ok = isinstance(p, tuple | list) and len(p) > 0
-            if not ok or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in p):
+            if not ok or any(not is_int(c) or c < 0 for c in p):
                 raise ValueError(f"TreeSpec path must be a non-empty tuple of ints >= 0, got {p!r}")
-            clean.append(tuple(p))
+            clean.append(tuple(int(c) for c in p))
         if len(set(clean)) != len(clean):
             raise ValueError("TreeSpec paths contain duplicates")
         for p in clean:
@@ -58,8 +59,7 @@ class TreeSpec:
     def default(cls, num_heads: int) -> TreeSpec:
         """Every path of length d <= num_heads whose choices sum to at most (2, 2, 1, 1, ..)[d-1]:
         for 4 heads 18 nodes (3 + 6 + 4 + 5), Tq = 19 per verification."""
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+        num_heads = check_int("num_heads", num_heads, 1)
         paths, frontier = [], [()]
         for d in range(1, num_heads + 1):
             budget = 2 if d <= 2 else 1
@@ -80,8 +80,7 @@ class TreeSpec:
         acc = [[float(a) for a in row] for row in rank_accuracy]
         if not acc or any(not row or any(not 0.0 <= a <= 1.0 for a in row) for row in acc):
             raise ValueError("rank_accuracy must be a non-empty [heads][ranks] table in [0, 1]")
-        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-            raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
+        num_nodes = check_int("num_nodes", num_nodes, 1)
         frontier = [(-acc[0][c], (c,)) for c in range(len(acc[0]))]
         heapq.heapify(frontier)
         paths = []
@@ -169,23 +168,28 @@ def accept_tree(spec: TreeSpec, tokens, p, key):
     children = jnp.asarray(t["children"])  # [N+1, M], -1 padded
     M = children.shape[1]
     keys = jax.random.split(key, spec.depth * M + 1)
-    cur = jnp.zeros((B,), jnp.int32)
-    alive = jnp.ones((B,), bool)
-    r = p[:, 0]
-    for d in range(spec.depth):
-        moved, nxt_node = jnp.zeros((B,), bool), cur
-        for j in range(M):
-            child = children[cur, j]
-            tok = tokens[rows, jnp.maximum(child, 0)]
-            r_tok = r[rows, tok] / jnp.maximum(jnp.sum(r, -1), 1e-30)
-            tried = alive & ~moved & (child >= 0)
-            ok = tried & (jax.random.uniform(keys[d * M + j], (B,)) < r_tok)
-            removed = r.at[rows, tok].set(0.0)
-            r = jnp.where((tried & ~ok)[:, None], removed, r)  # rejected: drop the token
-            moved, nxt_node = moved | ok, jnp.where(ok, child, nxt_node)
+
+    def try_child(i, carry):  # i = d * M + j: the j-th child of the current node, at depth d
+        r, cur, alive, moved, nxt_node = carry
+        child = children[cur, i % M]
+        tok = tokens[rows, jnp.maximum(child, 0)]
+        r_tok = r[rows, tok] / jnp.maximum(jnp.sum(r, -1), 1e-30)
+        tried = alive & ~moved & (child >= 0)
+        ok = tried & (jax.random.uniform(keys[i], (B,)) < r_tok)
+        removed = r.at[rows, tok].set(0.0)
+        r = jnp.where((tried & ~ok)[:, None], removed, r)  # rejected: drop the token
+        return r, cur, alive, moved | ok, jnp.where(ok, child, nxt_node)
+
+    def descend(d, carry):
+        r, cur, alive = carry
+        init = (r, cur, alive, jnp.zeros((B,), bool), cur)
+        # A loop, not unrolled: a wide tree (M children) would give M copies of [B, V] work.
+        r, _, _, moved, nxt_node = jax.lax.fori_loop(d * M, (d + 1) * M, try_child, init)
         cur = jnp.where(moved, nxt_node, cur)
-        r = jnp.where(moved[:, None], p[rows, cur], r)
-        alive = moved
+        return jnp.where(moved[:, None], p[rows, cur], r), cur, moved
+
+    init = (p[:, 0], jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool))
+    r, cur, _ = jax.lax.fori_loop(0, spec.depth, descend, init)
     r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, p[rows, cur])
     nxt = jax.random.categorical(keys[-1], jnp.log(r), axis=-1).astype(jnp.int32)
     return _outcome(spec, tokens, cur, nxt)

@@ -474,3 +474,25 @@ def test_exceptions_at_random_points_rebuild_the_engine(tiny_model, greedy_refs)
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert raised > 0 and eng.stats()["rebuilds"] == raised
+
+
+def test_numpy_scalars_accepted_bools_rejected(tiny_model, greedy_refs):
+    eng = Engine(
+        tiny_model, max_batch=np.int64(4), num_pages=np.int32(BIG_POOL), page_size=np.int64(PAGE),
+        max_prefill_tokens=np.int64(32), max_seq_len=np.int64(MAX_SEQ), prefix_caching=np.bool_(1),
+    )  # fmt: skip
+    rid = eng.submit(np.array(PROMPTS[0]), np.int64(MAX_NEW), eos_id=np.int32(0), seed=np.uint32(1))
+    rid2 = eng.submit(PROMPTS[4], MAX_NEW)
+    assert eng.abort(np.int64(rid2)) == []
+    out = eng.run_until_done()[rid]
+    assert out == greedy_refs[0][: greedy_refs[0].index(0) + 1 if 0 in greedy_refs[0] else None]
+    for kwargs in ({"max_batch": True}, {"page_size": True}, {"prefix_caching": 1}):
+        with pytest.raises(TypeError, match=f"{next(iter(kwargs))} must be"):
+            Engine(tiny_model, num_pages=4, **kwargs)
+    for kwargs in ({"eos_id": True}, {"seed": False}):
+        with pytest.raises(TypeError, match=next(iter(kwargs))):
+            eng.submit(PROMPTS[0], 2, **kwargs)
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        eng.submit(PROMPTS[0], True)
+    with pytest.raises(TypeError, match="model"):
+        Engine(object(), num_pages=4)

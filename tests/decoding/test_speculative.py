@@ -197,3 +197,33 @@ def test_default_num_draft_tokens_per_backend(monkeypatch):
     monkeypatch.undo()
     res = speculative_generate(target, PromptLookup(), [[1, 2, 3, 1, 2]], max_new_tokens=4)
     assert res.stats["num_draft_tokens"] == DEFAULT_K["cpu"]["prompt-lookup"]
+
+
+def test_lookup_program_does_not_grow_with_max_ngram(tiny_model):
+    """PromptLookup(max_ngram=60) unrolled 60 * 61 / 2 comparisons (18 s to compile); the n-gram
+    match is now a loop: the traced program has the same size for every max_ngram >= 4."""
+    seq, length = jnp.zeros((2, 128), jnp.int32), jnp.array([100, 7], jnp.int32)
+
+    def size(max_ngram):
+        return len(jax.make_jaxpr(lambda s, n: lookup(s, n, 3, 1, max_ngram))(seq, length).eqns)
+
+    assert size(4) == size(60) == size(500)
+    res = speculative_generate(tiny_model, PromptLookup(max_ngram=60), PROMPTS, max_new_tokens=4)
+    assert res.tokens == generate(tiny_model, PROMPTS, max_new_tokens=4).tokens
+
+
+def test_numpy_scalars_accepted_bools_rejected(tiny_model):
+    assert PromptLookup(np.int64(4), np.int32(2)) == PromptLookup(4, 2)
+    assert EarlyExit(np.int64(1)) == EarlyExit(1) and type(EarlyExit(np.int64(1)).num_layers) is int
+    res = speculative_generate(
+        tiny_model, PromptLookup(), PROMPTS, max_new_tokens=np.int64(3), num_draft_tokens=np.int8(2)
+    )
+    assert res.stats["num_draft_tokens"] == 2
+    for bad in (lambda: EarlyExit(True), lambda: PromptLookup(max_ngram=True)):
+        with pytest.raises(TypeError):
+            bad()
+    with pytest.raises(TypeError, match="num_draft_tokens"):
+        speculative_generate(tiny_model, PromptLookup(), PROMPTS, max_new_tokens=2,
+                             num_draft_tokens=True)  # fmt: skip
+    with pytest.raises(TypeError, match="target"):
+        speculative_generate("code-target", PromptLookup(), PROMPTS, max_new_tokens=2)
