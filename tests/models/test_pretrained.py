@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from model_utils import jit_model
 
 import models
@@ -98,3 +99,21 @@ def test_gguf_files_are_not_training_checkpoints(smollm2_gguf):
 
     with pytest.raises(ValueError, match="GGUF file"):
         checkpoint_dir(str(smollm2_gguf))
+
+
+def test_a_checkpoint_directory_brings_its_tokenizer(smollm2_gguf, tmp_path):
+    """``pretrained(dir)``: the directory's tokenizer.json when it has one, else the byte one."""
+    import transformers
+
+    from models.hf import save_hf_checkpoint
+
+    tiny = models.Transformer(models.TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    save_hf_checkpoint(tiny, str(tmp_path))
+    assert isinstance(pretrained(str(tmp_path))[1], ByteTokenizer)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
+    )
+    hf_tok.save_pretrained(str(tmp_path))
+    tok = pretrained(str(tmp_path))[1]
+    assert isinstance(tok, models.HFTokenizer) and tok.chat_template is not None
+    assert tok.encode("Hello world") == hf_tok.encode("Hello world", add_special_tokens=False)
