@@ -21,6 +21,8 @@ from pallas_attn.heuristics import BlockSizes
 from pallas_attn.kernels.mosaic import common as mc
 from pallas_attn.kernels.mosaic import flash_bwd, flash_fwd
 
+FORWARD_ROWS = flash_fwd.CONSUMERS * mc.WGMMA_ROWS  # query rows per forward CTA
+
 
 def check_supported(q, *, segments: bool, block_sizes: BlockSizes | None):
     """What the Mosaic kernels take, checked before any tracing: 16-bit inputs (wgmma's operand
@@ -39,9 +41,10 @@ def check_supported(q, *, segments: bool, block_sizes: BlockSizes | None):
         )
     if block_sizes is not None:
         bs = block_sizes
-        if bs.block_q != mc.WGMMA_ROWS:
+        if bs.block_q != FORWARD_ROWS:
             raise ValueError(
-                f'impl="mosaic" needs block_q = {mc.WGMMA_ROWS} (one warpgroup), got {bs.block_q}'
+                f'impl="mosaic" needs block_q = {FORWARD_ROWS} (two consumer warpgroups of '
+                f"{mc.WGMMA_ROWS} rows), got {bs.block_q}"
             )
         if (
             bs.block_k not in (64, 128)
@@ -59,9 +62,10 @@ def check_supported(q, *, segments: bool, block_sizes: BlockSizes | None):
 
 
 def default_blocks(head_dim: int) -> BlockSizes:
-    """Mosaic tiles: 64 query rows (one warpgroup's wgmma), 64 keys (see ``make gpu-compile``)."""
+    """Mosaic tiles: forward 128 query rows (two consumer warpgroups) by 64 keys; backward 64-row
+    blocks (one warpgroup) against 32 queries (dK/dV) or 64 keys (dQ)."""
     del head_dim  # one tile for every D <= 128 (benchmarks/results/gpu_compile_h200.json)
-    return BlockSizes(block_q=64, block_k=64, block_q_bwd=32, block_k_bwd=64)
+    return BlockSizes(block_q=FORWARD_ROWS, block_k=64, block_q_bwd=32, block_k_bwd=64)
 
 
 def attention(

@@ -49,14 +49,15 @@ def init(rows: tuple[int, ...], D: int):
     )
 
 
-def step(carry, s2, v, pv, mask=None):
+def step(carry, s2, v, pv, mask=None, *, accumulate: bool = False):
     """One online-softmax step over a tile of keys.
 
     Args:
       carry: ``(m, l, acc)``: ``[..., M]``, ``[..., M]``, ``[..., M, D]`` float32.
       s2: base-2 scores ``[..., M, N]`` float32 of the tile.
       v: the tile's values, in whatever layout ``pv`` takes.
-      pv: ``pv(p, v)`` -> ``[..., M, D]`` float32, the probabilities times the values.
+      pv: ``pv(p, v)`` -> ``[..., M, D]`` float32, the probabilities times the values; with
+        ``accumulate``, ``pv(p, v, acc)`` -> ``acc + p v`` (a matmul that accumulates in place).
       mask: optional bool, broadcastable to ``s2``; False keys get probability 0.
 
     Returns:
@@ -70,7 +71,8 @@ def step(carry, s2, v, pv, mask=None):
     p = jnp.exp2(s2 - _expand(m_new, s2.shape))
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    acc = acc * _expand(alpha, acc.shape) + pv(p, v)
+    acc = acc * _expand(alpha, acc.shape)
+    acc = pv(p, v, acc) if accumulate else acc + pv(p, v)
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc
 
 

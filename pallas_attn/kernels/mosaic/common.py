@@ -147,11 +147,13 @@ def load_tile(cfg: Mode, ref):
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
 
 
-def matmul(cfg: Mode, a, b, *, transpose_b: bool = False):
+def matmul(cfg: Mode, a, b, *, transpose_b: bool = False, scratch=None):
     """``a @ b`` (or ``a @ b.T``) of SMEM refs by wgmma, float32 [M, N] in registers.
 
     ``a``: [M, K]; ``b``: [K, N], or [N, K] with ``transpose_b``. Compiled, the transpose is the
-    wgmma descriptor's; interpreted, ``b`` is first copied transposed into a scratch tile.
+    wgmma descriptor's; interpreted, ``b`` is first copied transposed into ``scratch`` [K, N]
+    (warp-specialised kernels pass one: there every SMEM allocation must be shared by all
+    warpgroups), else into a tile allocated here.
     """
     M = a.shape[0]
     N = b.shape[0] if transpose_b else b.shape[1]
@@ -167,7 +169,10 @@ def matmul(cfg: Mode, a, b, *, transpose_b: bool = False):
                 bt[...] = b[...].T
                 plgpu.wgmma(acc, a, bt)
 
-            pl.run_scoped(transposed, plgpu.SMEM(b.shape[::-1], b.dtype))
+            if scratch is None:
+                pl.run_scoped(transposed, plgpu.SMEM(b.shape[::-1], b.dtype))
+            else:
+                transposed(scratch)
         return acc[...]
 
     return pl.run_scoped(run, plgpu.ACC((M, N), jnp.float32))

@@ -109,9 +109,9 @@ def _kernel(
     t = jnp.minimum(lax.div(mi * rows + mc.iota(cfg, shape, 0), dcfg.group), Tq - 1)
     q_pos = kv_len - Tq + t  # query t sits at key position kv_len - Tq + t
 
-    def pv(p, slot):
+    def pv(p, slot, acc):
         mc.store_tile(p_s, p)
-        return mc.matmul(cfg, p_s, v_s.at[slot])
+        return mc.matmul_acc(cfg, acc, p_s, v_s.at[slot])
 
     def body(j, carry):
         slot = lax.rem(j, 2)
@@ -132,7 +132,7 @@ def _kernel(
         s2, _ = softmax.scale_scores(s, cfg.softmax_scale, cfg.softcap)
         k_pos = first + mc.iota(cfg, shape, 1)
         mask = masks.visible(q_pos, k_pos, window=cfg.window, kv_start=kv_start, kv_len=kv_len)
-        return softmax.step(carry, s2, slot, pv, mask)
+        return softmax.step(carry, s2, slot, pv, mask, accumulate=True)
 
     m, l, acc = softmax.init((rows,), q_s.shape[-1])
     carry = (mc.rows(cfg, m), mc.rows(cfg, l), mc.tile(cfg, acc))

@@ -1,18 +1,26 @@
-"""Flash-attention forward on Mosaic GPU (Hopper): FlashAttention-2, Alg. 1, with TMA and wgmma.
+"""Flash-attention forward on Mosaic GPU (Hopper): FlashAttention-2, Alg. 1, warp-specialised as
+FlashAttention-3 (a TMA producer warpgroup feeding two consumer warpgroups) with wgmma.
 
-One CTA (one warpgroup) per (query block, query head, batch). It TMA-loads its ``[block_q, D]``
-query tile once, then walks only the key blocks the mask can make visible
-(:func:`flash_common.key_block_range`), double-buffering K and V: while block ``j`` is computed,
-the TMA unit fetches block ``j + 1`` into the other SMEM slot (one barrier per slot and tensor).
-Per block: ``S = Q K^T`` by wgmma (K transposed in the descriptor), the mask and softcap in
-registers, FlashAttention-2's online softmax (:func:`pallas_attn.softmax.step`: base-2 running
-max ``m``, sum ``l`` and accumulator ``acc``, float32 in registers), ``P`` written to SMEM in
-the input dtype and ``P V`` by wgmma. Blocks every row fully sees skip the mask arithmetic
-(:func:`flash_common.split_loop`). The end is ``out = acc / l``, ``lse = ln2 * m + ln(l)``;
-a row that saw no key gets out 0 and lse ``-inf``. Out and lse leave through SMEM by TMA.
+One CTA per (block of 128 queries, query head, batch) runs three warpgroups:
 
-Inputs are padded by :mod:`pallas_attn.mosaic`: T to a multiple of ``block_q``, S of
-``block_k``, D of 64; padded keys lie at positions ``>= S`` and are masked.
+* the producer (warpgroup 2, 40 registers per thread) walks the key blocks any of the CTA's rows
+  can see (:func:`flash_common.key_block_range`) and TMA-loads K and V into a ring of
+  ``STAGES`` SMEM slots; before refilling a slot it waits on that slot's "free" barrier, which
+  both consumers arrive on once their wgmmas have read it (and at the end it waits for the last
+  releases too, so that every barrier phase is observed: the interpreter checks it);
+* each consumer (warpgroups 0 and 1, 232 registers) owns 64 query rows: it TMA-loads its Q tile
+  once, then per key block waits on the slot's "full" barriers, computes ``S = Q K^T`` by wgmma
+  (K transposed in the descriptor), the mask and softcap in registers, FlashAttention-2's online
+  softmax (:func:`pallas_attn.softmax.step`: base-2 running max ``m``, sum ``l``, accumulator
+  ``acc``, float32 in registers), writes ``P`` to its SMEM tile in the input dtype and adds
+  ``P V`` into ``acc`` by wgmma (in place, :func:`common.matmul_acc`). Both consumers walk the CTA's whole key range (the ring's order); blocks a
+  consumer's rows cannot see run masked and add nothing (at most one block on the diagonal).
+  Blocks all its rows fully see skip the mask arithmetic (:func:`flash_common.split_loop`).
+
+The end is ``out = acc / l``, ``lse = ln2 * m + ln(l)``; a row that saw no key gets out 0 and lse
+``-inf``. Out and lse leave through SMEM by TMA. Inputs are padded by :mod:`pallas_attn.mosaic`:
+T to a multiple of 128, S of ``block_k``, D of 64; padded keys lie at positions ``>= S`` and are
+masked.
 """
 
 from __future__ import annotations
@@ -27,6 +35,11 @@ from pallas_attn import masks, softmax
 from pallas_attn.kernels import flash_common as fc
 from pallas_attn.kernels.mosaic import common as mc
 
+CONSUMERS = 2  # consumer warpgroups per CTA, 64 query rows each
+STAGES = 2  # K/V ring slots
+# Registers per thread of the producer and of the consumers (65536 per SM over 3 x 128 threads).
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+
 
 def _kernel(
     q_ref,  # [B, Tp, Hq, Dp] GMEM
@@ -34,95 +47,129 @@ def _kernel(
     v_ref,  # [B, Sp, Hkv, Dp] GMEM
     o_ref,  # [B, Tp, Hq, Dp] GMEM
     lse_ref,  # [B, Hq, Tp] float32 GMEM
-    q_s,  # [block_q, Dp] SMEM, reused for the output tile
-    k_s,  # [2, block_k, Dp] SMEM, double-buffered
-    v_s,  # [2, block_k, Dp] SMEM
-    p_s,  # [block_q, block_k] SMEM, probabilities in the input dtype
-    lse_s,  # [block_q] float32 SMEM
-    q_bar,  # 1 barrier
-    k_bar,  # 2 barriers, one per slot
-    v_bar,  # 2 barriers
+    q_s,  # [2, 64, Dp] SMEM, a Q tile per consumer, reused for its output tile
+    k_s,  # [STAGES, block_k, Dp] SMEM ring
+    v_s,  # [STAGES, block_k, Dp] SMEM ring
+    p_s,  # [2, 64, block_k] SMEM, probabilities per consumer, in the input dtype
+    lse_s,  # [2, 64] float32 SMEM
+    kt_s,  # [2, Dp, block_k] SMEM, K^T per consumer (interpreter only: no transposed operands)
+    q_bar,  # [2] barriers, a Q tile per consumer
+    k_full,  # [STAGES] barriers: the K slot holds its block
+    v_full,  # [STAGES] barriers
+    k_free,  # [STAGES] barriers, 2 arrivals: both consumers are done with the K slot
+    v_free,  # [STAGES] barriers, 2 arrivals
     *,
     cfg: mc.Config,
     G: int,
 ):
-    bq, bk = cfg.block_q, cfg.block_k
-    qi, h, b = (lax.axis_index(n) for n in ("q", "h", "b"))
-    kv_h = lax.div(h, G)
+    rows, bk = mc.WGMMA_ROWS, cfg.block_k
+    qi, h, b, wg = (lax.axis_index(n) for n in ("q", "h", "b", "wg"))
     num_k_blocks = k_ref.shape[1] // bk
-    row0 = pl.multiple_of(qi * bq, bq)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_s, q_bar.at[0])
+    cta_first = cfg.q_offset + qi * cfg.block_q
+    lo, hi = fc.key_block_range(
+        cfg, cta_first, cta_first + cfg.block_q - 1, 0, cfg.S, bk, num_k_blocks
+    )
 
-    q_first = cfg.q_offset + row0
-    q_last = q_first + bq - 1
-    lo, hi = fc.key_block_range(cfg, q_first, q_last, 0, cfg.S, bk, num_k_blocks)
-    full = fc.full_key_blocks(cfg, q_first, q_last, 0, cfg.S, bk)
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+        kv_h = lax.div(h, G)
 
-    def fetch(j):
-        slot = lax.rem(j, 2)
-        keys = (b, pl.ds(pl.multiple_of(j * bk, bk), bk), kv_h)
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_s.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_s.at[slot], v_bar.at[slot])
+        def step(j, _):
+            n = j - lo
+            slot = lax.rem(n, STAGES)
+            keys = (b, pl.ds(pl.multiple_of(j * bk, bk), bk), kv_h)
+            for src, dst, full, free in (
+                (k_ref, k_s, k_full, k_free),
+                (v_ref, v_s, v_full, v_free),
+            ):
+                pl.when(n >= STAGES)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], full.at[slot])
 
-    pl.when(lo < hi)(lambda: fetch(lo))
-    plgpu.barrier_wait(q_bar.at[0])
+        lax.fori_loop(lo, hi, step, None)
 
-    def pv(p, slot):
-        mc.store_tile(p_s, p)
-        plgpu.barrier_wait(v_bar.at[slot])
-        return mc.matmul(cfg, p_s, v_s.at[slot])
+        def drain(n, _):  # observe the consumers' last releases (every arrival is waited for)
+            for free in (k_free, v_free):
+                plgpu.barrier_wait(free.at[lax.rem(n, STAGES)])
 
-    def body(j, carry, masked):
-        slot = lax.rem(j, 2)
-        pl.when(j + 1 < hi)(lambda: fetch(j + 1))
-        plgpu.barrier_wait(k_bar.at[slot])
-        s = mc.matmul(cfg, q_s, k_s.at[slot], transpose_b=True)  # [bq, bk]
-        s2, _ = softmax.scale_scores(s, cfg.softmax_scale, cfg.softcap)
-        mask = None
-        if masked:
-            q_pos = q_first + mc.iota(cfg, s.shape, 0)
-            k_pos = j * bk + mc.iota(cfg, s.shape, 1)
-            mask = masks.visible(q_pos, k_pos, window=cfg.window, kv_len=cfg.S)
-        return softmax.step(carry, s2, slot, pv, mask)
+        lax.fori_loop(jnp.maximum(hi - lo, STAGES) - STAGES, hi - lo, drain, None)
 
-    m, l, acc = softmax.init((bq,), q_s.shape[-1])
-    carry = (mc.rows(cfg, m), mc.rows(cfg, l), mc.tile(cfg, acc))
-    m, l, acc = fc.split_loop(cfg, lo, hi, full, body, carry)
-    out, lse = softmax.finalize(m, l, acc)
-    mc.store_tile(q_s, out)
-    mc.store_tile(lse_s, lse)
-    plgpu.copy_smem_to_gmem(q_s, o_ref.at[b, pl.ds(row0, bq), h])
-    plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, h, pl.ds(row0, bq)])
-    plgpu.wait_smem_to_gmem(0)
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+        row0 = pl.multiple_of(qi * cfg.block_q + wg * rows, rows)
+        q_tile, p_tile, lse_tile = q_s.at[wg], p_s.at[wg], lse_s.at[wg]
+        kt = None if kt_s is None else kt_s.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows), h], q_tile, q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        q_first = cfg.q_offset + row0
+        full = fc.full_key_blocks(cfg, q_first, q_first + rows - 1, 0, cfg.S, bk)
+
+        def pv(p, slot, acc):
+            mc.store_tile(p_tile, p)
+            plgpu.barrier_wait(v_full.at[slot])
+            acc = mc.matmul_acc(cfg, acc, p_tile, v_s.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc
+
+        def body(j, carry, masked):
+            slot = lax.rem(j - lo, STAGES)
+            plgpu.barrier_wait(k_full.at[slot])
+            s = mc.matmul(cfg, q_tile, k_s.at[slot], transpose_b=True, scratch=kt)  # [64, bk]
+            plgpu.barrier_arrive(k_free.at[slot])
+            s2, _ = softmax.scale_scores(s, cfg.softmax_scale, cfg.softcap)
+            mask = None
+            if masked:
+                q_pos = q_first + mc.iota(cfg, s.shape, 0)
+                k_pos = j * bk + mc.iota(cfg, s.shape, 1)
+                mask = masks.visible(q_pos, k_pos, window=cfg.window, kv_len=cfg.S)
+            return softmax.step(carry, s2, slot, pv, mask, accumulate=True)
+
+        m, l, acc = softmax.init((rows,), q_tile.shape[-1])
+        carry = (mc.rows(cfg, m), mc.rows(cfg, l), mc.tile(cfg, acc))
+        m, l, acc = fc.split_loop(cfg, lo, hi, full, body, carry)
+        out, lse = softmax.finalize(m, l, acc)
+        mc.store_tile(q_tile, out)
+        mc.store_tile(lse_tile, lse)
+        plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, pl.ds(row0, rows), h])
+        plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[b, h, pl.ds(row0, rows)])
+        plgpu.wait_smem_to_gmem(0)
 
 
 def forward(cfg: mc.Config, q, k, v):
     """Padded forward.
 
     Args:
-      q: [B, Tp, Hq, Dp]; k, v: [B, Sp, Hkv, Dp], bfloat16 or float16, Tp % block_q == 0,
-        Sp % block_k == 0, Dp % 64 == 0.
+      q: [B, Tp, Hq, Dp]; k, v: [B, Sp, Hkv, Dp], bfloat16 or float16, Tp % 128 == 0
+        (``cfg.block_q``), Sp % block_k == 0, Dp % 64 == 0.
 
     Returns:
       out [B, Tp, Hq, Dp] in q's dtype, lse [B, Hq, Tp] float32 (natural log).
     """
     B, Tp, Hq, Dp = q.shape
     Hkv = k.shape[2]
-    bq, bk = cfg.block_q, cfg.block_k
+    rows, bk = mc.WGMMA_ROWS, cfg.block_k
     dtype = q.dtype
-    scratch = [
-        mc.smem((bq, Dp), dtype),
-        mc.smem((2, bk, Dp), dtype),
-        mc.smem((2, bk, Dp), dtype),
-        mc.smem((bq, bk), dtype),
-        plgpu.SMEM((bq,), jnp.float32),
-        plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=2),
-    ]
+    scratch = (
+        mc.smem((CONSUMERS, rows, Dp), dtype),
+        mc.smem((STAGES, bk, Dp), dtype),
+        mc.smem((STAGES, bk, Dp), dtype),
+        mc.smem((CONSUMERS, rows, bk), dtype),
+        plgpu.SMEM((CONSUMERS, rows), jnp.float32),
+        plgpu.SMEM((CONSUMERS, Dp, bk), dtype) if cfg.interpret else None,
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.Barrier(num_barriers=STAGES),
+        plgpu.Barrier(num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),
+    )
 
     def mosaic_flash_fwd(*refs):  # the kernel's name in compile reports
-        _kernel(*refs, cfg=cfg, G=Hq // Hkv)
+        pl.run_scoped(
+            lambda *scoped: _kernel(*refs, *scoped, cfg=cfg, G=Hq // Hkv),
+            *scratch,
+            collective_axes="wg",
+        )
 
     return plgpu.kernel(
         mosaic_flash_fwd,
@@ -130,9 +177,10 @@ def forward(cfg: mc.Config, q, k, v):
             jax.ShapeDtypeStruct(q.shape, dtype),
             jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32),
         ),
-        scratch_types=scratch,
-        grid=(Tp // bq, Hq, B),
+        grid=(Tp // cfg.block_q, Hq, B),
         grid_names=("q", "h", "b"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mc.interpret_params(cfg),
     )(q, k, v)
