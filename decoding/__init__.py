@@ -14,7 +14,7 @@ from decoding.generate import (
 )
 from decoding.medusa import Medusa
 from decoding.paging import BlockTables, OutOfPagesError, PageAllocator
-from decoding.sampling import SamplingConfig, filtered_logits, probabilities, sample
+from decoding.sampling import SamplingConfig, SamplingParams, filtered_logits, probabilities, sample
 from decoding.speculative import speculative_generate
 from decoding.tree import TreeSpec
 
@@ -29,6 +29,7 @@ __all__ = [
     "PageAllocator",
     "PromptLookup",
     "SamplingConfig",
+    "SamplingParams",
     "TreeSpec",
     "compiled_count",
     "decode",

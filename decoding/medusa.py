@@ -41,6 +41,7 @@ from decoding.drafts import Context, Proposal, _check_vocab, default_k, lookup
 from decoding.sampling import all_greedy, argmax, branch, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
+from models.shard import mesh_of
 from models.transformer import decode_kernels, decode_layout
 
 # The n of ``Medusa(heads, lookup_ngram=n)`` the benchmark and the CLI use: the best on the
@@ -137,6 +138,11 @@ class MedusaDraft:
         if self.dim != target.config.dim:
             raise ValueError(
                 f"Medusa heads have dim {self.dim}, the target has {target.config.dim}"
+            )
+        if self.tree is not None and mesh_of(target) is not None:
+            raise ValueError(
+                "a token tree needs tree attention, which a sharded target (models.shard) does "
+                "not run: use a chain, Medusa(heads), or an unsharded target"
             )
         if self.tree is not None and self.tree.top > self.vocab_size:
             raise ValueError(

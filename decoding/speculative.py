@@ -40,7 +40,7 @@ from decoding.generate import (
 from decoding.medusa import Medusa
 from decoding.sampling import SamplingConfig, all_greedy, argmax, branch, probabilities
 from models import KVCache, Transformer
-from models.shard import replicated
+from models.shard import mesh_of, replicated
 from models.transformer import decode_kernels, decode_layout
 
 
@@ -270,6 +270,29 @@ def draft_kind(draft):
     )
 
 
+def place_on_target(draft, kind, params, target):
+    """The draft's params placed where the target's loop runs -> params.
+
+    A sharded target (``models.shard``) runs its loop on its mesh: weightless kinds need
+    nothing, Medusa heads' params are replicated over the mesh (the user's heads are not
+    moved), and a model draft must be sharded over the same mesh itself (it has its own cache,
+    which ``models.shard`` places). Anything else is a ``ValueError`` before any work.
+    """
+    mesh = mesh_of(target)
+    if isinstance(kind, ModelDraft):
+        if mesh_of(draft) != mesh:
+            where = "not sharded" if mesh is None else f"sharded over {mesh.shape_tuple}"
+            raise ValueError(
+                f"the target is {where} but the draft model is "
+                + ("not sharded" if mesh_of(draft) is None else "sharded over another mesh")
+                + ": shard both over the same mesh (models.shard(draft, target.mesh)) or neither"
+            )
+        return params
+    if mesh is not None and params is not None:
+        return jax.device_put(params, replicated(target))
+    return params
+
+
 def _check_k(num_draft_tokens, default: int) -> int:
     k = check_optional_int("num_draft_tokens", num_draft_tokens, 1)
     return default if k is None else k
@@ -295,7 +318,10 @@ def speculative_generate(
       target: the ``models.Transformer`` whose distribution is sampled.
       draft: a ``models.Transformer`` with the target's vocabulary (its own cache),
         ``PromptLookup(...)``, ``EarlyExit(num_layers=L)`` with L < the target's layers, or
-        ``Medusa(heads[, tree=TreeSpec])`` (heads trained on the target's hidden states).
+        ``Medusa(heads[, tree=TreeSpec])`` (heads trained on the target's hidden states). On a
+        sharded target (``models.shard``) a model draft must be sharded over the same mesh,
+        Medusa heads are replicated over it, and trees are refused (no sharded tree
+        attention): ``ValueError`` before any work (:func:`place_on_target`).
       num_draft_tokens: k >= 1 tokens drafted per step; None = the draft kind's default
         (``drafts.DEFAULT_K``, the best measured by ``benchmarks/speculative.py``).
       The other arguments are ``generate``'s (``num_pages`` sizes each model's page pool).
@@ -311,6 +337,7 @@ def speculative_generate(
     kind, params = draft_kind(draft)
     k = _check_k(num_draft_tokens, kind.default_num_draft_tokens)
     kind.check(target, k)
+    params = place_on_target(draft, kind, params, target)
     extra = max(k, getattr(kind, "verify_width", 0))  # slots a step writes past the last token
     sampling, rows = _check_arguments(
         target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,

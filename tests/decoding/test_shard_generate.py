@@ -11,9 +11,19 @@ from __future__ import annotations
 import jax
 import pytest
 from conftest import random_transformer
+from flax import nnx
 
 import models
-from decoding import Engine, generate
+from decoding import (
+    EarlyExit,
+    Engine,
+    Medusa,
+    PromptLookup,
+    TreeSpec,
+    compiled_count,
+    generate,
+    speculative_generate,
+)
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
@@ -53,3 +63,39 @@ def test_engine_with_a_sharded_model_equals_single_device():
     want = _engine_tokens(random_transformer(**OVERRIDES))
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     assert _engine_tokens(models.shard(random_transformer(**OVERRIDES), mesh)) == want
+
+
+TWO_LAYERS = {**OVERRIDES, "num_layers": 2}  # room for an early exit
+
+
+def test_speculation_on_a_sharded_target_equals_single_device():
+    """Every chain draft kind on a (2, 4)-sharded target: weightless kinds as they are, Medusa
+    heads replicated over the mesh, a model draft sharded over it; greedy = the target's tokens.
+    (JAX raised "Disallowed device-to-device transfer" from inside the loop.)"""
+    from test_medusa import random_heads
+
+    want = generate(random_transformer(**TWO_LAYERS), PROMPTS, max_new_tokens=NEW).tokens
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    target = models.shard(random_transformer(**TWO_LAYERS), mesh)
+    draft = models.shard(random_transformer(1, **OVERRIDES), mesh)
+    heads = random_heads(random_transformer(**TWO_LAYERS), 2)
+    for d in (PromptLookup(), EarlyExit(1), draft, Medusa(heads)):
+        res = speculative_generate(target, d, PROMPTS, max_new_tokens=NEW, page_size=4)
+        assert res.tokens == want, d
+    assert all(leaf.sharding.num_devices == 1 for leaf in jax.tree.leaves(nnx.state(heads)))
+
+
+def test_speculation_that_cannot_run_sharded_fails_before_work():
+    from test_medusa import random_heads
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    target = models.shard(random_transformer(**OVERRIDES), mesh)
+    heads = random_heads(random_transformer(**OVERRIDES), 2)
+    before = compiled_count()
+    with pytest.raises(ValueError, match=r"models.shard\(draft, target.mesh\)"):
+        speculative_generate(target, random_transformer(1, **OVERRIDES), PROMPTS, max_new_tokens=2)
+    with pytest.raises(ValueError, match="tree attention"):
+        speculative_generate(
+            target, Medusa(heads, tree=TreeSpec.default(2)), PROMPTS, max_new_tokens=2
+        )
+    assert compiled_count() == before
