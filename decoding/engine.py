@@ -1,6 +1,8 @@
 """Continuous batching over the paged KV cache: requests join and leave between steps.
 
-``Engine.step()`` is one scheduler iteration:
+``Engine.step()`` is one scheduler iteration; the host-side decisions (requests, pages, prefix
+cache) live in ``decoding.scheduler``, the device steps in ``decoding.engine_steps``, and this
+module runs the one on the other:
 
 1. admit waiting requests (first come, first served) while a batch row is free and the pool can
    hold their tokens: full pages of the prompt seen before are taken from the prefix cache by
@@ -46,7 +48,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 
 import jax
@@ -56,44 +57,15 @@ from flax import nnx
 from decoding import engine_steps
 from decoding.checks import check_bool, check_int, check_model, check_optional_int
 from decoding.interrupts import deferred_interrupts
-from decoding.paging import BlockTables, PageAllocator, block_hashes, pages_for
+from decoding.paging import pages_for
 from decoding.sampling import SamplingConfig, SamplingParams
+from decoding.scheduler import Request, Scheduler
 from models import KVCache
 from models.transformer import decode_kernels
 
 _GREEDY = SamplingConfig()
 MIN_CHUNK = 16  # the smallest prefill chunk bucket
 COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    rid: int
-    prompt_len: int
-    max_new: int
-    sampling: SamplingConfig
-    eos_id: int | None
-    seed: int
-    tokens: list[int]  # prompt, then the generated tokens
-    computed: int = 0  # leading positions whose keys/values are in the cache
-    registered: int = 0  # leading pages registered in the prefix cache
-    row: int = -1  # batch row while admitted
-    admitted: int = -1  # admission number; larger is more recent
-    hashes: list[bytes] = dataclasses.field(default_factory=list)  # full pages' chain hashes
-
-    @property
-    def out(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-    @property
-    def decoding(self) -> bool:
-        """Everything but the last token is cached: the next decode step feeds it."""
-        return self.computed == len(self.tokens) - 1
-
-    @property
-    def done(self) -> bool:
-        n = len(self.tokens) - self.prompt_len
-        return n >= self.max_new or (n > 0 and self.tokens[-1] == self.eos_id)
 
 
 def _check_sampling(name: str, sampling) -> SamplingConfig | None:
@@ -148,23 +120,27 @@ class Engine:
         graphdef, self._params = nnx.split(model)
         self._kernels = decode_kernels(model, self._params)  # packed weights, few-row steps (CPU)
         self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef)
-        self._new_pages()
         self._k, self._v = self._new_pool()
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []  # admission order
-        self._live: dict[int, _Request] = {}  # submitted, neither finished nor aborted
-        self._finished: dict[int, list[int]] = {}  # results not yet handed out
+        self._counts = collections.Counter()
+        self.scheduler = Scheduler(
+            max_batch=self.max_batch, num_pages=num_pages, page_size=page_size,
+            max_pages=self.max_pages, prefix_caching=self.prefix_caching, copy=self._apply,
+            counts=self._counts,
+        )  # fmt: skip
         self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
         self._broken: str | None = None
         self._next_rid = 0
-        self._admissions = 0
-        self._counts = collections.Counter()
         self._busy_s = self._compile_s = 0.0
 
-    def _new_pages(self) -> None:
-        """A fresh allocator (an empty prefix cache) and block tables."""
-        self.allocator = PageAllocator(self._scratch, self.page_size)
-        self.tables = BlockTables(self.allocator, self.max_batch, self.max_pages)
+    @property
+    def allocator(self):
+        """The ``paging.PageAllocator`` of the pool (and prefix cache)."""
+        return self.scheduler.allocator
+
+    @property
+    def tables(self):
+        """The ``paging.BlockTables`` of the batch rows."""
+        return self.scheduler.tables
 
     def _new_pool(self):
         """Zeroed K and V pools of ``num_pages + 1`` pages (the last one scratch)."""
@@ -212,9 +188,7 @@ class Engine:
             rid = self._next_rid
             self._next_rid += 1
             seed = rid if seed is None else seed
-            req = _Request(rid, len(prompt), max_new, sampling, eos, seed, prompt)
-            self._live[rid] = req
-            self._waiting.append(req)
+            self.scheduler.add(Request(rid, len(prompt), max_new, sampling, eos, seed, prompt))
         return rid
 
     def abort(self, rid) -> list[int]:
@@ -228,20 +202,9 @@ class Engine:
         """
         self._check_usable()
         with deferred_interrupts():
-            if rid in self._finished:
-                self._events.pop(rid, None)
-                return self._finished.pop(rid)
-            req = self._live.get(rid) if isinstance(rid, int | np.integer) else None
-            if req is None:
-                raise KeyError(f"no request with id {rid!r} is waiting, running or finished")
-            if req in self._running:
-                self._release_row(req)
-            if req in self._waiting:
-                self._waiting.remove(req)
-            del self._live[rid]
+            out = self.scheduler.abort(int(rid) if isinstance(rid, np.integer) else rid)
             self._events.pop(rid, None)
-            self._counts["aborted"] += 1
-            return req.out
+        return out
 
     def _check_prompt(self, prompt_tokens) -> list[int]:
         if isinstance(prompt_tokens, np.ndarray | jax.Array):
@@ -281,7 +244,7 @@ class Engine:
         with deferred_interrupts():
             t0 = time.perf_counter()
             try:
-                self._admit()
+                self.scheduler.admit()
                 self._prefill()
                 self._decode()
             except BaseException:
@@ -295,12 +258,12 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Some request is waiting or running."""
-        return bool(self._waiting or self._running)
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     def pop_finished(self) -> dict[int, list[int]]:
         """``{request id: generated tokens}`` of the requests finished since the last call, each
         handed out once (the engine keeps no result after this)."""
-        out, self._finished = self._finished, {}
+        out, self.scheduler.finished = self.scheduler.finished, {}
         return out
 
     def run_until_done(self) -> dict[int, list[int]]:
@@ -327,9 +290,6 @@ class Engine:
         buffers were donated and lost, or failed) pool; every unfinished request back to the
         queue, running ones first in admission order, to be recomputed from its tokens."""
         try:
-            running = sorted(self._running, key=lambda r: r.admitted)
-            order = running + list(self._waiting) + list(self._live.values())
-            order = [r for r in dict.fromkeys(order) if self._live.get(r.rid) is r]
             try:
                 jax.block_until_ready((self._k, self._v))
                 lost = any(x.is_deleted() for x in (*self._k, *self._v))
@@ -338,11 +298,7 @@ class Engine:
             if lost:
                 self._k = self._v = ()
                 self._k, self._v = self._new_pool()
-            self._new_pages()
-            for r in order:
-                r.computed = r.registered = 0
-                r.row, r.hashes = -1, []
-            self._running, self._waiting = [], collections.deque(order)
+            self.scheduler.reset()
             self._counts["rebuilds"] += 1
         except BaseException as e:
             self._broken = (
@@ -351,69 +307,10 @@ class Engine:
             )
             raise
 
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_batch:
-            if not self._try_admit(self._waiting[0]):
-                return
-            self._waiting.popleft()
-
-    def _try_admit(self, req: _Request) -> bool:
-        """Gives ``req`` a row and pages for all its known tokens, reusing cached prefix pages.
-
-        Keeps one spare page per running request so that admissions do not starve decoding.
-        """
-        P, n = self.page_size, len(req.tokens)
-        row = min(set(range(self.max_batch)) - {r.row for r in self._running})
-        hits = []
-        if self.prefix_caching:
-            self._extend_hashes(req, n // P)
-            hits = self.allocator.lookup(req.hashes[: n // P])
-            if req.hashes[len(hits) : len(hits) + 1] and req.hashes[len(hits)] in self._pending():
-                return False  # a running request is computing our next page: wait and share it
-        # A fully cached sequence still feeds its last token: that write copies the last page
-        # (copy on write); if the pool cannot spare the copy, recompute that page instead.
-        for use in dict.fromkeys([len(hits), min(len(hits), (n - 1) // P)]):
-            start = min(use * P, n - 1)
-            self.tables.adopt(row, hits[:use])
-            spare = self.allocator.num_available - self.tables.pages_to_write(row, start, n)
-            if spare >= len(self._running):
-                break
-            self.tables.free(row)
-        else:
-            return False
-        self._apply(self.tables.make_writable(row, start, n))
-        req.row, req.computed, req.registered = row, start, use
-        req.admitted, self._admissions = self._admissions, self._admissions + 1
-        self._counts["prefix_cache_hits"] += use
-        self._running.append(req)
-        return True
-
-    def _pending(self) -> set[bytes]:
-        """Hashes of the full prompt pages running requests will compute but have not yet."""
-        P = self.page_size
-        return {h for r in self._running for h in r.hashes[r.registered : (len(r.tokens) - 1) // P]}
-
-    def _extend_hashes(self, req: _Request, num_pages: int) -> None:
-        P, have = self.page_size, len(req.hashes)
-        if num_pages > have:
-            parent = req.hashes[-1] if req.hashes else b""
-            req.hashes += block_hashes(req.tokens[have * P : num_pages * P], P, parent)
-
-    def _register(self, req: _Request) -> None:
-        """Registers the request's newly completed pages in the prefix cache."""
-        full = req.computed // self.page_size
-        if not self.prefix_caching or full <= req.registered:
-            return
-        self._extend_hashes(req, full)
-        pages = self.tables.rows[req.row]
-        for i in range(req.registered, full):
-            self.allocator.register(pages[i], req.hashes[i])
-        req.registered = full
-
     def _prefill(self) -> None:
         """Chunks of at most ``max_prefill_tokens`` in admission order, within the step budget."""
         budget = self.max_prefill_tokens
-        for req in list(self._running):
+        for req in list(self.scheduler.running):
             while not req.decoding:
                 n = min(len(req.tokens) - 1 - req.computed, self.max_prefill_tokens)
                 if n > budget:
@@ -421,14 +318,14 @@ class Engine:
                 self._prefill_chunk(req, n)
                 budget -= n
 
-    def _prefill_chunk(self, req: _Request, n: int) -> None:
+    def _prefill_chunk(self, req: Request, n: int) -> None:
         start, P = req.computed, self.page_size
-        self._apply(self.tables.make_writable(req.row, start, start + n))
+        pages = self.scheduler.make_writable(req, start, start + n)
         C = max(MIN_CHUNK, 1 << (n - 1).bit_length())
         tokens = np.zeros((1, C), np.int32)
         tokens[0, :n] = req.tokens[start : start + n]
         table = np.full((1, self.max_pages), self._scratch, np.int32)
-        pages = self.tables.rows[req.row][: pages_for(start + n, P)]
+        pages = pages[: pages_for(start + n, P)]
         table[0, : len(pages)] = pages
         self._k, self._v = self._call(
             self._prefill_fn, self._params, self._k, self._v, tokens, np.array([start], np.int32),
@@ -436,25 +333,10 @@ class Engine:
         )  # fmt: skip
         req.computed += n
         self._counts["prefill_tokens"] += n
-        self._register(req)
-
-    def _grow_decoding_rows(self) -> list[_Request]:
-        """Gives each decoding row (oldest first) the page its next token needs, preempting the
-        most recently admitted request while the pool is short. Returns the rows to decode."""
-        for req in [r for r in self._running if r.decoding]:
-            while req.row >= 0:
-                pos = req.computed
-                if (
-                    self.tables.pages_to_write(req.row, pos, pos + 1)
-                    <= self.allocator.num_available
-                ):
-                    self._apply(self.tables.make_writable(req.row, pos, pos + 1))
-                    break
-                self._preempt(max(self._running, key=lambda r: r.admitted))
-        return [r for r in self._running if r.decoding]
+        self.scheduler.register(req)
 
     def _decode(self) -> None:
-        rows = self._grow_decoding_rows()
+        rows = self.scheduler.grow_decoding_rows()
         if not rows:
             return
         B = self.max_batch
@@ -481,28 +363,9 @@ class Engine:
             req.tokens.append(token)
             req.computed += 1
             self._counts["generated_tokens"] += 1
-            self._register(req)
+            self.scheduler.register(req)
             if req.done:
-                self._retire(req)
-
-    def _release_row(self, req: _Request) -> None:
-        self.tables.free(req.row)
-        self._running.remove(req)
-        req.row = -1
-
-    def _retire(self, req: _Request) -> None:
-        # Result first, then release: at every point the request is live or finished.
-        self._finished[req.rid] = req.out
-        del self._live[req.rid]
-        self._counts["finished"] += 1
-        self._release_row(req)
-
-    def _preempt(self, req: _Request) -> None:
-        """Frees the request's pages; it is recomputed from its tokens when readmitted."""
-        self._waiting.appendleft(req)
-        self._release_row(req)
-        req.computed = req.registered = 0
-        self._counts["preemptions"] += 1
+                self.scheduler.retire(req)
 
     def _apply(self, copies) -> None:
         for i in range(0, len(copies), COPY_BATCH):
@@ -526,7 +389,7 @@ class Engine:
         """
         alloc, P = self.allocator, self.page_size
         used = {}
-        for req in self._running:
+        for req in self.scheduler.running:
             for i, page in enumerate(self.tables.rows[req.row]):
                 used[page] = max(used.get(page, 0), min(P, max(req.computed - i * P, 0)))
         pages_used = alloc.num_pages - alloc.num_available
@@ -538,8 +401,8 @@ class Engine:
             pages_cached=alloc.num_cached,
             pages_used=pages_used,
             utilization=sum(used.values()) / (pages_used * P) if pages_used else 0.0,
-            running=len(self._running),
-            waiting=len(self._waiting),
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
             finished=c["finished"],
             aborted=c["aborted"],
             rebuilds=c["rebuilds"],

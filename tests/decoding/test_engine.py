@@ -151,13 +151,13 @@ def test_cached_pages_survive_reuse_and_finish(tiny_model, greedy_refs):
 def test_preemption_under_a_small_pool(tiny_model, greedy_refs, monkeypatch):
     eng = make_engine(tiny_model, num_pages=SMALL_POOL)
     victims = []
-    preempt = eng._preempt
+    preempt = eng.scheduler.preempt
 
     def spy(req):  # the victim is always the most recently admitted running request
-        victims.append(req.admitted == max(r.admitted for r in eng._running))
+        victims.append(req.admitted == max(r.admitted for r in eng.scheduler.running))
         preempt(req)
 
-    monkeypatch.setattr(eng, "_preempt", spy)
+    monkeypatch.setattr(eng.scheduler, "preempt", spy)
     ids = [eng.submit(p, MAX_NEW) for p in PROMPTS]
     out = eng.run_until_done()
     assert [out[r] for r in ids] == greedy_refs
@@ -347,7 +347,7 @@ def test_abort_waiting_and_running_requests(tiny_model, greedy_refs):
     ids = [eng.submit(p, MAX_NEW) for p in PROMPTS[:5]]  # batch 4: the fifth waits
     for _ in range(4):
         eng.step()
-    req = next(r for r in eng._running if r.decoding)
+    req = next(r for r in eng.scheduler.running if r.decoding)
     victim = req.rid
     before = eng.allocator.num_available
     held = sum(eng.allocator.refcount(p) == 1 for p in eng.tables.rows[req.row])  # not shared
