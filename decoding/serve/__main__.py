@@ -1,0 +1,72 @@
+"""``python -m decoding.serve``: serve a model over the OpenAI API with uvicorn.
+
+    python -m decoding.serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000 \\
+        [--max-batch 32 --num-pages N --page-size 16 --max-queue 256 --max-seq-len 2048]
+
+SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish for up to
+``--graceful-timeout`` seconds, then aborts the rest; the exit log line says how many KV pages
+were still held (0 when nothing leaked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+import models
+from decoding.__main__ import _persistent_compilation_cache, _positive_int
+from decoding.engine import Engine
+from decoding.paging import pages_for
+from decoding.serve.app import create_app
+from models.pretrained import DEFAULT_MODEL, model_arg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m decoding.serve", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model", type=model_arg, default=DEFAULT_MODEL, help="name, directory or .gguf"
+    )
+    p.add_argument("--served-model-name", default=None, help="the API's model id (default --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=_positive_int, default=32, help="rows decoded together")
+    p.add_argument("--max-seq-len", type=_positive_int, default=2048, help="prompt + completion")
+    p.add_argument("--page-size", type=_positive_int, default=16)
+    p.add_argument(
+        "--num-pages", type=_positive_int, default=None,
+        help="KV pool pages (default: max-batch requests of max-seq-len / 4 tokens)",
+    )  # fmt: skip
+    p.add_argument("--max-prefill-tokens", type=_positive_int, default=512)
+    p.add_argument("--max-queue", type=_positive_int, default=256, help="choices in flight")
+    p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    model, tokenizer = models.pretrained(args.model)
+    max_seq_len = min(args.max_seq_len, model.config.max_position)
+    num_pages = args.num_pages or args.max_batch * pages_for(
+        max(max_seq_len // 4, 1), args.page_size
+    )
+    engine = Engine(
+        model, max_batch=args.max_batch, num_pages=num_pages, page_size=args.page_size,
+        max_prefill_tokens=args.max_prefill_tokens, max_seq_len=max_seq_len,
+    )  # fmt: skip
+    app = create_app(
+        engine, tokenizer, model_name=args.served_model_name or args.model, max_queue=args.max_queue
+    )
+    uvicorn.run(
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.graceful_timeout,
+        log_level="info",
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    _persistent_compilation_cache()
+    sys.exit(main())
