@@ -45,7 +45,7 @@ def flash_attention(
         [B, Hq, T]; ``-inf`` for a row that sees no key (whose output is 0).
       impl: "reference", "xla", "pallas" / "interpret" (Triton kernels, compiled or under the
         Pallas interpreter), "mosaic" / "mosaic_interpret" (Hopper kernels: TMA and wgmma,
-        16-bit inputs, no segment ids; compiled for sm_90a or under JAX's GPU interpreter) or
+        16-bit inputs, D <= 128; compiled for sm_90a or under JAX's GPU interpreter) or
         "auto": mosaic on sm_90+ for 16-bit inputs, pallas on other GPUs, else xla.
       block_sizes: tile sizes for "xla"/"pallas"/"interpret"/"mosaic"; default per head dim and
         dtype.
@@ -101,12 +101,11 @@ def run_impl(impl: str, q, k, v, *, block_sizes: BlockSizes | None, **kwargs):
     if impl in ("mosaic", "mosaic_interpret"):
         from pallas_attn import mosaic  # the Mosaic GPU kernels: imported only when asked for
 
-        mosaic.check_supported(
-            q, segments=kwargs.get("q_segment_ids") is not None, block_sizes=block_sizes
-        )
-        kw = {name: x for name, x in kwargs.items() if not name.endswith("segment_ids")}
+        mosaic.check_supported(q, block_sizes=block_sizes)
+        if kwargs.keys() & {"q_offset", "kv_start", "kv_len"}:  # flash_attention_varlen
+            raise ValueError('impl="mosaic" does not take per-row lengths (varlen) yet')
         return mosaic.attention(
-            q, k, v, **kw, block_sizes=block_sizes, interpret=impl == "mosaic_interpret"
+            q, k, v, **kwargs, block_sizes=block_sizes, interpret=impl == "mosaic_interpret"
         )
     from pallas_attn import flash  # the Pallas kernels: imported only when asked for
 

@@ -24,16 +24,15 @@ from pallas_attn.kernels.mosaic import flash_bwd, flash_fwd
 FORWARD_ROWS = flash_fwd.CONSUMERS * mc.WGMMA_ROWS  # query rows per forward CTA
 
 
-def check_supported(q, *, segments: bool, block_sizes: BlockSizes | None):
+def check_supported(q, *, block_sizes: BlockSizes | None):
     """What the Mosaic kernels take, checked before any tracing: 16-bit inputs (wgmma's operand
-    types), no segment ids yet, query tiles of one warpgroup (64 rows), key tiles of 64 or 128."""
+    types), D <= 128, the tiles of :func:`default_blocks` (key tiles 64 or 128 in the forward, 32
+    or 64 in the backward)."""
     if not any(jnp.dtype(q.dtype) == jnp.dtype(d) for d in mc.DTYPES):
         raise TypeError(
             f'impl="mosaic" takes bfloat16 or float16 inputs (wgmma operands), got '
             f'{jnp.dtype(q.dtype).name}; use impl="pallas" for float32'
         )
-    if segments:
-        raise ValueError('impl="mosaic" does not support segment ids yet; use impl="pallas"')
     if q.shape[-1] > mc.MAX_HEAD_DIM:
         raise ValueError(
             f'impl="mosaic" takes head dims up to {mc.MAX_HEAD_DIM} (the float32 accumulators of '
@@ -69,8 +68,8 @@ def default_blocks(head_dim: int) -> BlockSizes:
 
 
 def attention(
-    q, k, v, *, softmax_scale: float, window, softcap: float, block_sizes: BlockSizes | None,
-    interpret: bool,
+    q, k, v, *, softmax_scale: float, window, softcap: float, q_segment_ids=None,
+    kv_segment_ids=None, block_sizes: BlockSizes | None, interpret: bool,
 ):  # fmt: skip
     """Flash attention with the Mosaic GPU kernels.
 
@@ -78,6 +77,7 @@ def attention(
       q: [B, T, Hq, D]; k, v: [B, S, Hkv, D], bfloat16 or float16 (checked by
         :func:`check_supported`).
       window: ``(left, right)`` after :func:`pallas_attn.masks.normalize_window`.
+      q_segment_ids, kv_segment_ids: [B, T] and [B, S] ints, or None (packed sequences).
       interpret: run under JAX's GPU interpreter (any backend) instead of compiling for sm_90a.
 
     Returns:
@@ -97,6 +97,7 @@ def attention(
         block_q_bwd=bs.block_q_bwd,
         block_k_bwd=bs.block_k_bwd,
         interpret=bool(interpret),
+        segments=q_segment_ids is not None,
     )
     # Row blocks of every kernel are 64 (one warpgroup); the other tiles divide 64 or are 128.
     Tp = shapes.round_up(T, max(mc.WGMMA_ROWS, cfg.block_q, cfg.block_q_bwd))
@@ -106,27 +107,33 @@ def attention(
     def pad(x, n):
         return shapes.pad_axis(shapes.pad_axis(x, 1, n), 3, Dp)
 
-    out, lse = _attend(cfg, pad(q, Tp), pad(k, Sp), pad(v, Sp))
+    segs = ()
+    if cfg.segments:  # padded queries and keys get segment 0 (padded keys are masked anyway)
+        segs = (shapes.pad_axis(q_segment_ids.astype(jnp.int32), 1, Tp),
+                shapes.pad_axis(kv_segment_ids.astype(jnp.int32), 1, Sp))  # fmt: skip
+    out, lse = _attend(cfg, pad(q, Tp), pad(k, Sp), pad(v, Sp), segs)
     return out[:, :T, :, :D], lse[:, :, :T]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(cfg: mc.Config, q, k, v):
-    return flash_fwd.forward(cfg, q, k, v)
+def _attend(cfg: mc.Config, q, k, v, segs):
+    return flash_fwd.forward(cfg, q, k, v, *segs)
 
 
-def _attend_fwd(cfg: mc.Config, q, k, v):
-    out, lse = _attend(cfg, q, k, v)
-    return (out, lse), (q, k, v, out, lse)
+def _attend_fwd(cfg: mc.Config, q, k, v, segs):
+    out, lse = _attend(cfg, q, k, v, segs)
+    return (out, lse), (q, k, v, out, lse, segs)
 
 
 def _attend_bwd(cfg: mc.Config, res, cotangents):
     impl = "mosaic_interpret" if cfg.interpret else "mosaic"
+    *res, segs = res
     q, k, v, out, lse, d_out, d_lse = validation.first_order_only(impl, (*res, *cotangents))
     delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - d_lse
     lse2 = jnp.where(jnp.isfinite(lse), lse * softmax.LOG2E, 0.0)
-    return flash_bwd.backward(cfg, q, k, v, d_out.astype(q.dtype), lse2, delta)
+    grads = flash_bwd.backward(cfg, q, k, v, d_out.astype(q.dtype), lse2, delta, *segs)
+    return (*grads, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -14,12 +14,13 @@ from attn_utils import BF16, F16, case_id, check_against_reference, grad_fn, ran
 
 from pallas_attn import BlockSizes, flash_attention, validation
 
-# (case, dtype): GQA ratios 1, 2 and 4; causal, window, softcap; D 64 and 128 (and 40, padded);
-# T = S, T != S and ragged T, S (padded to the 64-row tiles); one 128-key forward tile.
+# (case, dtype): GQA ratios 1, 2 and 4; causal, window, softcap, segment ids; D 64 and 128 (and
+# 40, padded); T = S, T != S and ragged T, S (padded to the tiles); one 128-key forward tile.
 CASES = [
     (dict(T=128, S=128, Hq=2, Hkv=1, D=64, causal=True), BF16),
     (dict(T=64, S=64, Hq=4, Hkv=1, D=128), F16),
     (dict(T=72, S=100, Hq=2, Hkv=2, D=64, window=(16, 8)), BF16),
+    (dict(T=64, S=64, Hq=2, Hkv=1, D=64, causal=True, segments=True), BF16),
     (
         dict(T=64, S=128, Hq=1, Hkv=1, D=64, causal=True, softcap=5.0, blocks=(128, 128, 64, 64)),
         F16,
@@ -29,6 +30,7 @@ SLOW_CASES = [
     (dict(T=128, S=128, Hq=4, Hkv=1, D=128, causal=True, window=(40, 0), softcap=3.0), BF16),
     (dict(T=100, S=200, Hq=2, Hkv=1, D=40, causal=True), F16),
     (dict(T=192, S=64, Hq=2, Hkv=2, D=64, causal=True), BF16),
+    (dict(T=100, S=150, Hq=4, Hkv=2, D=128, segments=True, window=(30, 30)), F16),
 ]
 
 
@@ -92,7 +94,6 @@ def test_mosaic_is_deterministic():
     ("kwargs", "error", "match"),
     [
         (dict(dtype=jnp.float32), TypeError, "bfloat16 or float16"),
-        (dict(segments=True), ValueError, "segment ids"),
         (dict(block_sizes=BlockSizes(block_q=64)), ValueError, "block_q"),
         (dict(block_sizes=BlockSizes(block_q=128, block_k=32)), ValueError, "block_k"),
     ],
@@ -100,9 +101,6 @@ def test_mosaic_is_deterministic():
 def test_mosaic_rejects_what_it_cannot_run(kwargs, error, match):
     q, k, v = random_qkv(0, 1, 8, 8, 2, 1, 64, dtype=kwargs.get("dtype", BF16))
     opts = dict(impl="mosaic_interpret", block_sizes=kwargs.get("block_sizes"))
-    if kwargs.get("segments"):
-        seg = jnp.zeros((1, 8), jnp.int32)
-        opts.update(q_segment_ids=seg, kv_segment_ids=seg)
     with pytest.raises(error, match=match):
         flash_attention(q, k, v, **opts)
 
@@ -145,3 +143,12 @@ def test_mosaic_kernels_have_no_races(monkeypatch):
     assert not gpu_callbacks.get_races().races_found
     jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
     assert not gpu_callbacks.get_races().races_found
+
+
+def test_mosaic_rejects_varlen():
+    from pallas_attn import flash_attention_varlen
+
+    cu = jnp.array([0, 3, 8], jnp.int32)
+    q, k, v = (x[0] for x in random_qkv(7, 1, 8, 8, 2, 1, 64, dtype=BF16))
+    with pytest.raises(ValueError, match="varlen"):
+        flash_attention_varlen(q, k, v, cu, cu, max_seqlen_q=5, max_seqlen_k=5, impl="mosaic")

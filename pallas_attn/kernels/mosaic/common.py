@@ -67,9 +67,9 @@ class Config:
     """Static (hashable) parameters of the Mosaic flash kernels; jit caches by it.
 
     ``T`` and ``S`` are the true lengths (the arrays are padded to the tiles): query row ``i``
-    sits at key position ``S - T + i`` and keys ``>= S`` are padding. ``segments`` is always False
-    here (segment ids are not supported by these kernels yet); it is named so that the block-range
-    helpers of :mod:`pallas_attn.kernels.flash_common` take this config.
+    sits at key position ``S - T + i`` and keys ``>= S`` are padding. ``segments``: segment-id
+    refs are passed (the block-range helpers of :mod:`pallas_attn.kernels.flash_common` read it
+    too: no tile is then known to be fully visible).
     """
 
     softmax_scale: float

@@ -40,6 +40,8 @@ def _dkdv_kernel(
     do_ref,  # [B, Tp, Hq, Dp] GMEM
     lse_ref,  # [B, Hq, Tp] float32 GMEM, base-2 lse (0 on rows that saw no key)
     delta_ref,  # [B, Hq, Tp] float32 GMEM
+    q_seg_ref,  # [B, Tp] int32 GMEM, segments only (else None)
+    kv_seg_ref,  # [B, Sp] int32 GMEM, segments only
     dk_ref,  # [B, Sp, Hkv, Dp] GMEM
     dv_ref,  # [B, Sp, Hkv, Dp] GMEM
     k_s,  # [64, Dp] SMEM, reused for the dK tile
@@ -49,8 +51,10 @@ def _dkdv_kernel(
     lse_s,  # [2, block_q_bwd] float32 SMEM
     delta_s,  # [2, block_q_bwd] float32 SMEM
     p_s,  # [64, block_q_bwd] SMEM: P^T, then dS^T, in the input dtype
-    kv_bar,  # [2] barriers: K, V (one barrier per TMA copy in flight)
-    q_bar,  # [4, 2] barriers: Q, dO, lse, delta per slot
+    kv_seg_s,  # [64] int32 SMEM, segments only
+    q_seg_s,  # [2, block_q_bwd] int32 SMEM, segments only
+    kv_bar,  # [3] barriers: K, V, key segment ids (one barrier per TMA copy in flight)
+    q_bar,  # [4 or 5, 2] barriers: Q, dO, lse, delta (, query segment ids) per slot
     *,
     cfg: mc.Config,
     G: int,
@@ -62,6 +66,8 @@ def _dkdv_kernel(
     keys = (b, pl.ds(k_first, bk), h)
     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_s, kv_bar.at[0])
     plgpu.copy_gmem_to_smem(v_ref.at[keys], v_s, kv_bar.at[1])
+    if cfg.segments:
+        plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(k_first, bk)], kv_seg_s, kv_bar.at[2])
     k_last = k_first + bk - 1
     lo, hi = fc.query_block_range(cfg, k_first, k_last, cfg.q_offset, 0, cfg.S, bq, num_q_blocks)
     full = fc.full_query_blocks(cfg, k_first, k_last, cfg.q_offset, 0, cfg.S, bq, num_q_blocks)
@@ -75,6 +81,8 @@ def _dkdv_kernel(
         stats = (b, h * G + g, pl.ds(pl.multiple_of(i * bq, bq), bq))
         copies = ((q_ref, rows, q_s), (do_ref, rows, do_s), (lse_ref, stats, lse_s),
                   (delta_ref, stats, delta_s))  # fmt: skip
+        if cfg.segments:
+            copies += ((q_seg_ref, (b, rows[1]), q_seg_s),)
         for t, (src, at, dst) in enumerate(copies):
             plgpu.copy_gmem_to_smem(src.at[at], dst.at[slot], q_bar[t].at[slot])
 
@@ -82,6 +90,10 @@ def _dkdv_kernel(
     pl.when(total > 0)(lambda: fetch(0))
     plgpu.barrier_wait(kv_bar.at[0])
     plgpu.barrier_wait(kv_bar.at[1])
+    kv_seg = None
+    if cfg.segments:
+        plgpu.barrier_wait(kv_bar.at[2])
+        kv_seg = mc.bcast(mc.load_vector(cfg, kv_seg_s, 1), (bk, bq), 0)
 
     def q_block(i, carry, masked, g):
         dk, dv = carry
@@ -100,7 +112,14 @@ def _dkdv_kernel(
         if masked:
             q_pos = cfg.q_offset + i * bq + mc.iota(cfg, shape, 1)
             k_pos = k_first + mc.iota(cfg, shape, 0)
-            p = jnp.where(masks.visible(q_pos, k_pos, window=cfg.window, kv_len=cfg.S), p, 0.0)
+            q_seg = None
+            if cfg.segments:
+                q_seg = mc.bcast(mc.load_vector(cfg, q_seg_s.at[slot], 0), shape, 1)
+            mask = masks.visible(
+                q_pos, k_pos, window=cfg.window, kv_len=cfg.S, q_segment_ids=q_seg,
+                kv_segment_ids=kv_seg,
+            )  # fmt: skip
+            p = jnp.where(mask, p, 0.0)
         mc.store_tile(p_s, p)
         dv = mc.matmul_acc(cfg, dv, p_s, do)
         dp = mc.matmul(cfg, v_s, do, transpose_b=True)
@@ -128,6 +147,8 @@ def _dq_kernel(
     do_ref,  # [B, Tp, Hq, Dp] GMEM
     lse_ref,  # [B, Hq, Tp] float32 GMEM, base-2 lse
     delta_ref,  # [B, Hq, Tp] float32 GMEM
+    q_seg_ref,  # [B, Tp] int32 GMEM, segments only (else None)
+    kv_seg_ref,  # [B, Sp] int32 GMEM, segments only
     dq_ref,  # [B, Tp, Hq, Dp] GMEM
     q_s,  # [64, Dp] SMEM, reused for the dQ tile
     do_s,  # [64, Dp] SMEM
@@ -136,8 +157,10 @@ def _dq_kernel(
     k_s,  # [2, block_k_bwd, Dp] SMEM, double-buffered
     v_s,  # [2, block_k_bwd, Dp] SMEM
     ds_s,  # [64, block_k_bwd] SMEM, dS in the input dtype
-    q_bar,  # [4] barriers: Q, dO, lse, delta
-    kv_bar,  # [2, 2] barriers: K, V per slot
+    q_seg_s,  # [64] int32 SMEM, segments only
+    kv_seg_s,  # [2, block_k_bwd] int32 SMEM, segments only
+    q_bar,  # [5] barriers: Q, dO, lse, delta, query segment ids
+    kv_bar,  # [2 or 3, 2] barriers: K, V (, key segment ids) per slot
     *,
     cfg: mc.Config,
     G: int,
@@ -150,6 +173,8 @@ def _dq_kernel(
     rows, stats = (b, pl.ds(row0, bq), h), (b, h, pl.ds(row0, bq))
     copies = ((q_ref.at[rows], q_s), (do_ref.at[rows], do_s), (lse_ref.at[stats], lse_s),
               (delta_ref.at[stats], delta_s))  # fmt: skip
+    if cfg.segments:
+        copies += ((q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_s),)
     for t, (src, dst) in enumerate(copies):
         plgpu.copy_gmem_to_smem(src, dst, q_bar.at[t])
     q_first = cfg.q_offset + row0
@@ -162,11 +187,17 @@ def _dq_kernel(
         keys = (b, pl.ds(pl.multiple_of(j * bk, bk), bk), kv_h)
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_s.at[slot], kv_bar[0].at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[keys], v_s.at[slot], kv_bar[1].at[slot])
+        if cfg.segments:
+            seg = kv_seg_ref.at[b, pl.ds(pl.multiple_of(j * bk, bk), bk)]
+            plgpu.copy_gmem_to_smem(seg, kv_seg_s.at[slot], kv_bar[2].at[slot])
 
     pl.when(lo < hi)(lambda: fetch(lo))
-    for t in range(4):
+    for t in range(len(copies)):
         plgpu.barrier_wait(q_bar.at[t])
     shape = (bq, bk)
+    q_seg = None
+    if cfg.segments:
+        q_seg = mc.bcast(mc.load_vector(cfg, q_seg_s, 1), shape, 0)
     lse = mc.bcast(mc.load_vector(cfg, lse_s, 1), shape, 0)
     delta = mc.bcast(mc.load_vector(cfg, delta_s, 1), shape, 0)
 
@@ -183,7 +214,14 @@ def _dq_kernel(
         if masked:
             q_pos = q_first + mc.iota(cfg, shape, 0)
             k_pos = j * bk + mc.iota(cfg, shape, 1)
-            p = jnp.where(masks.visible(q_pos, k_pos, window=cfg.window, kv_len=cfg.S), p, 0.0)
+            kv_seg = None
+            if cfg.segments:
+                kv_seg = mc.bcast(mc.load_vector(cfg, kv_seg_s.at[slot], 0), shape, 1)
+            mask = masks.visible(
+                q_pos, k_pos, window=cfg.window, kv_len=cfg.S, q_segment_ids=q_seg,
+                kv_segment_ids=kv_seg,
+            )  # fmt: skip
+            p = jnp.where(mask, p, 0.0)
         dp = mc.matmul(cfg, do_s, v, transpose_b=True)
         mc.store_tile(ds_s, softmax.score_grad(p, dp, delta, t))
         return mc.matmul_acc(cfg, dq, ds_s, k)
@@ -194,13 +232,14 @@ def _dq_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta):
+def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta, q_seg=None, kv_seg=None):
     """Padded backward.
 
     Args:
       q, d_out: [B, Tp, Hq, Dp]; k, v: [B, Sp, Hkv, Dp] (16-bit, padded as for the forward).
       lse2: [B, Hq, Tp] float32, ``log2(e) * lse`` with 0 on rows that saw no key.
       delta: [B, Hq, Tp] float32, ``rowsum(dO * O) - dlse``.
+      q_seg: [B, Tp], kv_seg: [B, Sp] int32 when ``cfg.segments``.
 
     Returns:
       dq [B, Tp, Hq, Dp], dk and dv [B, Sp, Hkv, Dp], in the input dtypes.
@@ -215,11 +254,17 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta):
         interpret=mc.interpret_params(cfg),
     )
 
+    segs = (q_seg, kv_seg) if cfg.segments else ()
+    seg = cfg.segments
+
+    def with_segments(refs):  # None for the segment-id refs of a call without them
+        return refs if seg else (*refs[:6], None, None, *refs[6:])
+
     def mosaic_flash_bwd_dkdv(*refs):  # the kernel's name in compile reports
-        _dkdv_kernel(*refs, cfg=cfg, G=G)
+        _dkdv_kernel(*with_segments(refs), cfg=cfg, G=G)
 
     def mosaic_flash_bwd_dq(*refs):
-        _dq_kernel(*refs, cfg=cfg, G=G)
+        _dq_kernel(*with_segments(refs), cfg=cfg, G=G)
 
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
     dk, dv = plgpu.kernel(
@@ -233,13 +278,15 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta):
             plgpu.SMEM((2, bq), jnp.float32),
             plgpu.SMEM((2, bq), jnp.float32),
             mc.smem((rows, bq), dtype),
-            plgpu.Barrier(num_barriers=2),
-            [plgpu.Barrier(num_barriers=2) for _ in range(4)],
+            plgpu.SMEM((rows,), jnp.int32) if seg else None,
+            plgpu.SMEM((2, bq), jnp.int32) if seg else None,
+            plgpu.Barrier(num_barriers=3),
+            [plgpu.Barrier(num_barriers=2) for _ in range(4 + seg)],
         ],
         grid=(Sp // rows, Hkv, B),
         grid_names=("k", "h", "b"),
         **params,
-    )(q, k, v, d_out, lse2, delta)
+    )(q, k, v, d_out, lse2, delta, *segs)
     dq = plgpu.kernel(
         mosaic_flash_bwd_dq,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
@@ -251,11 +298,13 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta):
             mc.smem((2, bk, Dp), dtype, bk),
             mc.smem((2, bk, Dp), dtype, bk),
             mc.smem((rows, bk), dtype),
-            plgpu.Barrier(num_barriers=4),
-            [plgpu.Barrier(num_barriers=2) for _ in range(2)],
+            plgpu.SMEM((rows,), jnp.int32) if seg else None,
+            plgpu.SMEM((2, bk), jnp.int32) if seg else None,
+            plgpu.Barrier(num_barriers=5),
+            [plgpu.Barrier(num_barriers=2) for _ in range(2 + seg)],
         ],
         grid=(Tp // rows, Hq, B),
         grid_names=("q", "h", "b"),
         **params,
-    )(q, k, v, d_out, lse2, delta)
+    )(q, k, v, d_out, lse2, delta, *segs)
     return dq, dk, dv

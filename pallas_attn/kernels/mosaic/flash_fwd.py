@@ -17,6 +17,9 @@ One CTA per (block of 128 queries, query head, batch) runs three warpgroups:
   consumer's rows cannot see run masked and add nothing (at most one block on the diagonal).
   Blocks all its rows fully see skip the mask arithmetic (:func:`flash_common.split_loop`).
 
+With segment ids, the producer also loads each block's key segment ids into the ring (released
+with the K slot) and each consumer its rows' ids once; every tile is then masked.
+
 The end is ``out = acc / l``, ``lse = ln2 * m + ln(l)``; a row that saw no key gets out 0 and lse
 ``-inf``. Out and lse leave through SMEM by TMA. Inputs are padded by :mod:`pallas_attn.mosaic`:
 T to a multiple of 128, S of ``block_k``, D of 64; padded keys lie at positions ``>= S`` and are
@@ -45,6 +48,8 @@ def _kernel(
     q_ref,  # [B, Tp, Hq, Dp] GMEM
     k_ref,  # [B, Sp, Hkv, Dp] GMEM
     v_ref,  # [B, Sp, Hkv, Dp] GMEM
+    q_seg_ref,  # [B, Tp] int32 GMEM, segments only (else None)
+    kv_seg_ref,  # [B, Sp] int32 GMEM, segments only
     o_ref,  # [B, Tp, Hq, Dp] GMEM
     lse_ref,  # [B, Hq, Tp] float32 GMEM
     q_s,  # [2, 64, Dp] SMEM, a Q tile per consumer, reused for its output tile
@@ -53,9 +58,12 @@ def _kernel(
     p_s,  # [2, 64, block_k] SMEM, probabilities per consumer, in the input dtype
     lse_s,  # [2, 64] float32 SMEM
     kt_s,  # [2, Dp, block_k] SMEM, K^T per consumer (interpreter only: no transposed operands)
-    q_bar,  # [2] barriers, a Q tile per consumer
+    q_seg_s,  # [2, 64] int32 SMEM, segments only
+    kv_seg_s,  # [STAGES, block_k] int32 SMEM ring, segments only
+    q_bar,  # [4] barriers: a Q tile per consumer, then its segment ids
     k_full,  # [STAGES] barriers: the K slot holds its block
     v_full,  # [STAGES] barriers
+    seg_full,  # [STAGES] barriers: the slot's key segment ids (segments only)
     k_free,  # [STAGES] barriers, 2 arrivals: both consumers are done with the K slot
     v_free,  # [STAGES] barriers, 2 arrivals
     *,
@@ -85,6 +93,9 @@ def _kernel(
             ):
                 pl.when(n >= STAGES)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
                 plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], full.at[slot])
+                if cfg.segments and src is k_ref:  # released with the K slot
+                    seg = kv_seg_ref.at[b, pl.ds(pl.multiple_of(j * bk, bk), bk)]
+                    plgpu.copy_gmem_to_smem(seg, kv_seg_s.at[slot], seg_full.at[slot])
 
         lax.fori_loop(lo, hi, step, None)
 
@@ -101,6 +112,12 @@ def _kernel(
         q_tile, p_tile, lse_tile = q_s.at[wg], p_s.at[wg], lse_s.at[wg]
         kt = None if kt_s is None else kt_s.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows), h], q_tile, q_bar.at[wg])
+        q_seg = None
+        if cfg.segments:
+            bar = q_bar.at[CONSUMERS + wg]
+            plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(row0, rows)], q_seg_s.at[wg], bar)
+            plgpu.barrier_wait(bar)
+            q_seg = mc.bcast(mc.load_vector(cfg, q_seg_s.at[wg], 1), (rows, bk), 0)
         plgpu.barrier_wait(q_bar.at[wg])
         q_first = cfg.q_offset + row0
         full = fc.full_key_blocks(cfg, q_first, q_first + rows - 1, 0, cfg.S, bk)
@@ -116,13 +133,20 @@ def _kernel(
             slot = lax.rem(j - lo, STAGES)
             plgpu.barrier_wait(k_full.at[slot])
             s = mc.matmul(cfg, q_tile, k_s.at[slot], transpose_b=True, scratch=kt)  # [64, bk]
+            kv_seg = None
+            if cfg.segments:
+                plgpu.barrier_wait(seg_full.at[slot])
+                kv_seg = mc.bcast(mc.load_vector(cfg, kv_seg_s.at[slot], 0), s.shape, 1)
             plgpu.barrier_arrive(k_free.at[slot])
             s2, _ = softmax.scale_scores(s, cfg.softmax_scale, cfg.softcap)
             mask = None
             if masked:
                 q_pos = q_first + mc.iota(cfg, s.shape, 0)
                 k_pos = j * bk + mc.iota(cfg, s.shape, 1)
-                mask = masks.visible(q_pos, k_pos, window=cfg.window, kv_len=cfg.S)
+                mask = masks.visible(
+                    q_pos, k_pos, window=cfg.window, kv_len=cfg.S, q_segment_ids=q_seg,
+                    kv_segment_ids=kv_seg,
+                )  # fmt: skip
             return softmax.step(carry, s2, slot, pv, mask, accumulate=True)
 
         m, l, acc = softmax.init((rows,), q_tile.shape[-1])
@@ -136,12 +160,13 @@ def _kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-def forward(cfg: mc.Config, q, k, v):
+def forward(cfg: mc.Config, q, k, v, q_seg=None, kv_seg=None):
     """Padded forward.
 
     Args:
       q: [B, Tp, Hq, Dp]; k, v: [B, Sp, Hkv, Dp], bfloat16 or float16, Tp % 128 == 0
         (``cfg.block_q``), Sp % block_k == 0, Dp % 64 == 0.
+      q_seg: [B, Tp], kv_seg: [B, Sp] int32 when ``cfg.segments``.
 
     Returns:
       out [B, Tp, Hq, Dp] in q's dtype, lse [B, Hq, Tp] float32 (natural log).
@@ -157,14 +182,21 @@ def forward(cfg: mc.Config, q, k, v):
         mc.smem((CONSUMERS, rows, bk), dtype),
         plgpu.SMEM((CONSUMERS, rows), jnp.float32),
         plgpu.SMEM((CONSUMERS, Dp, bk), dtype) if cfg.interpret else None,
-        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.SMEM((CONSUMERS, rows), jnp.int32) if cfg.segments else None,
+        plgpu.SMEM((STAGES, bk), jnp.int32) if cfg.segments else None,
+        plgpu.Barrier(num_barriers=2 * CONSUMERS),
         plgpu.Barrier(num_barriers=STAGES),
         plgpu.Barrier(num_barriers=STAGES),
+        plgpu.Barrier(num_barriers=STAGES) if cfg.segments else None,
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),
     )
 
+    segs = (q_seg, kv_seg) if cfg.segments else ()
+
     def mosaic_flash_fwd(*refs):  # the kernel's name in compile reports
+        if not cfg.segments:
+            refs = (*refs[:3], None, None, *refs[3:])
         pl.run_scoped(
             lambda *scoped: _kernel(*refs, *scoped, cfg=cfg, G=Hq // Hkv),
             *scratch,
@@ -183,4 +215,4 @@ def forward(cfg: mc.Config, q, k, v):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mc.interpret_params(cfg),
-    )(q, k, v)
+    )(q, k, v, *segs)
