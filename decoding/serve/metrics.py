@@ -34,6 +34,7 @@ GAUGES = {
     "utilization": ("kv_utilization", "Used token slots over the slots of held pages"),
     "prefix_cache_hits": ("prefix_cache_hit_pages", "Pages reused from the prefix cache (total)"),
     "preemptions": ("preemptions", "Requests preempted for pages (total)"),
+    "aborted": ("requests_aborted", "Requests aborted: disconnects, stop strings (total)"),
     "prefill_tokens": ("prefill_tokens", "Prompt tokens computed by prefill (total)"),
 }
 

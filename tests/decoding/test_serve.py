@@ -182,15 +182,20 @@ def test_disconnect_mid_stream_frees_pages(code_server):
     url, _ = code_server
     body = dict(model=CODE, prompt=PROMPTS[2], max_tokens=200, temperature=0, stream=True)
     before = _metric(url, "generation_tokens_total")
+    aborted = _metric(url, "requests_aborted")
     with httpx.Client(timeout=30) as http:
         for _ in range(3):
             with http.stream("POST", f"{url}/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 got = [next(lines) for _ in range(6)]
                 assert any(line.startswith("data: {") for line in got)
+        # A non-streaming client that gives up (its read times out) is noticed too.
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
     _wait_idle(url)
     # Aborted long before their 200 tokens each.
-    assert _metric(url, "generation_tokens_total") - before < 3 * 200
+    assert _metric(url, "generation_tokens_total") - before < 4 * 200
+    assert _metric(url, "requests_aborted") - aborted >= 3
 
 
 def test_models_health_and_metrics(client, code_server):
@@ -298,47 +303,69 @@ def test_full_queue_429_leaves_other_requests_alone(client, code_server, code_mo
 # --------------------------------------------------------------------------------- chat (SmolLM2)
 
 
+CHAT = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    return models.pretrained("smollm2-135m-instruct")
+    return models.pretrained(CHAT)
 
 
-def test_chat_streamed_equals_unstreamed_equals_generate(smollm2):
+@pytest.fixture(scope="module")
+def chat_client(smollm2):
     model, tok = smollm2
-    name = "smollm2-135m-instruct"
-    engine = Engine(model, max_batch=2, num_pages=48, page_size=16, max_seq_len=512)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tok.apply_chat_template(messages)
-    want_ids = generate(model, [ids], max_new_tokens=40, eos_id=2).tokens[0]
-    want = tok.decode(want_ids)
-    with running_server(engine, tok, model_name=name) as (url, _):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
-        out = client.chat.completions.create(
-            model=name, messages=messages, max_completion_tokens=40, temperature=0
-        )
-        choice = out.choices[0]
-        assert choice.message.role == "assistant" and choice.message.content == want
-        assert "Paris" in want
-        assert choice.finish_reason == ("stop" if want_ids[-1] == 2 else "length")
-        assert out.usage.prompt_tokens == len(ids)
-        assert out.usage.completion_tokens == len(want_ids)
-        chunks = list(
-            client.chat.completions.create(
-                model=name, messages=messages, max_tokens=40, temperature=0, stream=True,
-                stream_options={"include_usage": True},
-            )
-        )  # fmt: skip
-        assert chunks[0].choices[0].delta.role == "assistant"
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text == want
-        assert chunks[-1].usage.completion_tokens == len(want_ids)
-        # Content as a list of text parts renders the same prompt.
-        parts = [{"role": "user", "content": [{"type": "text", "text": messages[0]["content"]}]}]
-        out = client.chat.completions.create(
-            model=name, messages=parts, max_tokens=40, temperature=0
-        )
-        assert out.choices[0].message.content == want
+    engine = Engine(model, max_batch=2, num_pages=24, page_size=16, max_seq_len=128)
+    with running_server(engine, tok, model_name=CHAT) as (url, _):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
         _wait_idle(url)
+
+
+def test_chat_streamed_equals_unstreamed(chat_client, smollm2):
+    _, tok = smollm2
+    out = chat_client.chat.completions.create(
+        model=CHAT, messages=QUESTION, max_completion_tokens=40, temperature=0
+    )
+    choice = out.choices[0]
+    text = choice.message.content
+    assert choice.message.role == "assistant" and "Paris" in text
+    assert choice.finish_reason == "stop"  # at <|im_end|>, which is not in the text
+    assert "<|im_end|>" not in text
+    assert out.usage.prompt_tokens == len(tok.apply_chat_template(QUESTION))
+    assert out.usage.completion_tokens == len(tok.encode(text)) + 1  # + <|im_end|>
+    chunks = list(
+        chat_client.chat.completions.create(
+            model=CHAT, messages=QUESTION, max_tokens=40, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage == out.usage
+    # Content as a list of text parts renders the same prompt.
+    parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION[0]["content"]}]}]
+    out = chat_client.chat.completions.create(
+        model=CHAT, messages=parts, max_tokens=40, temperature=0
+    )
+    assert out.choices[0].message.content == text
+    # A stop string inside the reply.
+    out = chat_client.chat.completions.create(
+        model=CHAT, messages=QUESTION, max_tokens=40, temperature=0, stop="Paris"
+    )
+    assert out.choices[0].message.content == text[: text.index("Paris")]
+    assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow  # compiling generate for SmolLM2 takes ~30 s on a loaded 2-core machine
+def test_chat_equals_generate(chat_client, smollm2):
+    model, tok = smollm2
+    want = generate(model, [tok.apply_chat_template(QUESTION)], max_new_tokens=40, eos_id=2)
+    out = chat_client.chat.completions.create(
+        model=CHAT, messages=QUESTION, max_tokens=40, temperature=0
+    )
+    assert out.choices[0].message.content == tok.decode(want.tokens[0])
+    assert out.usage.completion_tokens == len(want.tokens[0])
 
 
 def test_sampling_settings_reach_the_engine(code_server, code_model):
