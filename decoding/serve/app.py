@@ -164,6 +164,8 @@ class Server:
                     continue
                 if kind == "error":
                     self.worker.finished(handle)
+                    if isinstance(payload, ValueError):  # the engine refused the request
+                        raise ApiError(400, str(payload)) from payload
                     raise payload
                 if kind == "tokens":
                     counts[i] += len(payload)
@@ -231,7 +233,7 @@ async def _respond(server: Server, request: Request, req, chat: bool):
     kind = "chat.completion" if chat else "text_completion"
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = dict(id=rid, object=kind, created=int(time.time()), model=server.model_name)
-    endpoint = "chat" if chat else "completions"
+    endpoint = request.url.path
     k = len(prompts) * req.n
     counts = [0] * k
     if req.stream:
@@ -334,6 +336,7 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(request, exc: ApiError):
+        server.metrics.requests.labels(request.url.path, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
@@ -346,6 +349,7 @@ def create_app(
             where = ".".join(loc)
             message = f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
             param = loc[0] if loc else None
+        server.metrics.requests.labels(request.url.path, "400").inc()
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -356,6 +360,7 @@ def create_app(
     async def failure(request, exc: Exception):
         log.exception("request failed")
         message = f"{type(exc).__name__}: {exc}"
+        server.metrics.requests.labels(request.url.path, "500").inc()
         return JSONResponse(error_body(message, type="server_error"), status_code=500)
 
     @app.post("/v1/chat/completions")

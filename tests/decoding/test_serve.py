@@ -377,3 +377,37 @@ def test_sampling_settings_reach_the_engine(code_server, code_model):
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.json()["choices"][0]["text"] == want
     assert SamplingConfig(temperature=1.5, top_k=1).top_k == 1
+
+
+def test_a_failing_request_fails_alone(code_server, code_model, monkeypatch):
+    url, _ = code_server
+    _, tok = code_model
+    push = ChoiceText.push
+
+    def failing_push(self, ids):  # a request with this stop string fails mid-generation
+        if "__boom__" in self._stop and len(self.text) > 3:
+            raise RuntimeError("boom")
+        return push(self, ids)
+
+    monkeypatch.setattr(ChoiceText, "push", failing_push)
+    want = tok.decode(_generated(code_model, PROMPTS[1], 20))
+    boom = dict(model=CODE, prompt=PROMPTS[0], max_tokens=100, temperature=0, stop="__boom__")
+    good = dict(model=CODE, prompt=PROMPTS[1], max_tokens=20, temperature=0)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    http.post("/v1/completions", json=boom),
+                    http.post("/v1/completions", json={**boom, "stream": True}),
+                    http.post("/v1/completions", json=good),
+                ),
+                60,
+            )
+
+    failed, streamed, ok = asyncio.run(main())
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    lines = [line for line in streamed.text.splitlines() if line]
+    assert '"server_error"' in lines[-2] and lines[-1] == "data: [DONE]"
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == want
+    _wait_idle(url)
