@@ -154,16 +154,20 @@ def as_params(sampling) -> SamplingParams:
     )
 
 
+def _on_host(x) -> bool:
+    return isinstance(x, np.ndarray | np.generic)
+
+
 def branch(pred, if_true, if_false):
     """``if_true()`` or ``if_false()`` by ``pred``: ``lax.cond`` when it is traced, the taken
     branch alone when the host knows it (e.g. ``all_greedy`` of a ``SamplingConfig``)."""
-    if isinstance(pred, np.ndarray | np.generic):
+    if _on_host(pred):
         return if_true() if pred else if_false()
     return jax.lax.cond(pred, if_true, if_false)
 
 
 def _any(x):
-    return np.any(x) if isinstance(x, np.ndarray | np.generic) else jnp.any(x)
+    return np.any(x) if _on_host(x) else jnp.any(x)
 
 
 def _col(x):
@@ -185,7 +189,8 @@ def _temper(logits, temperature):
 def _top_k_top_p(x, top_k, top_p):
     """Tempered logits [..., V] -> top-k, then top-p on the survivors (module doc: the cost)."""
     V = x.shape[-1]
-    k = jnp.broadcast_to(top_k, x.shape[:-1])
+    xp = np if _on_host(top_k) else jnp  # host settings keep the branch choices on the host
+    k = xp.broadcast_to(top_k, x.shape[:-1])
     use_k = (k > 0) & (k < V)
     use_p = top_p < 1.0
 
