@@ -227,6 +227,8 @@ async def _respond(server: Server, request: Request, req, chat: bool):
         encoded = [server.completion_prompt(p) for p in req.prompts()]
         prompts, param = [p for p, _ in encoded], "prompt"
         eos_id = encoded[0][1]
+    if req.ignore_eos:
+        eos_id = None
     field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
     max_new = [server.budget(p, req.max_new_tokens(), param, field) for p in prompts]
     prompt_tokens = sum(len(p) for p in prompts)

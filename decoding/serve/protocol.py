@@ -3,7 +3,8 @@
 Types are strict (``"0.5"`` is not a temperature; an int is a valid float), ranges are OpenAI's,
 and fields this server does not know are accepted and ignored, as OpenAI's own server and
 vLLM's do, so clients that send extra fields keep working. ``top_k`` and ``min_p`` are extras
-in vLLM's convention (``top_k`` -1 or 0 disables). Fields whose behaviour is not implemented
+in vLLM's convention (``top_k`` -1 or 0 disables), as is ``ignore_eos`` (generate
+``max_tokens`` tokens whatever the model says: for benchmarks). Fields whose behaviour is not implemented
 (penalties, ``logprobs``, ``echo``, ``best_of``, ``suffix``) are typed and range-checked, and
 a value other than their no-op default is a 400 naming the field, never silently ignored.
 """
@@ -62,6 +63,7 @@ class _Request(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     user: str | None = None
+    ignore_eos: bool = False
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -10,10 +10,10 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from serve_helpers import running_server  # noqa: E402
 
 import models  # noqa: E402
 from decoding import Engine  # noqa: E402
+from decoding.serve.local import running_server  # noqa: E402
 
 EXAMPLES = 25  # per endpoint and generation mode
 CALL_TIMEOUT_S = 30.0
