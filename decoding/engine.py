@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 
 from decoding import engine_steps
-from decoding.checks import check_bool, check_int, check_model, check_optional_int
+from decoding.checks import check_bool, check_int, check_model, check_optional_int, is_int
 from decoding.interrupts import deferred_interrupts
 from decoding.paging import pages_for
 from decoding.sampling import SamplingConfig, SamplingParams
@@ -202,7 +202,9 @@ class Engine:
         """
         self._check_usable()
         with deferred_interrupts():
-            out = self.scheduler.abort(int(rid) if isinstance(rid, np.integer) else rid)
+            if not is_int(rid):  # True == 1 would find request 1
+                raise KeyError(f"no request with id {rid!r}: request ids are ints")
+            out = self.scheduler.abort(int(rid))
             self._events.pop(rid, None)
         return out
 

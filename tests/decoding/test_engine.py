@@ -357,6 +357,8 @@ def test_abort_waiting_and_running_requests(tiny_model, greedy_refs):
     assert eng.abort(ids[4]) == []  # still waiting
     with pytest.raises(KeyError, match="12345"):
         eng.abort(12345)
+    with pytest.raises(KeyError, match="True"):
+        eng.abort(True)
     with pytest.raises(KeyError, match=str(victim)):
         eng.abort(victim)
     out = eng.run_until_done()

@@ -3,6 +3,7 @@ per-row EOS, seeds, no recompilation across similar calls, pool errors before wo
 
 from __future__ import annotations
 
+import collections
 import importlib
 
 import jax
@@ -239,6 +240,7 @@ def test_twenty_sampling_settings_compile_the_loop_once(tiny_model):
 def test_executable_cache_is_bounded(tiny_model, monkeypatch):
     gen = importlib.import_module("decoding.generate")  # the module, not the function
     monkeypatch.setattr(gen, "MAX_EXECUTABLES", 2)
+    monkeypatch.setattr(gen, "_EXECUTABLES", collections.OrderedDict())  # none compiled yet
     before = compiled_count()
     for n in (3, 20, 40):  # three prompt buckets: 6 executables
         generate(tiny_model, [[1] * n], max_new_tokens=2)
