@@ -1,4 +1,5 @@
-"""Attention kernels for JAX: reference, blockwise XLA, and Pallas (Triton) GPU kernels.
+"""Attention kernels for JAX: reference, blockwise XLA, and Pallas GPU kernels (Triton, and Mosaic
+GPU for Hopper: ``impl="mosaic"``).
 
 Layout [B, T, H, D]; see ``pallas_attn.masks`` for the mask semantics every impl shares.
 """

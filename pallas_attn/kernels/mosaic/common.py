@@ -26,8 +26,20 @@ by running kernels under it (each a rule of how the kernels here are written):
 * ``plgpu.layout_cast`` has no CPU rule: layouts are cast only when compiling (:func:`cast`).
 * ``wgmma`` runs synchronously and ``commit_smem``/``wgmma_wait``/``wait_smem_to_gmem`` are
   no-ops, so the interpreter checks barriers and TMA ordering but not wgmma asynchrony.
+* With several warpgroups (``num_threads``, ``thread_name``) every SMEM or barrier allocation
+  must be collective over the thread axis (``pl.run_scoped(..., collective_axes=...)``, shared
+  by all), so interpreter-only scratch (the transposed operands above) is allocated up front.
+* When a barrier is freed, every thread that observed one of its phases must have observed all
+  of them: a producer that waits on "slot free" barriers also waits for the last releases.
+* Its race detector (``InterpretGPUParams(detect_races=True)``) works on these kernels and
+  reports, e.g., a consumer reading a ring slot without waiting on its barrier.
 * After an exception inside an interpreted kernel, JAX's interpreter state must be reset
-  (:func:`reset_interpreter`) before the next interpreted kernel in the same process.
+  (``reset_gpu_interpret_mode_state``) before the next interpreted kernel in the same process;
+  the checks that raise (:mod:`pallas_attn.mosaic`) therefore run before any kernel is traced.
+
+What the sm_90a compiler adds (``make gpu-compile``): the operands of one wgmma share one swizzle
+(:func:`smem`), a TMA copy moves a multiple of 128 bytes (small int32 rows are padded to 32), and
+an accumulator carried in registers next to a fresh one spills at D = 128 (:func:`matmul_acc`).
 
 Scores are base 2 inside the kernels, as in :mod:`pallas_attn.softmax`.
 """
@@ -92,13 +104,6 @@ class Config:
 def interpret_params(cfg: Mode):
     """The ``interpret`` argument of ``plgpu.kernel``: the GPU interpreter, or None (compile)."""
     return InterpretGPUParams() if cfg.interpret else None
-
-
-def reset_interpreter() -> None:
-    """Resets JAX's GPU-interpreter state (needed after an exception inside an interpreted kernel)."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    interpret_pallas_call.reset_gpu_interpret_mode_state()
 
 
 def smem(shape: tuple[int, ...], dtype, minor: int | None = None) -> plgpu.SMEM:
