@@ -17,50 +17,24 @@ Ctrl-C stops quietly (exit 130) with what was generated on the screen.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-import jax
 import jax.numpy as jnp
 
 import models
-from decoding.chat import ChatSession, stream, turn_end_id
+from decoding import cli
+from decoding.chat import ChatSession, encode_prompt, stream, turn_end_id
 from decoding.drafts import EarlyExit, PromptLookup
 from decoding.engine import Engine
 from decoding.generate import generate
 from decoding.medusa import LOOKUP_NGRAM, Medusa
 from decoding.paging import pages_for
-from decoding.sampling import SamplingConfig, check_seed
+from decoding.sampling import SamplingConfig
 from decoding.speculative import speculative_generate
 from decoding.tree import TreeSpec
 from models.pretrained import DEFAULT_MODEL, NAMES, model_arg
-from pallas_attn import native
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        return check_seed(int(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int in [0, 2**32), got {text!r}") from None
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
 SPECULATIVE = ("code-draft", "prompt-lookup", "medusa", "medusa+lookup", "medusa-tree")
@@ -112,15 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--system", default=None, metavar="TEXT", help="a chat's system message")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N")
-    parser.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=256, metavar="N")
+    parser.add_argument("--temperature", type=cli.number, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=_float, default=1.0, help="1.0 = off")
-    parser.add_argument("--min-p", type=_float, default=0.0, help="0.0 = off")
-    parser.add_argument("--seed", type=_seed, default=0, help="an int in [0, 2**32)")
+    parser.add_argument("--top-p", type=cli.number, default=1.0, help="1.0 = off")
+    parser.add_argument("--min-p", type=cli.number, default=0.0, help="0.0 = off")
+    parser.add_argument("--seed", type=cli.seed, default=0, help="an int in [0, 2**32)")
     parser.add_argument(
         "--context",
-        type=_positive_int,
+        type=cli.positive_int,
         default=8192,
         metavar="T",
         help="--interactive: the longest conversation, in tokens (capped at the model's)",
@@ -133,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--page-size",
-        type=_positive_int,
+        type=cli.positive_int,
         default=16,
         metavar="P",
         help="positions per page (capped at what the request can use)",
@@ -147,40 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--num-draft-tokens",
-        type=_positive_int,
+        type=cli.positive_int,
         default=None,
         metavar="K",
         help="tokens drafted per step (default: the draft kind's best measured)",
     )
     return parser
-
-
-def encode_prompt(prompt: str, tokenizer, config) -> tuple[list[int], int | None]:
-    """(token ids of ``prompt``, the id to stop at) for a model with ``config``.
-
-    A real tokenizer adds BOS when its checkpoint asks for it (``add_bos``). For the
-    ``ByteTokenizer``, the checkpoint's own ``bos_id`` / ``eos_id`` come first, the tokenizer's
-    are used only where the checkpoint names none and they fit its vocabulary; ValueError when
-    the byte tokenizer does not fit the checkpoint (V < 256).
-    """
-    V = config.vocab_size
-    if not isinstance(tokenizer, models.ByteTokenizer):
-        eos_id = config.eos_id if config.eos_id is not None else tokenizer.eos_id
-        return tokenizer.encode(prompt, add_bos=tokenizer.add_bos), eos_id
-    if V < 256:
-        raise ValueError(
-            f"the byte tokenizer (ids 0-255) does not fit this checkpoint (vocab_size {V}) and "
-            "the directory has no tokenizer.json"
-        )
-
-    def special(checkpoint_id, byte_id):
-        if checkpoint_id is not None:
-            return checkpoint_id
-        return byte_id if byte_id < V else None
-
-    bos_id = special(config.bos_id, tokenizer.bos_id)
-    ids = tokenizer.encode(prompt)
-    return ([bos_id] + ids if bos_id is not None else ids), special(config.eos_id, tokenizer.eos_id)
 
 
 def _is_utf8(text: str) -> bool:
@@ -362,14 +308,6 @@ def main(argv=None) -> int:
         return 130
 
 
-def _persistent_compilation_cache() -> None:
-    """Keeps compiled programs on disk between runs (the engine's two steps take seconds to
-    compile on a CPU), unless the user configured JAX's cache already."""
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", str(native.cache_dir() / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 if __name__ == "__main__":
-    _persistent_compilation_cache()
+    cli.persistent_compilation_cache()
     sys.exit(main())

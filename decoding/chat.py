@@ -2,6 +2,7 @@
 
 * :func:`stream`: submits one request to an :class:`~decoding.engine.Engine` and yields its text
   as it is generated, a piece as soon as its bytes are complete (``models.StreamDecoder``).
+* :func:`encode_prompt`: a plain prompt's ids and stop id under a checkpoint's special-token rules.
 * :class:`ChatSession`: a conversation. Each turn's prompt is the conversation's tokens so far,
   the earlier replies exactly as they were generated, followed by the new turn rendered with the
   tokenizer's chat template. The engine's prefix cache still holds the earlier turns' pages, so a
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from decoding.engine import Engine
 from decoding.sampling import SamplingConfig
 from models.stream_decoder import StreamDecoder
-from models.tokenizer import Tokenizer
+from models.tokenizer import ByteTokenizer, Tokenizer
 
 # Special tokens that end an assistant turn in the chat templates of common model families; the
 # first one a template names (and the vocabulary holds) is where a chat reply stops.
@@ -33,6 +34,34 @@ def turn_end_id(tokenizer: Tokenizer) -> int | None:
             if len(ids) == 1 and ids[0] in tokenizer.special_ids:
                 return ids[0]
     return tokenizer.eos_id
+
+
+def encode_prompt(prompt: str, tokenizer, config) -> tuple[list[int], int | None]:
+    """(token ids of ``prompt``, the id to stop at) for a model with ``config``.
+
+    A real tokenizer adds BOS when its checkpoint asks for it (``add_bos``). For the
+    ``ByteTokenizer``, the checkpoint's own ``bos_id`` / ``eos_id`` come first, the tokenizer's
+    are used only where the checkpoint names none and they fit its vocabulary; ValueError when
+    the byte tokenizer does not fit the checkpoint (V < 256).
+    """
+    V = config.vocab_size
+    if not isinstance(tokenizer, ByteTokenizer):
+        eos_id = config.eos_id if config.eos_id is not None else tokenizer.eos_id
+        return tokenizer.encode(prompt, add_bos=tokenizer.add_bos), eos_id
+    if V < 256:
+        raise ValueError(
+            f"the byte tokenizer (ids 0-255) does not fit this checkpoint (vocab_size {V}) and "
+            "the directory has no tokenizer.json"
+        )
+
+    def special(checkpoint_id, byte_id):
+        if checkpoint_id is not None:
+            return checkpoint_id
+        return byte_id if byte_id < V else None
+
+    bos_id = special(config.bos_id, tokenizer.bos_id)
+    ids = tokenizer.encode(prompt)
+    return ([bos_id] + ids if bos_id is not None else ids), special(config.eos_id, tokenizer.eos_id)
 
 
 def stream(

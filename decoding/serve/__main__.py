@@ -17,7 +17,7 @@ import sys
 import uvicorn
 
 import models
-from decoding.__main__ import _persistent_compilation_cache, _positive_int
+from decoding.cli import persistent_compilation_cache, positive_int
 from decoding.engine import Engine
 from decoding.paging import pages_for
 from decoding.serve.app import create_app
@@ -32,15 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the API's model id (default --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=_positive_int, default=32, help="rows decoded together")
-    p.add_argument("--max-seq-len", type=_positive_int, default=2048, help="prompt + completion")
-    p.add_argument("--page-size", type=_positive_int, default=16)
+    p.add_argument("--max-batch", type=positive_int, default=32, help="rows decoded together")
+    p.add_argument("--max-seq-len", type=positive_int, default=2048, help="prompt + completion")
+    p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument(
-        "--num-pages", type=_positive_int, default=None,
+        "--num-pages", type=positive_int, default=None,
         help="KV pool pages (default: max-batch requests of max-seq-len / 4 tokens)",
     )  # fmt: skip
-    p.add_argument("--max-prefill-tokens", type=_positive_int, default=512)
-    p.add_argument("--max-queue", type=_positive_int, default=256, help="choices in flight")
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=512)
+    p.add_argument("--max-queue", type=positive_int, default=256, help="choices in flight")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
     return p
 
@@ -68,5 +68,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    _persistent_compilation_cache()
+    persistent_compilation_cache()
     sys.exit(main())

@@ -30,8 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from decoding.__main__ import encode_prompt
-from decoding.chat import turn_end_id
+from decoding.chat import encode_prompt, turn_end_id
 from decoding.engine import Engine
 from decoding.sampling import SEED_LIMIT, SamplingConfig
 from decoding.serve.metrics import CONTENT_TYPE, Metrics

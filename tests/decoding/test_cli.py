@@ -10,7 +10,8 @@ import sys
 import pytest
 from flax import nnx
 
-from decoding.__main__ import encode_prompt, main
+from decoding.__main__ import main
+from decoding.chat import encode_prompt
 from models import ByteTokenizer, Transformer, TransformerConfig
 from models.hf import save_hf_checkpoint
 

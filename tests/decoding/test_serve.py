@@ -12,7 +12,7 @@ import pytest
 
 import models
 from decoding import Engine, generate
-from decoding.__main__ import encode_prompt
+from decoding.chat import encode_prompt
 from decoding.sampling import SamplingConfig
 from decoding.serve.local import running_server
 from decoding.serve.text import ChoiceText
