@@ -77,14 +77,16 @@ def generate(
         config = config.replace(num_layers=num_layers)
     graphdef, params = abstract_model(config, sds)
     cache = paged_cache(config, sds, batch, prompt_len + new_tokens)
-    static = dict(graphdef=graphdef, sampling=SamplingConfig())
+    static = dict(graphdef=graphdef)
+    settings = _placed(jax.eval_shape(lambda: SamplingConfig().params()), sds)  # greedy, as data
     rows = sds((batch,), jnp.int32)
     key = _placed(jax.eval_shape(lambda: jax.random.key(0)), sds)
     scalar = sds((), jnp.int32)
     if case["phase"] == "prefill":
         fn = functools.partial(gen._prefill_jit, num_new_max=new_tokens, **static)
         done = sds((batch,), jnp.bool_)
-        return fn, (params, sds((batch, prompt_len), jnp.int32), rows, cache, key, done, scalar)
+        tokens = sds((batch, prompt_len), jnp.int32)
+        return fn, (params, tokens, rows, cache, key, done, scalar, settings)
     state = gen.DecodeState(
         tokens=sds((batch, new_tokens), jnp.int32),
         num_new=rows,
@@ -95,4 +97,6 @@ def generate(
         step=scalar,
     )
     # {}: no packed weights (decode_kernels packs for CPU programs only)
-    return functools.partial(gen._decode_jit, **static), (params, {}, state, scalar, scalar)
+    return functools.partial(gen._decode_jit, **static), (
+        params, {}, state, scalar, scalar, settings,
+    )  # fmt: skip
