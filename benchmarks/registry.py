@@ -38,6 +38,7 @@ SCRIPTS = (
     Script("engine"),
     Script("speculative", quick=("--quick", "--runs", "1", "--no-hf")),
     Script("real_model", quick=("--quick", "--runs", "1", "--no-llama-cpp"), backends=("cpu",)),
+    Script("serve", backends=("cpu",)),
 )
 
 
