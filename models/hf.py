@@ -66,7 +66,7 @@ def _check_supported(hf: dict, arch: str) -> None:
     missing = [key for key in _REQUIRED if key not in hf]
     if missing:
         raise ValueError(f"config lacks required keys {missing}")
-    for key in (*_REQUIRED, "num_key_value_heads", "head_dim"):
+    for key in (*_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
         value = hf.get(key, 1)
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -80,20 +80,57 @@ def _check_supported(hf: dict, arch: str) -> None:
         raise ValueError("unsupported attention_bias=True (bias on o_proj)")
 
 
+def _number(hf: dict, key: str, default: float) -> float:
+    """``hf[key]`` as a positive finite float (``default`` when absent); ValueError naming it."""
+    value = hf.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value < float("inf")
+    ):
+        raise ValueError(f"{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _flag(hf: dict, key: str) -> bool:
+    value = hf.get(key, False)
+    if not isinstance(value, bool):  # "false" is truthy: never guess
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _token_id(hf: dict, key: str) -> int | None:
+    """A special token id: an int, the first of a non-empty list of ints, or absent / null."""
+    value = hf.get(key)
+    if isinstance(value, list):
+        if not value:
+            raise ValueError(f"{key} must be an int or a non-empty list of ints, got []")
+        value = value[0]
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{key} must be a non-negative int, got {value!r}")
+    return value
+
+
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     """(theta, Llama-3 scaling or None) from ``rope_parameters`` or the legacy ``rope_scaling``."""
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = _number({"rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0))},
+                    "rope_theta", 10000.0)  # fmt: skip
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
         raise ValueError(f"unsupported rope_type {rope_type!r} (default or llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rope]
+    if missing:
+        raise ValueError(f"rope_scaling of type llama3 lacks {missing}")
+    f = {k: _number(rope, k, 1.0) for k in keys}
     return theta, RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position=int(rope["original_max_position_embeddings"]),
+        factor=f["factor"],
+        low_freq_factor=f["low_freq_factor"],
+        high_freq_factor=f["high_freq_factor"],
+        original_max_position=int(f["original_max_position_embeddings"]),
     )
 
 
@@ -120,10 +157,6 @@ def config_from_hf(hf: dict, *, dtype=jnp.float32) -> TransformerConfig:
     _check_supported(hf, arch)
     theta, scaling = _rope(hf)
 
-    def token_id(name):
-        value = hf.get(name)
-        return value[0] if isinstance(value, list) else value
-
     head_dim = hf.get("head_dim")
     if head_dim == hf["hidden_size"] // hf["num_attention_heads"]:
         head_dim = None  # the derived default: keeps round trips equal
@@ -137,14 +170,14 @@ def config_from_hf(hf: dict, *, dtype=jnp.float32) -> TransformerConfig:
         head_dim=head_dim,
         rope_theta=theta,
         rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_eps=_number(hf, "rms_norm_eps", 1e-6),
         qkv_bias=arch == "Qwen2ForCausalLM",
         sliding_window=_sliding_window(hf, arch),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=_flag(hf, "tie_word_embeddings"),
         max_position=hf.get("max_position_embeddings", 2048),
-        bos_id=token_id("bos_token_id"),
-        eos_id=token_id("eos_token_id"),
-        pad_id=token_id("pad_token_id"),
+        bos_id=_token_id(hf, "bos_token_id"),
+        eos_id=_token_id(hf, "eos_token_id"),
+        pad_id=_token_id(hf, "pad_token_id"),
         dtype=jnp.dtype(dtype).name,
     )
 
@@ -279,12 +312,21 @@ def _read_config(path: str) -> dict:
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        files = sorted(set(_read_json(index)["weight_map"].values()))
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(f"{index} has no weight_map of tensor names to file names")
+        files = sorted(set(weight_map.values()))
     else:
         files = ["model.safetensors"]
+    root = os.path.realpath(path)
     tensors = {}
     for name in files:
         file = os.path.join(path, name)
+        if os.path.commonpath([root, os.path.realpath(file)]) != root:
+            raise ValueError(f"{index} names {name!r}, outside the checkpoint directory")
         if not os.path.isfile(file):
             raise FileNotFoundError(f"{path} has no {name} (weights are read from safetensors)")
         try:
@@ -315,6 +357,13 @@ def build_model(config: TransformerConfig, tensors: Mapping[str, np.ndarray], so
     """A :class:`Transformer` for ``config`` from tensors named and laid out as in Hugging Face
     checkpoints (``[out, in]`` linear weights, separate q/k/v and gate/up), cast to the config's
     dtype. ValueError naming ``source`` when tensors are missing, unexpected or misshapen."""
+    layers = {int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.") and
+              n.split(".")[2].isdigit()}  # fmt: skip
+    if layers != set(range(config.num_layers)):
+        raise ValueError(  # before building: a config can claim any number of layers
+            f"{source}: the config has {config.num_layers} layers, the tensors "
+            f"{len(layers)} (indices {min(layers, default=None)}..{max(layers, default=None)})"
+        )
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     entries = _entries(model)
     named = {name for e in entries for name in e.names}
@@ -326,6 +375,9 @@ def build_model(config: TransformerConfig, tensors: Mapping[str, np.ndarray], so
     if missing or unexpected:
         raise ValueError(f"{source}: missing tensors {missing}, unexpected {unexpected}")
     for e in entries:
+        for n in e.names:
+            if not jnp.issubdtype(tensors[n].dtype, jnp.floating):
+                raise ValueError(f"{source}: tensor {n} is {tensors[n].dtype}, not floating point")
         try:
             value = e.merge(*(jnp.asarray(tensors[n], config.jnp_dtype) for n in e.names))
         except (TypeError, ValueError):  # parts that do not fit together
@@ -336,6 +388,8 @@ def build_model(config: TransformerConfig, tensors: Mapping[str, np.ndarray], so
                 f"{source}: tensors {list(e.names)}: shapes {shapes} do not make the expected "
                 f"{e.param.shape}"
             )
+        if not bool(jnp.isfinite(value).all()):
+            raise ValueError(f"{source}: tensors {list(e.names)} hold NaN or infinite values")
         e.param.set_value(value)
     return model
 
