@@ -353,6 +353,12 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto")
     return build_model(config, _read_tensors(path), f"checkpoint {path}")
 
 
+def _few(names: list[str], n: int = 5) -> str:
+    """At most ``n`` names and how many more: a checkpoint of another model lacks hundreds."""
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return f"{names[:n]}{more}"
+
+
 def build_model(config: TransformerConfig, tensors: Mapping[str, np.ndarray], source: str):
     """A :class:`Transformer` for ``config`` from tensors named and laid out as in Hugging Face
     checkpoints (``[out, in]`` linear weights, separate q/k/v and gate/up), cast to the config's
@@ -373,7 +379,9 @@ def build_model(config: TransformerConfig, tensors: Mapping[str, np.ndarray], so
     missing = sorted(set(named) - set(tensors))
     unexpected = sorted(set(tensors) - set(named) - ignored)
     if missing or unexpected:
-        raise ValueError(f"{source}: missing tensors {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"{source}: missing tensors {_few(missing)}, unexpected {_few(unexpected)}"
+        )
     for e in entries:
         for n in e.names:
             if not jnp.issubdtype(tensors[n].dtype, jnp.floating):

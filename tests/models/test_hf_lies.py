@@ -87,3 +87,12 @@ def test_bad_tensors_are_refused(checkpoint, value, match):
     safetensors.numpy.save_file(tensors, str(checkpoint / "model.safetensors"))
     with pytest.raises(ValueError, match=f"model.norm.weight.*{match}|{match}"):
         load_hf_checkpoint(str(checkpoint))
+
+
+def test_a_checkpoint_of_another_model_gets_a_short_message(checkpoint):
+    tensors = {f"transformer.h.{i}.w": np.zeros(4, np.float32) for i in range(300)}
+    tensors.update({k: v for k, v in _tensors(checkpoint).items() if "layers" in k})
+    safetensors.numpy.save_file(tensors, str(checkpoint / "model.safetensors"))
+    with pytest.raises(ValueError, match="and 29[0-9] more") as err:
+        load_hf_checkpoint(str(checkpoint))
+    assert len(str(err.value)) < 600
