@@ -24,7 +24,7 @@ Sections, one JSON (``benchmarks/results/gpu_suite_<device>.json``) and one prin
 
 ``--sections check,decode`` runs some sections (``--checks`` picks checks by name) and ``--out``
 names the folder; each row replaces the one of its section and name in the JSON as it lands, so
-a run cut short keeps what it measured. ``benchmarks/gpu_lease.sh`` runs the GPU tests and then
+a run cut short keeps what it measured. ``.ci/gpu_check.sh`` runs the GPU tests and then
 each section in its own process under its own time limit: one command for a lent machine.
 
 ``--deviceless`` compiles the same programs (the ``check`` kernels, the Pallas/XLA/cuDNN

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One lease of a lent GPU, as one command (installs nothing; about 7 minutes, at most 9.5):
-#   bash benchmarks/gpu_lease.sh [OUT_DIR]
+#   bash .ci/gpu_check.sh [OUT_DIR]
 # The compiled-kernel tests (tests/pallas_attn/test_gpu_compiled.py), then each section of
 # benchmarks.gpu_suite in its own process under its own time limit, so a hang or a crash in one
 # leaves the others' results. Writes into OUT_DIR (default $OUT, else benchmarks/results):
-# gpu_env.txt, gpu_tests.log, gpu_tests.xml, gpu_suite_<device>.json, gpu_lease.log.
+# gpu_env.txt, gpu_tests.log, gpu_tests.xml, gpu_suite_<device>.json, gpu_check.log.
 set -u
 out=${1:-${OUT:-benchmarks/results}}
 mkdir -p "$out"
@@ -57,4 +57,4 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__versi
             --checks "${GPU_CHECKS:-}"
     done
     echo "== total $(($(date +%s) - start))s"
-} 2>&1 | tee "$out/gpu_lease.log"
+} 2>&1 | tee "$out/gpu_check.log"
