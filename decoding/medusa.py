@@ -176,18 +176,19 @@ class MedusaDraft:
         _, _, h = target(tok, cache=cache.replace(lengths=pos), return_hidden=True)
         return h[:, 0]
 
-    def head_logits(self, params, h, k: int):
-        """h [B, dim] -> the first k heads' logits [B, k, V] float32."""
+    def head_logits(self, params, h, k: int, target=None):
+        """h [B, dim] -> the first k heads' logits [B, k, V] float32 (shared-head heads take
+        them from ``target``'s LM head, in one k-row product per row)."""
         heads = decode_layout(nnx.merge(self.graphdef, params[0]), params[1])
-        return heads(h[:, None], num=k)[:, 0]
+        return heads(h[:, None], num=k, target=target)[:, 0]
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         if self.tree is not None:
-            logits = self.head_logits(ctx.params, ctx.state, self.tree.depth)
+            logits = self.head_logits(ctx.params, ctx.state, self.tree.depth, ctx.target)
             last = jnp.take_along_axis(ctx.seq, ctx.cache.lengths[:, None], axis=1)[:, 0]
             nodes = tree.node_tokens(self.tree, logits, last)[:, 1:]  # [B, N]
             return Proposal(nodes, None, ctx.state, ctx.cache, 1)
-        logits = self.head_logits(ctx.params, ctx.state, k)  # [B, k, V]
+        logits = self.head_logits(ctx.params, ctx.state, k, ctx.target)  # [B, k, V]
         B, _, V = logits.shape
         tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
         q = probabilities(logits, sampling)
@@ -246,7 +247,7 @@ def rank_accuracy(
     for prompt, new in zip(prompts, res.tokens, strict=True):
         seq = jnp.asarray([list(prompt) + list(new)], jnp.int32)
         _, h = target(seq, return_hidden=True)
-        logits = heads(h)[0]  # [T, H, V]
+        logits = heads(h, target=target)[0]  # [T, H, V]
         T = seq.shape[1]
         for d in range(H):
             t = np.arange(len(prompt) - 1, T - 2 - d)  # positions with a known answer

@@ -5,13 +5,21 @@ Offset convention. With the target's last hidden state h_t (after its final norm
 head reads) the target predicts x_{t+1}; head i (0-based) predicts x_{t+2+i}. So after the target
 has produced x_{t+1}, heads 0 .. k-1 draft x_{t+2} .. x_{t+1+k}.
 
-Head i: ``h' = h + silu(W_i h + b_i)`` (a residual SiLU layer, ``W_i`` and ``b_i`` initialised to
-zero) then its own LM head ``[dim, V]``; :meth:`MedusaHeads.init_from` copies the target's LM head
-(its tied embedding when ``tie_embeddings``) into every head, so an untrained head predicts what
-the target predicts one step earlier.
+Head i: a residual SiLU layer ``r_i = h + silu(W_i h + b_i)`` (``W_i``, ``b_i`` initialised to
+zero, so an untrained head predicts what the target predicts one step earlier), then an LM head:
 
-Checkpoints: ``config.json`` (``{"medusa_num_heads": n, "target": {...}}``, the target's
-:class:`TransformerConfig` fields) and ``model.safetensors`` (``heads.<i>.<name>``).
+* shared (``shared_head=True``, the default for a target with a tied embedding): the frozen
+  target's own LM head, ``target.logits(r_i)``. A head is then only ``dim * dim + dim``
+  parameters, and a drafting step computes every head's logits in one few-row product with the
+  target's (packed, ``models.transformer.decode_kernels``) head weights: k rows of [dim, V].
+  Calls then need the target: ``heads(h, target=target)``.
+* own (``shared_head=False``): a ``[dim, V]`` Linear per head; :meth:`MedusaHeads.init_from`
+  copies the target's LM head (its tied embedding when ``tie_embeddings``) into each.
+
+Checkpoints (heads only): ``config.json`` (``{"medusa_num_heads": n, "shared_head": bool,
+"target": {...}}``, the target's :class:`TransformerConfig` fields, plus what the trainer adds,
+e.g. ``base_model``) and ``model.safetensors`` (``heads.<i>.<name>``). :func:`load_medusa`
+checks the target's shapes and every tensor's name and shape.
 """
 
 from __future__ import annotations
@@ -29,50 +37,112 @@ from flax import nnx
 from models.config import TransformerConfig
 from models.transformer import Linear
 
+# Target config fields that fix the shapes the heads read and write, or the hidden states they
+# were trained on: heads saved for one target refuse a target that differs in any of them.
+TARGET_FIELDS = ("dim", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "mlp_dim")
+
 
 class MedusaHead(nnx.Module):
-    """One head: hidden [B, T, dim] -> logits [B, T, V] float32."""
+    """One head. ``residual(h)``: h [B, T, dim] -> r [B, T, dim]; ``head(h)`` (own LM head only):
+    logits [B, T, V] float32."""
 
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, shared_head: bool = False, rngs: nnx.Rngs):
         dt = config.jnp_dtype
         zeros = nnx.initializers.zeros
         self.res = Linear(
             config.dim, config.dim, kernel_init=zeros, dtype=dt, param_dtype=dt, rngs=rngs
         )
-        self.lm_head = Linear(
-            config.dim,
-            config.vocab_size,
-            use_bias=False,
-            dtype=dt,
-            param_dtype=dt,
-            kernel_init=nnx.initializers.normal(stddev=0.02),
-            rngs=rngs,
+        self.lm_head = (
+            None
+            if shared_head
+            else Linear(
+                config.dim,
+                config.vocab_size,
+                use_bias=False,
+                dtype=dt,
+                param_dtype=dt,
+                kernel_init=nnx.initializers.normal(stddev=0.02),
+                rngs=rngs,
+            )
         )
 
+    def residual(self, h):
+        return h + jax.nn.silu(self.res(h))
+
     def __call__(self, h):
-        return self.lm_head(h + jax.nn.silu(self.res(h))).astype(jnp.float32)
+        if self.lm_head is None:
+            raise ValueError(
+                "a shared-head MedusaHead has no LM head: call MedusaHeads(h, target=)"
+            )
+        return self.lm_head(self.residual(h)).astype(jnp.float32)
 
 
 class MedusaHeads(nnx.Module):
     """``num_heads`` :class:`MedusaHead`s for a target with ``config``.
 
-    ``heads(h)``: the target's last hidden state h [B, T, dim] -> logits [B, T, num_heads, V]
-    float32; ``[..., i, :]`` predicts the token i + 2 positions after h's own position.
+    ``heads(h, num=None, target=None)``: the target's last hidden state h [B, T, dim] -> logits
+    [B, T, num, V] float32 (``num`` defaults to ``num_heads``); ``[..., i, :]`` predicts the token
+    i + 2 positions after h's own position. ``target`` (the frozen ``models.Transformer``) is
+    required when ``shared_head``: its LM head gives the logits.
+
+    ``shared_head``: None (default) shares the target's LM head when ``config.tie_embeddings``
+    (a head is then its residual layer only), else each head owns a ``[dim, V]`` LM head.
     """
 
-    def __init__(self, config: TransformerConfig, num_heads: int = 4, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        num_heads: int = 4,
+        *,
+        shared_head: bool | None = None,
+        rngs: nnx.Rngs,
+    ):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+        if shared_head is None:
+            shared_head = bool(config.tie_embeddings)
+        if not isinstance(shared_head, bool):
+            raise TypeError(f"shared_head must be a bool or None, got {shared_head!r}")
         self.config = config
         self.num_heads = num_heads
-        self.heads = nnx.List([MedusaHead(config, rngs=rngs) for _ in range(num_heads)])
+        self.shared_head = shared_head
+        self.heads = nnx.List(
+            [MedusaHead(config, shared_head=shared_head, rngs=rngs) for _ in range(num_heads)]
+        )
 
-    def __call__(self, h, num: int | None = None):
-        """Logits of every head, or of the first ``num`` (a drafting step that needs only k)."""
-        return jnp.stack([head(h) for head in list(self.heads)[:num]], axis=-2)
+    def residuals(self, h, num: int | None = None):
+        """h [B, T, dim] -> the first ``num`` heads' residual outputs [B, T, num, dim]."""
+        return jnp.stack([head.residual(h) for head in list(self.heads)[:num]], axis=-2)
+
+    def __call__(self, h, num: int | None = None, *, target=None):
+        """Logits [B, T, num, V] float32 of every head, or of the first ``num`` (a drafting step
+        that needs only k)."""
+        if not self.shared_head:
+            return jnp.stack([head(h) for head in list(self.heads)[:num]], axis=-2)
+        if target is None:
+            raise ValueError(
+                "these Medusa heads share the target's LM head: pass target= (the frozen "
+                "models.Transformer they were trained on)"
+            )
+        self.check_target(target.config)
+        r = self.residuals(h, num)  # [B, T, n, dim]
+        B, T, n, D = r.shape
+        # One [B * T * n]-row product with the target's head (packed in decode steps).
+        return target.logits(r.reshape(B, T * n, D)).reshape(B, T, n, -1)
+
+    def check_target(self, config: TransformerConfig) -> None:
+        """ValueError naming the first shape field where ``config`` differs from the heads'."""
+        for name in TARGET_FIELDS:
+            mine, theirs = getattr(self.config, name), getattr(config, name)
+            if mine != theirs:
+                raise ValueError(
+                    f"the Medusa heads are for a target with {name}={mine}, this target has "
+                    f"{name}={theirs}"
+                )
 
     def init_from(self, target) -> MedusaHeads:
-        """Copies ``target``'s LM head ([dim, V]) into every head's; returns ``self``."""
+        """Copies ``target``'s LM head ([dim, V]) into every own head (nothing to copy for shared
+        heads: they read the target's); returns ``self``."""
         if target.config.vocab_size != self.config.vocab_size or (
             target.config.dim != self.config.dim
         ):
@@ -80,6 +150,8 @@ class MedusaHeads(nnx.Module):
                 f"target (dim {target.config.dim}, vocab {target.config.vocab_size}) does not "
                 f"match the heads' (dim {self.config.dim}, vocab {self.config.vocab_size})"
             )
+        if self.shared_head:
+            return self
         if target.lm_head is None:
             kernel = target.embed.embedding[...].T
         else:
@@ -90,33 +162,63 @@ class MedusaHeads(nnx.Module):
 
 
 def save_medusa(heads: MedusaHeads, path: str, *, extra: dict | None = None) -> None:
-    """Writes ``config.json`` and ``model.safetensors`` (float32) under ``path``."""
+    """Writes ``config.json`` and ``model.safetensors`` (float32, the heads' own parameters
+    only) under ``path``; ``extra`` adds fields to the config (e.g. ``base_model``)."""
     os.makedirs(path, exist_ok=True)
     flat = nnx.to_flat_state(nnx.state(heads, nnx.Param))
     tensors = {".".join(str(p) for p in key): np.asarray(v[...], np.float32) for key, v in flat}
     safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
     cfg = {k: v for k, v in dataclasses.asdict(heads.config).items() if k != "rope_scaling"}
-    meta = dict(medusa_num_heads=heads.num_heads, target=cfg, **(extra or {}))
+    meta = dict(
+        medusa_num_heads=heads.num_heads,
+        shared_head=heads.shared_head,
+        target=cfg,
+        **(extra or {}),
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(meta, f, indent=2, default=str)
         f.write("\n")
 
 
+def _listing(names) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return ", ".join(names[:5]) + more
+
+
 def load_medusa(path: str, config: TransformerConfig) -> MedusaHeads:
-    """Heads saved by :func:`save_medusa` for a target with ``config`` (its dtype is used)."""
+    """Heads saved by :func:`save_medusa` for a target with ``config`` (its dtype is used).
+
+    ValueError naming the mismatch when the saved target differs from ``config`` in a
+    :data:`TARGET_FIELDS` field, or when a tensor is missing, unexpected or of the wrong shape.
+    Checkpoints written before ``shared_head`` existed have own LM heads."""
     with open(os.path.join(path, "config.json")) as f:
         meta = json.load(f)
     saved = meta["target"]
-    if (saved["dim"], saved["vocab_size"]) != (config.dim, config.vocab_size):
-        raise ValueError(
-            f"heads at {path} are for dim {saved['dim']}, vocab {saved['vocab_size']}; the target "
-            f"has dim {config.dim}, vocab {config.vocab_size}"
-        )
-    heads = MedusaHeads(config, meta["medusa_num_heads"], rngs=nnx.Rngs(0))
+    for name in TARGET_FIELDS:
+        if name in saved and saved[name] != getattr(config, name):
+            raise ValueError(
+                f"heads at {path} are for a target with {name}={saved[name]}; the target has "
+                f"{name}={getattr(config, name)}"
+            )
+    shared = bool(meta.get("shared_head", False))
+    heads = MedusaHeads(config, meta["medusa_num_heads"], shared_head=shared, rngs=nnx.Rngs(0))
     tensors = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
     flat = nnx.to_flat_state(nnx.state(heads, nnx.Param))
+    names = {".".join(str(p) for p in key) for key, _ in flat}
+    missing, unexpected = names - set(tensors), set(tensors) - names
+    if missing or unexpected:
+        raise ValueError(
+            f"heads at {path}: missing tensors [{_listing(missing)}], unexpected "
+            f"[{_listing(unexpected)}]"
+        )
     for key, v in flat:
         name = ".".join(str(p) for p in key)
+        if tensors[name].shape != v[...].shape:
+            raise ValueError(
+                f"heads at {path}: tensor {name} has shape {tensors[name].shape}, expected "
+                f"{v[...].shape}"
+            )
         v.set_value(jnp.asarray(tensors[name], dtype=v.dtype))
     nnx.update(heads, nnx.from_flat_state(flat))
     return heads

@@ -43,9 +43,10 @@ def head_labels(targets, weights, num_heads: int):
 
 
 def _hidden(target_graphdef, target_state, inputs, segment_ids):
+    """(the target, its hidden states [B, T, dim], not differentiated)."""
     target = nnx.merge(target_graphdef, target_state)
     _, h = target(inputs, segment_ids=segment_ids, return_hidden=True)
-    return jax.lax.stop_gradient(h)
+    return target, jax.lax.stop_gradient(h)
 
 
 def make_medusa_step(graphdef, target_graphdef, tx):
@@ -53,10 +54,10 @@ def make_medusa_step(graphdef, target_graphdef, tx):
     (params, opt_state, loss)``, jitted: the mean over heads of their weighted cross entropy."""
 
     def step(params, opt_state, target_state, inputs, segment_ids, labels, weights):
-        h = _hidden(target_graphdef, target_state, inputs, segment_ids)
+        target, h = _hidden(target_graphdef, target_state, inputs, segment_ids)
 
         def f(p):
-            logits = nnx.merge(graphdef, p)(h)  # [B, T, N, V]
+            logits = nnx.merge(graphdef, p)(h, target=target)  # [B, T, N, V]
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
             per_head = jnp.sum(ce * weights, (0, 1)) / jnp.maximum(jnp.sum(weights, (0, 1)), 1)
             return jnp.mean(per_head)
@@ -76,8 +77,8 @@ def head_accuracy(heads: MedusaHeads, target, batches) -> list[float]:
 
     @jax.jit
     def counts(state, t_state, inputs, segment_ids, labels, weights):
-        h = _hidden(t_graphdef, t_state, inputs, segment_ids)
-        hit = jnp.argmax(nnx.merge(graphdef, state)(h), -1) == labels
+        target, h = _hidden(t_graphdef, t_state, inputs, segment_ids)
+        hit = jnp.argmax(nnx.merge(graphdef, state)(h, target=target), -1) == labels
         return jnp.sum(hit * weights, (0, 1)), jnp.sum(weights, (0, 1))
 
     right = np.zeros(heads.num_heads)
@@ -90,8 +91,9 @@ def head_accuracy(heads: MedusaHeads, target, batches) -> list[float]:
 
 
 def train_medusa(target, corpus: data.Corpus, tc, num_heads: int, *, log=print):
-    """Trains ``num_heads`` heads (initialised from ``target``'s LM head) on the frozen
-    ``target``; ``tc`` is a ``models.train.TrainConfig``. Returns (heads, summary dict)."""
+    """Trains ``num_heads`` heads (sharing a tied ``target``'s LM head, else initialised from
+    it: ``MedusaHeads``' default) on the frozen ``target``; ``tc`` is a
+    ``models.train.TrainConfig``. Returns (heads, summary dict)."""
     from models.train import optimizer
 
     heads = MedusaHeads(target.config, num_heads, rngs=nnx.Rngs(tc.seed)).init_from(target)
@@ -156,3 +158,361 @@ def main_medusa(args, tc, argv=None) -> None:
         f.write("\n")
     accs = ", ".join(f"{a:.3f}" for a in summary["heldout_head_top1"])
     print(f"saved {args.out}: held-out top-1 per head [{accs}]", flush=True)
+
+
+# --- Self-distillation: heads trained on the frozen target's own continuations of chat prompts.
+#
+# ``python -m models.medusa_train --target smollm2-135m-instruct --out DIR`` generates the data
+# (greedy and sampled continuations of DISTILL_TASKS x DISTILL_SUBJECTS, chat-formatted with the
+# target's template, batched ``decoding.generate``), computes the target's hidden states once
+# (cached as .npy under a temp dir), trains shared-head heads on them and saves them.
+
+# Varied tasks ({s} is a subject); the open-chat prompts of benchmarks/medusa_real.py are
+# written apart from these, so the benchmark measures the heads on prompts they never saw.
+DISTILL_TASKS = (
+    "Explain {s} to a curious ten-year-old.",
+    "Write a short paragraph about {s}.",
+    "Give three practical tips related to {s}.",
+    "What are the main advantages and disadvantages of {s}?",
+    "Write a haiku about {s}, then explain it in one sentence.",
+    "Summarize the history of {s} in a few sentences.",
+    "Write a Python function related to {s} and explain what it does.",
+    "List five interesting facts about {s}.",
+    "Compose a friendly email inviting a colleague to a talk on {s}.",
+    "What questions would a beginner ask about {s}? Answer two of them.",
+    "Describe a typical day of someone whose job involves {s}.",
+    "Compare {s} with something similar and say which you prefer and why.",
+)
+DISTILL_SUBJECTS = (
+    "photosynthesis",
+    "the water cycle",
+    "volcanoes",
+    "black holes",
+    "the human heart",
+    "machine learning",
+    "sorting algorithms",
+    "the internet",
+    "electric cars",
+    "solar panels",
+    "honey bees",
+    "the Roman Empire",
+    "chess",
+    "jazz music",
+    "baking bread",
+    "coffee",
+    "recycling",
+    "rainforests",
+    "the moon landing",
+    "vaccines",
+    "earthquakes",
+    "democracy",
+    "budgeting money",
+    "learning a language",
+    "running a marathon",
+    "sleep",
+    "meditation",
+    "gardening",
+    "the printing press",
+    "bicycles",
+    "databases",
+    "cryptography",
+    "dinosaurs",
+    "ocean tides",
+    "climate change",
+    "public libraries",
+    "video games",
+    "3D printing",
+    "the stock market",
+    "penguins",
+)
+
+
+def distill_prompts(num_prompts: int, seed: int = 0) -> list[str]:
+    """``num_prompts`` distinct user messages, task x subject pairs in a seeded random order
+    (deterministic: the same ``seed``, the same list)."""
+    pairs = [(t, s) for s in DISTILL_SUBJECTS for t in DISTILL_TASKS]
+    if not 1 <= num_prompts <= len(pairs):
+        raise ValueError(f"num_prompts must be in [1, {len(pairs)}], got {num_prompts}")
+    order = np.random.default_rng(seed).permutation(len(pairs))[:num_prompts]
+    return [pairs[i][0].format(s=pairs[i][1]) for i in order]
+
+
+def self_distill_data(
+    target, tokenizer, messages, *, max_new_tokens: int, temperatures=(0.0, 0.7),
+    batch: int = 16, seed: int = 0, log=print,
+) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+    """(prompt ids, continuation ids) pairs: for each temperature (0 = greedy) the target's own
+    continuation of every message (chat-formatted, ``tokenizer.apply_chat_template``), made by
+    batched ``decoding.generate`` in batches of ``batch``, stopping at EOS."""
+    from decoding.generate import generate
+    from decoding.sampling import SamplingConfig
+
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
+    out = []
+    for ti, temp in enumerate(temperatures):
+        sampling = SamplingConfig(temperature=float(temp))
+        for b in range(0, len(prompts), batch):
+            chunk = prompts[b : b + batch]
+            chunk = chunk + [chunk[-1]] * (batch - len(chunk))  # one shape: no recompiles
+            start = time.perf_counter()
+            res = generate(
+                target, chunk, max_new_tokens=max_new_tokens, sampling=sampling,
+                eos_id=tokenizer.eos_id, seed=seed + 1000 * ti + b,
+            )  # fmt: skip
+            n = min(batch, len(prompts) - b)
+            out += list(zip(chunk[:n], res.tokens[:n], strict=True))
+            new = sum(len(t) for t in res.tokens[:n])
+            log(f"T={temp}: prompts {b + n}/{len(prompts)}, {new} tokens in "
+                f"{time.perf_counter() - start:.0f}s")  # fmt: skip
+    return out
+
+
+def hidden_dataset(target, pairs, num_heads: int, *, batch: int = 8, bucket: int = 64):
+    """The target's hidden states and the heads' labels over ``pairs`` (prompt, continuation):
+    (h [N, dim] float32, labels [N, num_heads] int32, -1 where the sequence ends first).
+
+    One uncached forward per batch (right-padded to a multiple of ``bucket``: a causal model's
+    earlier positions do not see the padding). Rows are the positions t from the prompt's last
+    token to the last continuation token; head i's label at t is token t + 2 + i."""
+    graphdef, state = nnx.split(target)
+
+    @jax.jit
+    def fwd(state, tokens):
+        return nnx.merge(graphdef, state)(tokens, return_hidden=True)[1]
+
+    hs, labels = [], []
+    for b in range(0, len(pairs), batch):
+        seqs = [list(p) + list(c) for p, c in pairs[b : b + batch]]
+        T = -(-max(map(len, seqs)) // bucket) * bucket
+        tokens = np.zeros((batch, T), np.int32)
+        for r, s in enumerate(seqs):
+            tokens[r, : len(s)] = s
+        h = np.asarray(fwd(state, tokens))
+        for r, (p, _) in enumerate(pairs[b : b + batch]):
+            s = np.asarray(seqs[r])
+            t = np.arange(len(p) - 1, len(s))
+            lab = np.full((t.size, num_heads), -1, np.int32)
+            for i in range(num_heads):
+                ok = t + 2 + i < len(s)
+                lab[ok, i] = s[t[ok] + 2 + i]
+            hs.append(h[r, t])
+            labels.append(lab)
+    return np.concatenate(hs).astype(np.float32), np.concatenate(labels)
+
+
+def head_weights(target):
+    """The target's LM head as [V, dim] (its tied embedding, or its lm_head kernel transposed)."""
+    if target.lm_head is None:
+        return target.embed.embedding[...]
+    return target.lm_head.kernel[...].T
+
+
+def make_shared_step(graphdef, tx, softcap: float = 0.0):
+    """``step(params, opt_state, w, h, labels) -> (params, opt_state, loss)``, jitted, for
+    shared-head heads: h [M, dim] cached hidden states, w [V', dim] the target's head rows over
+    the training vocabulary, labels [M, N] indices into those rows (-1: no label). The loss is
+    the mean over heads of each head's cross entropy over the V' rows."""
+
+    def step(params, opt_state, w, h, labels):
+        def f(p):
+            r = nnx.merge(graphdef, p).residuals(h[:, None])[:, 0]  # [M, N, dim]
+            logits = jnp.einsum("mnd,vd->mnv", r.astype(w.dtype), w).astype(jnp.float32)
+            if softcap > 0:
+                logits = softcap * jnp.tanh(logits / softcap)
+            ok = labels >= 0
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+            per_head = jnp.sum(ce * ok, 0) / jnp.maximum(jnp.sum(ok, 0), 1)
+            return jnp.mean(per_head)
+
+        loss, grads = jax.value_and_grad(f)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def hidden_accuracy(heads: MedusaHeads, target, h, labels, *, chunk: int = 256) -> list[float]:
+    """Per-head top-1 accuracy [N] over the full vocabulary on cached hidden states h [M, dim]
+    with labels [M, N] (-1 ignored)."""
+    graphdef, state = nnx.split(heads)
+    t_graphdef, t_state = nnx.split(target)
+
+    @jax.jit
+    def pred(state, t_state, h):
+        heads = nnx.merge(graphdef, state)
+        return jnp.argmax(heads(h[None], target=nnx.merge(t_graphdef, t_state))[0], -1)
+
+    right = np.zeros(heads.num_heads)
+    total = np.zeros(heads.num_heads)
+    for b in range(0, len(h), chunk):
+        hb, lb = h[b : b + chunk], labels[b : b + chunk]
+        pad = chunk - len(hb)
+        p = np.asarray(pred(state, t_state, np.pad(hb, ((0, pad), (0, 0)))))[: len(hb)]
+        right += np.sum((p == lb) & (lb >= 0), 0)
+        total += np.sum(lb >= 0, 0)
+    return [float(x) for x in right / np.maximum(total, 1)]
+
+
+def train_shared_heads(
+    target, h, labels, num_heads: int, tc, *, heldout=None, vocab: str = "data", log=print
+):  # fmt: skip
+    """Trains ``num_heads`` shared-head heads on cached hidden states h [M, dim] and labels
+    [M, >= num_heads] of the frozen ``target``; ``tc`` a ``models.train.TrainConfig`` (steps,
+    batch = rows per step, lr, warmup, seed, eval_every). Returns (heads, summary dict).
+
+    ``vocab``: "data" computes each step's softmax over the tokens that occur as labels (the
+    target's own outputs: the other rows of the head are never the answer, and a full-vocabulary
+    softmax would cost ~8x more per step on SmolLM2); "full" over all V rows. Accuracy is always
+    measured over the full vocabulary (``heldout`` = (h, labels))."""
+    from models.train import optimizer
+
+    labels = np.asarray(labels)[:, :num_heads]
+    w_full = head_weights(target)
+    if vocab == "data":
+        rows = np.unique(labels[labels >= 0])
+        remap = np.full(target.config.vocab_size, -1, np.int32)
+        remap[rows] = np.arange(rows.size, dtype=np.int32)
+        w = jnp.asarray(w_full)[jnp.asarray(rows)]
+        lab = np.where(labels >= 0, remap[np.maximum(labels, 0)], -1)
+    elif vocab == "full":
+        w, lab = jnp.asarray(w_full), labels
+    else:
+        raise ValueError(f"vocab must be 'data' or 'full', got {vocab!r}")
+    heads = MedusaHeads(target.config, num_heads, shared_head=True, rngs=nnx.Rngs(tc.seed))
+    graphdef, params = nnx.split(heads)
+    tx = optimizer(dataclasses.replace(tc, weight_decay=0.0))
+    opt_state = tx.init(params)
+    step_fn = make_shared_step(graphdef, tx, target.config.final_softcap)
+    rng = np.random.default_rng(tc.seed)
+    history, start, first_loss = [], time.perf_counter(), None
+    for i in range(1, tc.steps + 1):
+        idx = rng.integers(0, len(h), tc.batch)
+        params, opt_state, loss = step_fn(params, opt_state, w, h[idx], lab[idx])
+        if first_loss is None:
+            first_loss = float(loss)  # the untrained heads' loss (computed before the update)
+        if i % tc.eval_every == 0 or i == tc.steps:
+            nnx.update(heads, params)
+            entry = dict(step=i, train_loss=float(loss), seconds=time.perf_counter() - start)
+            if heldout is not None:
+                entry["head_top1"] = hidden_accuracy(heads, target, *heldout)
+            history.append(entry)
+            acc = " ".join(f"{a:.3f}" for a in entry.get("head_top1", []))
+            log(f"step {i}: loss {float(loss):.4f}, held-out top-1 [{acc}], "
+                f"{entry['seconds']:.0f}s")  # fmt: skip
+    nnx.update(heads, params)
+    summary = dict(
+        num_heads=num_heads,
+        vocab=vocab,
+        vocab_rows=int(w.shape[0]),
+        rows_seen=tc.steps * tc.batch,
+        first_loss=first_loss,
+        train_rows=int(len(h)),
+        wall_seconds=round(time.perf_counter() - start, 1),
+        heldout_head_top1=history[-1].get("head_top1") if history else None,
+        history=history,
+        train_config=dataclasses.asdict(tc),
+    )
+    return heads, summary
+
+
+def _cache_dir(key: dict) -> str:
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "pallas_attn_medusa", digest)
+
+
+def main(argv=None) -> None:
+    """``python -m models.medusa_train``: self-distilled shared-head Medusa heads (see the
+    section comment above). Exit status 2 with a usage error for bad arguments."""
+    import argparse
+
+    from models.pretrained import model_arg, pretrained
+    from models.train import TrainConfig
+
+    def pos(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+        return int(text)
+
+    p = argparse.ArgumentParser(prog="python -m models.medusa_train", description=main.__doc__)
+    p.add_argument("--target", type=model_arg, default="smollm2-135m-instruct")
+    p.add_argument("--out", required=True)
+    p.add_argument("--num-heads", type=pos, default=4)
+    p.add_argument("--prompts", type=pos, default=96, help="distinct training prompts")
+    p.add_argument("--max-new-tokens", type=pos, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--gen-batch", type=pos, default=16)
+    p.add_argument("--steps", type=pos, default=600)
+    p.add_argument("--batch", type=pos, default=256, help="hidden-state rows per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--vocab", choices=("data", "full"), default="data")
+    p.add_argument("--heldout", type=float, default=0.1, help="fraction of pairs held out")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if any(t < 0 for t in args.temperatures):
+        p.error(f"--temperatures must be >= 0, got {args.temperatures}")
+    if not 0 <= args.heldout < 1:
+        p.error(f"--heldout must be in [0, 1), got {args.heldout}")
+    if args.prompts > len(DISTILL_TASKS) * len(DISTILL_SUBJECTS):
+        p.error(f"--prompts must be <= {len(DISTILL_TASKS) * len(DISTILL_SUBJECTS)}")
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    target, tokenizer = pretrained(args.target)
+    key = dict(target=args.target, prompts=args.prompts, max_new=args.max_new_tokens,
+               temps=args.temperatures, seed=args.seed, heads=args.num_heads)  # fmt: skip
+    cache = _cache_dir(key)
+    if os.path.isfile(os.path.join(cache, "labels.npy")):
+        log(f"hidden states from the cache {cache}")
+        with open(os.path.join(cache, "data.json")) as f:
+            data_meta = json.load(f)
+    else:
+        messages = distill_prompts(args.prompts, args.seed)
+        pairs = self_distill_data(
+            target, tokenizer, messages, max_new_tokens=args.max_new_tokens,
+            temperatures=args.temperatures, batch=args.gen_batch, seed=args.seed, log=log,
+        )  # fmt: skip
+        gen_s = time.perf_counter() - t0
+        h, labels = hidden_dataset(target, pairs, args.num_heads)
+        # Held-out split by prompt (both temperatures of a prompt on the same side).
+        n_held = int(round(args.heldout * args.prompts))
+        held_ids = set(range(args.prompts - n_held, args.prompts))
+        split = np.concatenate([
+            np.full(len(c) + 1, (i % args.prompts) in held_ids) for i, (_, c) in enumerate(pairs)
+        ])  # fmt: skip
+        os.makedirs(cache, exist_ok=True)
+        np.save(os.path.join(cache, "hidden.npy"), h)
+        np.save(os.path.join(cache, "labels.npy"), labels)
+        np.save(os.path.join(cache, "heldout.npy"), split)
+        data_meta = dict(
+            pairs=len(pairs), new_tokens=int(sum(len(c) for _, c in pairs)), rows=int(len(h)),
+            generate_seconds=round(gen_s, 1),
+            hidden_seconds=round(time.perf_counter() - t0 - gen_s, 1),
+        )  # fmt: skip
+        with open(os.path.join(cache, "data.json"), "w") as f:
+            json.dump(data_meta, f)
+        log(f"data: {data_meta} cached in {cache}")
+    h = np.load(os.path.join(cache, "hidden.npy"))
+    labels = np.load(os.path.join(cache, "labels.npy"))
+    split = np.load(os.path.join(cache, "heldout.npy"))
+    tc = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=min(50, args.steps),
+                     eval_every=max(args.steps // 4, 1), seed=args.seed)  # fmt: skip
+    heldout = (h[split], labels[split]) if split.any() else None
+    heads, summary = train_shared_heads(
+        target, h[~split], labels[~split], args.num_heads, tc, heldout=heldout,
+        vocab=args.vocab, log=log,
+    )  # fmt: skip
+    command = " ".join(["python -m models.medusa_train", *(sys.argv[1:] if argv is None else argv)])
+    summary.update(command=command, base_model=args.target, data=data_meta,
+                   total_seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
+    save_medusa(heads, args.out, extra=dict(base_model=args.target))
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+    log(f"saved {args.out}: held-out top-1 per head {summary['heldout_head_top1']}, "
+        f"{summary['total_seconds']:.0f}s in all")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -17,9 +17,11 @@ from decoding.tree import _slots, compact_path
 from models import KVCache, MedusaHeads
 
 
-def random_heads(target, num_heads=4, seed=0, scale=0.3):
-    """Heads initialised from the target's LM head, their residual layers random."""
-    heads = MedusaHeads(target.config, num_heads, rngs=nnx.Rngs(seed)).init_from(target)
+def random_heads(target, num_heads=4, seed=0, scale=0.3, shared_head=None):
+    """Heads initialised from the target's LM head (shared with a tied target by default),
+    their residual layers random."""
+    heads = MedusaHeads(target.config, num_heads, shared_head=shared_head, rngs=nnx.Rngs(seed))
+    heads.init_from(target)
     for i, head in enumerate(heads.heads):
         shape = head.res.kernel.shape
         head.res.kernel.set_value(scale * jax.random.normal(jax.random.key(seed + i), shape))
@@ -27,11 +29,16 @@ def random_heads(target, num_heads=4, seed=0, scale=0.3):
 
 
 @pytest.mark.parametrize(
-    "k, cache", [(4, "paged"), pytest.param(2, "contiguous", marks=pytest.mark.slow)]
+    "k, cache, shared",
+    [
+        (4, "paged", True),
+        pytest.param(3, "paged", False, marks=pytest.mark.slow),
+        pytest.param(2, "contiguous", True, marks=pytest.mark.slow),
+    ],
 )
-def test_chain_greedy_equals_generate(tiny_model, reference, k, cache):  # noqa: F811
+def test_chain_greedy_equals_generate(tiny_model, reference, k, cache, shared):  # noqa: F811
     eos, want = reference
-    draft = Medusa(random_heads(tiny_model))
+    draft = Medusa(random_heads(tiny_model, shared_head=shared))
     res = speculative_generate(
         tiny_model, draft, PROMPTS, num_draft_tokens=k, max_new_tokens=NEW, eos_id=eos,
         cache=cache,
@@ -213,7 +220,8 @@ def test_rank_accuracy_is_a_distribution_over_ranks(tiny_model):
     assert np.all(acc >= 0) and np.all(acc.sum(1) <= 1 + 1e-9)
     # head logits computed for the first k only equal the full computation's
     h = jnp.ones((1, 2, tiny_model.config.dim))
-    np.testing.assert_array_equal(heads(h, num=2), heads(h)[..., :2, :])
+    full = heads(h, target=tiny_model)
+    np.testing.assert_array_equal(heads(h, num=2, target=tiny_model), full[..., :2, :])
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -3,6 +3,7 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,16 +35,93 @@ def test_head_labels_are_two_plus_i_ahead_within_a_document():
 def test_init_from_copies_the_targets_lm_head_and_save_load_round_trips(tmp_path):
     for tie in (True, False):
         target = _tiny(tie_embeddings=tie)
-        heads = MedusaHeads(target.config, 3, rngs=nnx.Rngs(1)).init_from(target)
+        heads = MedusaHeads(target.config, 3, shared_head=False, rngs=nnx.Rngs(1))
+        heads.init_from(target)
         logits, h = target(jnp.asarray([[1, 2, 3]]), return_hidden=True)
         out = heads(h)
         assert out.shape == (1, 3, 3, target.config.vocab_size)
         np.testing.assert_allclose(out[:, :, 2], logits, atol=1e-5)  # residual starts at 0
     save_medusa(heads, str(tmp_path))
     again = load_medusa(str(tmp_path), target.config)
+    assert not again.shared_head
     np.testing.assert_array_equal(again(h), out)
     with pytest.raises(ValueError, match="dim"):
         load_medusa(str(tmp_path), target.config.replace(dim=32))
+
+
+def _randomize(heads, seed=0):
+    for i, head in enumerate(heads.heads):
+        k = jax.random.split(jax.random.key(seed + i))
+        head.res.kernel.set_value(0.3 * jax.random.normal(k[0], head.res.kernel.shape))
+        head.res.bias.set_value(0.3 * jax.random.normal(k[1], head.res.bias.shape))
+    return heads
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_shared_head_logits_are_the_targets_head_on_the_residual_output(tie):
+    target = _tiny(tie_embeddings=tie)
+    heads = _randomize(MedusaHeads(target.config, 3, shared_head=True, rngs=nnx.Rngs(0)))
+    d = target.config.dim
+    # a head is only its residual layer: no [dim, V] matrix of its own
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(heads, nnx.Param)))
+    assert n_params == 3 * (d * d + d)
+    _, h = target(jnp.asarray([[1, 2, 3, 4]]), return_hidden=True)
+    out = heads(h, target=target)
+    assert out.shape == (1, 4, 3, target.config.vocab_size)
+    for i, head in enumerate(heads.heads):
+        r = h + jax.nn.silu(h @ head.res.kernel[...] + head.res.bias[...])
+        np.testing.assert_allclose(out[:, :, i], target.logits(r), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(out[:, :, 0], out[:, :, 1])  # the heads differ
+    np.testing.assert_array_equal(heads(h, num=2, target=target), out[:, :, :2])
+    with pytest.raises(ValueError, match="target="):
+        heads(h)
+    with pytest.raises(ValueError, match="num_layers"):
+        heads(h, target=_tiny(tie_embeddings=tie, num_layers=1))
+
+
+def test_shared_head_is_the_default_for_a_tied_target_only():
+    assert MedusaHeads(_tiny(tie_embeddings=True).config, 2, rngs=nnx.Rngs(0)).shared_head
+    assert not MedusaHeads(_tiny(tie_embeddings=False).config, 2, rngs=nnx.Rngs(0)).shared_head
+    with pytest.raises(TypeError, match="shared_head"):
+        MedusaHeads(_tiny().config, 2, shared_head="yes", rngs=nnx.Rngs(0))
+
+
+def test_shared_checkpoint_round_trip_and_mismatches(tmp_path):
+    import safetensors.numpy
+
+    target = _tiny()
+    heads = _randomize(MedusaHeads(target.config, 2, rngs=nnx.Rngs(0)))
+    save_medusa(heads, str(tmp_path / "h"), extra=dict(base_model="tiny"))
+    meta = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert meta["shared_head"] and meta["base_model"] == "tiny"
+    tensors = safetensors.numpy.load_file(str(tmp_path / "h" / "model.safetensors"))
+    assert sorted(tensors) == [f"heads.{i}.res.{n}" for i in range(2) for n in ("bias", "kernel")]
+    again = load_medusa(str(tmp_path / "h"), target.config)
+    assert again.shared_head and again.num_heads == 2
+    _, h = target(jnp.asarray([[5, 6, 7]]), return_hidden=True)
+    np.testing.assert_array_equal(again(h, target=target), heads(h, target=target))
+    for field, value in (("num_layers", 3), ("vocab_size", 300), ("mlp_dim", 64)):
+        with pytest.raises(ValueError, match=f"{field}={value}"):
+            load_medusa(str(tmp_path / "h"), target.config.replace(**{field: value}))
+
+    def rewrite(name, change):
+        bad = dict(tensors)
+        change(bad)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(meta))
+        safetensors.numpy.save_file(bad, str(tmp_path / name / "model.safetensors"))
+        return str(tmp_path / name)
+
+    path = rewrite("missing", lambda t: t.pop("heads.1.res.bias"))
+    with pytest.raises(ValueError, match=r"missing tensors \[heads.1.res.bias\]"):
+        load_medusa(path, target.config)
+    extra = np.zeros((64, 264), np.float32)
+    path = rewrite("unexpected", lambda t: t.update({"heads.0.lm_head.kernel": extra}))
+    with pytest.raises(ValueError, match=r"unexpected \[heads.0.lm_head.kernel\]"):
+        load_medusa(path, target.config)
+    path = rewrite("shape", lambda t: t.update({"heads.0.res.bias": np.zeros(3, np.float32)}))
+    with pytest.raises(ValueError, match=r"heads.0.res.bias has shape \(3,\)"):
+        load_medusa(path, target.config)
 
 
 def test_training_improves_head_accuracy():
