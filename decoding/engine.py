@@ -61,6 +61,7 @@ from decoding.paging import pages_for
 from decoding.sampling import SamplingConfig, SamplingParams
 from decoding.scheduler import Request, Scheduler
 from models import KVCache
+from models.shard import to_host
 from models.transformer import decode_kernels
 
 _GREEDY = SamplingConfig()
@@ -357,7 +358,7 @@ class Engine:
             self._decode_fn, self._params, self._kernels, self._k, self._v, last, lengths, table,
             seeds, index, SamplingParams.rows(settings),
         )  # fmt: skip
-        new = np.asarray(new)
+        new = to_host(new)  # whole on every process, also when rows span processes
         self._counts["decode_steps"] += 1
         for req in rows:
             token = int(new[req.row])
