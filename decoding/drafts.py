@@ -3,8 +3,8 @@
 A draft kind is a frozen, hashable object (a static argument of the jitted loop) with:
 
 * ``check(target, k)``: ``ValueError`` naming the argument when it cannot draft for ``target``;
-* ``default_num_draft_tokens``: the k used when ``num_draft_tokens=None`` (``default_k``:
-  per backend, from ``benchmarks/speculative.py``);
+* ``default_num_draft_tokens``: a k without measurements (``default_k``); with
+  ``num_draft_tokens=None`` the loops choose k from measured step costs instead (below);
 * ``make_state(target, params, cache_kind, batch, page_size, num_pages)``: host side, the
   draft's own pytree state (e.g. a KV cache) and its page tables (or None);
 * ``prefill(params, state, tokens, prompt_lengths)``: traced, after the target's prefill;
@@ -25,6 +25,16 @@ keep the one at each row's last accepted token. ``decoding/medusa.py`` does so t
 kind hooks the loop calls when present: ``start`` (the state after the target's prefill) and
 ``verify`` (its own verification forward, with ``Transformer(..., return_hidden=True)``).
 
+Draft length. With ``num_draft_tokens=None`` k is chosen, not looked up: the target's cached
+forward is timed at Tq = 1 .. K + 1 (and a model draft's at Tq = 1) once per (model config,
+dtypes, backend, batch) (:func:`measure_step_costs`), and k maximises expected tokens per second
+(:func:`choose_num_draft_tokens`): (1 - a^(k+1)) / (1 - a) tokens per step over the step's
+cost, verification at Tq = k + 1 plus the draft's calls, with a the acceptance rate, a kind's
+prior (``PRIOR_ACCEPTANCE``) until verification has observed some (:class:`AcceptanceEstimate`,
+which the engine keeps per batch). A compute-bound target (a toy on CPU, where verifying k + 1
+tokens costs nearly k + 1 steps) gets a small k, a memory-bound one (a real model at small
+batch: cost nearly flat in Tq) a larger one.
+
 Kinds here: :class:`ModelDraft` (a smaller ``models.Transformer`` with its own cache),
 :class:`PromptLookup` (n-gram lookup in the prompt and generated text) and :class:`EarlyExit`
 (the target's first L layers, sharing its cache).
@@ -33,48 +43,147 @@ Kinds here: :class:`ModelDraft` (a smaller ``models.Transformer`` with its own c
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from decoding.checks import check_int
 from decoding.generate import _cache_for
 from decoding.sampling import probabilities, sample
 from models import KVCache
-from models.transformer import rope_tables
+from models.transformer import decode_kernels, decode_layout, rope_tables
 
-# k used when ``num_draft_tokens=None``, per backend and kind: the k with the best wall-time
-# speed-up over plain decoding (each paired in time with plain generate), greedy first, T = 0.8
-# to break ties (greedy rows within 0.1 of each other are noise on this VM).
-#
-# "cpu": two quiet runs on the 2-core CPU, 2026-12-01 04:55-05:05 UTC, with the second version of
-# the native kernels (a plain code-target step 0.57 -> 0.40 ms; verifying k + 1 tokens 1.13-1.20x
-# / 1.45-1.56x / 1.73-1.84x a step at k = 1 / 2 / 3): ``python -m benchmarks.speculative --kinds
-# code-draft prompt-lookup early-exit:4 medusa medusa+lookup medusa-tree medusa-tree:4 --ks 1 2 3 4
-# --prompts 2 --runs 3`` (speculative_cpu.json) and ``--kinds code-draft prompt-lookup medusa
-# medusa+lookup --ks 1 2 3 --prompts 4 --runs 5 --no-hf --name speculative_default_k``.
-# Greedy, k = 1, 2, 3 (sweep / focused): prompt lookup 1.31 / 1.14, 1.14 / 1.17, 0.81 / 1.09x;
-# Medusa chain 1.04 / 1.11, 1.10 / 1.08, 1.12 / 1.06x; with lookup 1.08 / 1.16, 1.27 / 1.15,
-# 1.11 / 1.20x; distilled code-draft 0.76 / 0.77, 0.75 / 0.70, 0.87 / 0.79x; early exit (4 of 8
-# layers) 0.80, 0.65, 0.66x. Prompt lookup's k = 1 leads; the Medusa rows are within the noise of
-# each other and T = 0.8 breaks the tie towards k = 1 (chain 1.02 / 1.02 vs 1.00 / 1.06x at k = 2;
-# with lookup 1.07 / 1.01 vs 1.05 / 0.96x); the model draft is flat at every k (kept at 3). The
-# same choice came out of the two runs half an hour earlier (04:14 / 04:24 UTC, before the
-# products' panel rows were kept in registers). Before these kernels (k = 1 .. 4, 02:19 UTC) the
-# Medusa chain's best was k = 2 and prompt lookup was flat.
-# "gpu" (any other backend): the earlier CPU choices, when verification cost relatively less, as
-# on a GPU; the H200 suite measured k = 3 (prompt lookup 1.39x, Medusa chain 1.26x), not a sweep.
+# The k a kind's ``default_num_draft_tokens`` gives without a target to measure (kinds that are
+# asked for it outside ``speculative_generate``, and a fallback); ``speculative_generate`` and
+# ``Engine`` choose k from measured step costs instead (:func:`choose_num_draft_tokens`).
 DEFAULT_K = {
     "cpu": {"model": 3, "prompt-lookup": 1, "early-exit": 1, "medusa": 1},
     "gpu": {"model": 3, "prompt-lookup": 3, "early-exit": 1, "medusa": 2},
 }
+# The largest k the cost-based choice considers (and measures Tq = 1 .. MAX_K + 1 for).
+MAX_K = 8
+# Prior acceptance rate per draft kind (the chance that a drafted token is accepted), the
+# starting point of the running estimate; weighed as PRIOR_WEIGHT proposed tokens.
+PRIOR_ACCEPTANCE = {"model": 0.6, "prompt-lookup": 0.5, "early-exit": 0.5, "medusa": 0.5}
+PRIOR_WEIGHT = 16.0
 
 
 def default_k(kind: str) -> int:
     """``DEFAULT_K`` for the default backend (``jax.default_backend()``) and draft ``kind``."""
     return DEFAULT_K["cpu" if jax.default_backend() == "cpu" else "gpu"][kind]
+
+
+class StepCosts(NamedTuple):
+    """Measured seconds per call: ``target[t - 1]`` a cached target forward of Tq = t tokens per
+    row (t = 1 .. len(target)); ``draft`` one draft forward call (0 for drafts with no model)."""
+
+    target: tuple[float, ...]
+    draft: float = 0.0
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens one verification step emits per row when each drafted token is accepted with
+    probability ``acceptance`` independently: 1 + a + .. + a^k = (1 - a^(k+1)) / (1 - a)."""
+    a = min(max(float(acceptance), 0.0), 1.0)
+    return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def choose_num_draft_tokens(
+    costs: StepCosts, acceptance: float, *, draft_calls=None, max_k: int | None = None
+) -> int:
+    """The k in 1 .. K that maximises expected tokens per second:
+
+        k* = argmax_k  expected_tokens(k, a) / (costs.target[k] + draft_calls(k) * costs.draft)
+
+    ``costs.target[k]`` is a verification (Tq = k + 1); ``draft_calls(k)`` the draft's forward
+    calls per step (default k: a model draft); a = ``acceptance``. K = ``max_k`` (default:
+    as many as ``costs.target`` covers, len - 1). Ties go to the smaller k. A compute-bound
+    target (verifying k + 1 tokens costs about k + 1 steps) gets k = 1; a memory-bound one
+    (cost nearly flat in Tq) a k that grows with a.
+    """
+    K = len(costs.target) - 1 if max_k is None else min(max_k, len(costs.target) - 1)
+    if K < 1:
+        raise ValueError(f"costs must cover Tq = 1 .. K + 1 with K >= 1, got {costs.target}")
+    calls = draft_calls or (lambda k: k)
+
+    def rate(k):
+        return expected_tokens(k, acceptance) / (costs.target[k] + calls(k) * costs.draft)
+
+    return max(range(1, K + 1), key=lambda k: (rate(k), -k))
+
+
+class AcceptanceEstimate:
+    """A running acceptance rate: (accepted + prior * weight) / (proposed + weight), so it
+    starts at ``prior`` and follows what verification observed."""
+
+    def __init__(self, prior: float, weight: float = PRIOR_WEIGHT):
+        self.prior, self.weight = float(prior), float(weight)
+        self.accepted = self.proposed = 0
+
+    def update(self, accepted: int, proposed: int) -> None:
+        self.accepted += int(accepted)
+        self.proposed += int(proposed)
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + self.prior * self.weight) / (self.proposed + self.weight)
+
+
+_COSTS: dict = {}
+
+
+def _cost_key(model, batch: int, max_tq: int, context: int):
+    dtypes = tuple(sorted({str(x.dtype) for x in jax.tree.leaves(nnx.state(model))}))
+    return (model.config, dtypes, jax.default_backend(), batch, max_tq, context)
+
+
+def measure_step_costs(model, max_tq: int, *, batch: int = 1, context: int = 128, repeats: int = 5):
+    """Seconds of one cached forward of ``model`` at Tq = 1 .. ``max_tq`` tokens per row for
+    ``batch`` rows with ``context`` tokens already cached -> tuple, index t - 1 for Tq = t.
+
+    Each is the median of ``repeats`` calls after one warm-up (which compiles); the decode path's
+    packed weights are used as the decode loops use them. Cached per (config, dtypes, backend,
+    batch, max_tq, context): measured once per process for a model shape.
+    """
+    max_tq = check_int("max_tq", max_tq, 1)
+    batch, context = check_int("batch", batch, 1), check_int("context", context, 1)
+    repeats = check_int("repeats", repeats, 1)
+    key = _cost_key(model, batch, max_tq, context)
+    if key in _COSTS:
+        return _COSTS[key]
+    graphdef, params = nnx.split(model)
+    kernels = decode_kernels(model, params)
+
+    @jax.jit
+    def run(params, kernels, tokens, cache):
+        return decode_layout(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
+
+    cache = KVCache.contiguous(model.config, batch, context + max_tq)
+    cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
+    out = []
+    for t in range(1, max_tq + 1):
+        tokens = jnp.zeros((batch, t), jnp.int32)
+        jax.block_until_ready(run(params, kernels, tokens, cache))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(params, kernels, tokens, cache))
+            times.append(time.perf_counter() - t0)
+        out.append(float(np.median(times)))
+    _COSTS[key] = tuple(out)
+    return _COSTS[key]
+
+
+def measured_costs(target, draft_model=None, *, batch: int = 1, max_k: int = MAX_K) -> StepCosts:
+    """:class:`StepCosts` of ``target`` at Tq = 1 .. max_k + 1 and of ``draft_model`` (a
+    ``models.Transformer`` or None) at Tq = 1, measured once per shape (``measure_step_costs``)."""
+    target_costs = measure_step_costs(target, max_k + 1, batch=batch)
+    draft = 0.0 if draft_model is None else measure_step_costs(draft_model, 1, batch=batch)[0]
+    return StepCosts(target_costs, draft)
 
 
 class Proposal(NamedTuple):

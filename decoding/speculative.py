@@ -26,18 +26,28 @@ import numpy as np
 from flax import nnx, struct
 
 from decoding.checks import check_model, check_optional_int
-from decoding.drafts import Context, EarlyExit, ModelDraft, PromptLookup
+from decoding.drafts import (
+    MAX_K,
+    PRIOR_ACCEPTANCE,
+    Context,
+    EarlyExit,
+    ModelDraft,
+    PromptLookup,
+    choose_num_draft_tokens,
+    measured_costs,
+)
 from decoding.generate import (
     GenerateResult,
     _bucket,
     _cache_for,
     _check_arguments,
+    _next_pow2,
     _run,
     _stats,
     _timed_phases,
     prefill,
 )
-from decoding.medusa import Medusa
+from decoding.medusa import Medusa, MedusaDraft
 from decoding.sampling import SamplingConfig, all_greedy, argmax, branch, probabilities
 from models import KVCache, Transformer
 from models.shard import mesh_of, replicated
@@ -293,9 +303,35 @@ def place_on_target(draft, kind, params, target):
     return params
 
 
-def _check_k(num_draft_tokens, default: int) -> int:
-    k = check_optional_int("num_draft_tokens", num_draft_tokens, 1)
-    return default if k is None else k
+def draft_cost_model(target, kind, params):
+    """(prior acceptance, the draft model whose step cost counts or None, draft_calls(k), the
+    largest k) of a static draft kind, for :func:`drafts.choose_num_draft_tokens`."""
+    if isinstance(kind, ModelDraft):
+        return PRIOR_ACCEPTANCE["model"], nnx.merge(kind.graphdef, params), (lambda k: k), MAX_K
+    if isinstance(kind, EarlyExit):
+        # Its calls run num_layers of the target's layers: counted as that share of a step.
+        share = kind.num_layers / target.config.num_layers
+        return PRIOR_ACCEPTANCE["early-exit"], None, (lambda k: k * share), MAX_K
+    if isinstance(kind, MedusaDraft):  # the heads cost little beside the target's step
+        return PRIOR_ACCEPTANCE["medusa"], None, (lambda k: 0), min(MAX_K, kind.num_heads)
+    return PRIOR_ACCEPTANCE["prompt-lookup"], None, (lambda k: 0), MAX_K
+
+
+def chosen_num_draft_tokens(target, kind, params, *, batch: int, acceptance=None) -> int:
+    """k for ``num_draft_tokens=None``: :func:`drafts.choose_num_draft_tokens` on the target's
+    (and a model draft's) measured step costs at ``batch`` rows (``drafts.measured_costs``,
+    measured once per shape) and ``acceptance`` (default the kind's prior). A Medusa tree's k
+    is its depth."""
+    if isinstance(kind, MedusaDraft) and kind.tree is not None:
+        return kind.tree.depth
+    if mesh_of(target) is not None:  # measuring runs unsharded programs: the unmeasured k
+        return kind.default_num_draft_tokens
+    prior, draft_model, calls, max_k = draft_cost_model(target, kind, params)
+    costs = measured_costs(target, draft_model, batch=batch, max_k=MAX_K)
+    if isinstance(kind, EarlyExit):
+        costs = costs._replace(draft=costs.target[0])
+    a = prior if acceptance is None else acceptance
+    return choose_num_draft_tokens(costs, a, draft_calls=calls, max_k=max_k)
 
 
 def speculative_generate(
@@ -322,8 +358,10 @@ def speculative_generate(
         sharded target (``models.shard``) a model draft must be sharded over the same mesh,
         Medusa heads are replicated over it, and trees are refused (no sharded tree
         attention): ``ValueError`` before any work (:func:`place_on_target`).
-      num_draft_tokens: k >= 1 tokens drafted per step; None = the draft kind's default
-        (``drafts.DEFAULT_K``, the best measured by ``benchmarks/speculative.py``).
+      num_draft_tokens: k >= 1 tokens drafted per step; None = the k with the most expected
+        tokens per second for the target's measured step costs at Tq = 1 .. K + 1 (and a
+        model draft's), at the kind's prior acceptance rate (:func:`chosen_num_draft_tokens`,
+        ``drafts.choose_num_draft_tokens``; measured once per model shape, dtype and backend).
       The other arguments are ``generate``'s (``num_pages`` sizes each model's page pool).
 
     Returns:
@@ -335,15 +373,24 @@ def speculative_generate(
     """
     check_model("target", target)
     kind, params = draft_kind(draft)
-    k = _check_k(num_draft_tokens, kind.default_num_draft_tokens)
-    kind.check(target, k)
+    k = check_optional_int("num_draft_tokens", num_draft_tokens, 1)
+    if k is not None:
+        kind.check(target, k)
     params = place_on_target(draft, kind, params, target)
-    extra = max(k, getattr(kind, "verify_width", 0))  # slots a step writes past the last token
-    sampling, rows = _check_arguments(
-        target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-        seed=seed, cache=cache, page_size=page_size, num_pages=num_pages, extra=extra,
-        name="target",
-    )  # fmt: skip
+
+    def checked(extra):  # extra: slots a step writes past the last token
+        return _check_arguments(
+            target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+            seed=seed, cache=cache, page_size=page_size, num_pages=num_pages, extra=extra,
+            name="target",
+        )  # fmt: skip
+
+    if k is None:  # chosen for the padded batch's rows (the prompts checked first)
+        batch_rows = _next_pow2(len(checked(0)[1]))
+        k = chosen_num_draft_tokens(target, kind, params, batch=batch_rows)
+        kind.check(target, k)
+    extra = max(k, getattr(kind, "verify_width", 0))
+    sampling, rows = checked(extra)
     batch = _bucket(rows, max_new_tokens, extra=extra)
     B, n_pad = batch.num_rows, len(batch.done) - batch.num_rows
     kv, tables = _cache_for(target, cache, batch.need, n_pad, batch.capacity, page_size, num_pages)

@@ -1,0 +1,86 @@
+"""The draft length chosen from measured step costs: injected cost tables (deterministic) pick a
+small k for a compute-bound target and a larger one for a memory-bound target; the measuring
+function itself times every Tq once per shape; ``speculative_generate`` uses the rule."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import random_transformer
+
+from decoding import PromptLookup, drafts
+from decoding.drafts import (
+    AcceptanceEstimate,
+    StepCosts,
+    choose_num_draft_tokens,
+    expected_tokens,
+    measure_step_costs,
+)
+from decoding.speculative import speculative_generate
+
+K = 8
+COMPUTE_BOUND = StepCosts(tuple(1.0 + 0.9 * t for t in range(K + 1)))  # Tq = t + 1
+MEMORY_BOUND = StepCosts(tuple(1.0 + 0.03 * t for t in range(K + 1)))
+
+
+def test_expected_tokens():
+    assert expected_tokens(3, 0.0) == 1.0
+    assert expected_tokens(3, 1.0) == 4.0
+    assert expected_tokens(2, 0.5) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("a", [0.3, 0.5, 0.8])
+def test_compute_bound_small_k_memory_bound_larger(a):
+    small = choose_num_draft_tokens(COMPUTE_BOUND, a)
+    large = choose_num_draft_tokens(MEMORY_BOUND, a)
+    assert small == 1
+    assert large > small
+    assert large >= 3 if a >= 0.5 else large >= 2
+
+
+def test_k_grows_with_acceptance_and_shrinks_with_draft_cost():
+    ks = [choose_num_draft_tokens(MEMORY_BOUND, a) for a in (0.2, 0.5, 0.8, 0.95)]
+    assert ks == sorted(ks) and ks[-1] > ks[0]
+    cheap = choose_num_draft_tokens(MEMORY_BOUND._replace(draft=0.01), 0.8)
+    dear = choose_num_draft_tokens(MEMORY_BOUND._replace(draft=0.5), 0.8)
+    assert dear < cheap
+    assert choose_num_draft_tokens(MEMORY_BOUND, 0.99, max_k=3) == 3
+    # The rule itself: no other k has more expected tokens per second.
+    best = choose_num_draft_tokens(MEMORY_BOUND, 0.7)
+    rate = [expected_tokens(k, 0.7) / MEMORY_BOUND.target[k] for k in range(1, K + 1)]
+    assert rate[best - 1] == max(rate)
+    with pytest.raises(ValueError, match="K >= 1"):
+        choose_num_draft_tokens(StepCosts((1.0,)), 0.5)
+
+
+def test_acceptance_estimate_starts_at_the_prior_and_follows_observations():
+    est = AcceptanceEstimate(0.5, weight=10)
+    assert est.rate == 0.5
+    est.update(90, 100)
+    assert est.rate == pytest.approx(95 / 110)
+    est.update(0, 1000)
+    assert est.rate < 0.1
+
+
+def test_measure_step_costs_times_each_tq_once_per_shape(monkeypatch):
+    model = random_transformer(seed=5, num_layers=1)
+    calls = []
+    real = drafts.time.perf_counter
+    monkeypatch.setattr(drafts.time, "perf_counter", lambda: calls.append(1) or real())
+    costs = measure_step_costs(model, 2, batch=2, context=16, repeats=2)
+    assert len(costs) == 2 and all(c > 0 for c in costs)
+    assert len(calls) == 2 * 2 * 2  # two timer reads per repeat per Tq
+    again = measure_step_costs(random_transformer(seed=6, num_layers=1), 2, batch=2, context=16)
+    assert again is costs and len(calls) == 8  # same shapes and dtypes: cached, not re-timed
+    with pytest.raises(ValueError, match="max_tq"):
+        measure_step_costs(model, 0)
+
+
+def test_speculative_generate_uses_the_rule(monkeypatch):
+    target = random_transformer(seed=0, num_layers=1)
+    for costs, want in ((COMPUTE_BOUND, 1), (MEMORY_BOUND, None)):
+        monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, c=costs, **k: c.target)
+        res = speculative_generate(target, PromptLookup(), [[1, 2, 3, 1, 2]], max_new_tokens=3)
+        prior = drafts.PRIOR_ACCEPTANCE["prompt-lookup"]
+        want = want or choose_num_draft_tokens(costs, prior, draft_calls=lambda k: 0)
+        assert res.stats["num_draft_tokens"] == want
+    assert want > 1
