@@ -16,6 +16,7 @@ from models import data
 from models.pretrained import SHIPPED, checkpoint_arg, load_model
 from models.train import bits_per_byte, make_eval
 from models.transformer import Transformer
+from pallas_attn import IMPLS
 
 WINDOWS, SEQ_LEN, BATCH = 128, 256, 16
 
@@ -34,11 +35,14 @@ def main(argv=None) -> None:
         type=checkpoint_arg,
         help=f"shipped names {SHIPPED} or checkpoint directories",
     )
-    p.add_argument("--attn-impl", default="auto")
+    p.add_argument("--attn-impl", default="auto", choices=IMPLS)
     args = p.parse_args(argv)
     corpus = data.Corpus.from_stdlib()
     for name in args.models:
-        model = load_model(name, attn_impl=args.attn_impl)
+        try:
+            model = load_model(name, attn_impl=args.attn_impl)
+        except ValueError as e:  # a checkpoint that lies (models.hf): a usage error, exit 2
+            p.error(f"models: {e}")
         bpb = heldout_bits_per_byte(model, corpus)
         print(f"{name}: {model.config.num_params():,} params, {bpb:.4f} bits/byte", flush=True)
 

@@ -37,9 +37,11 @@ through the unchanged model code (``jax.make_mesh`` creates ``Explicit`` axes by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -67,20 +69,28 @@ def axis_size(mesh: Mesh, name: str) -> int:
 
 
 def check_mesh(config: TransformerConfig, mesh) -> Mesh:
-    """Validates ``mesh`` for ``config``; returns it with ``Auto`` axis types."""
+    """Validates ``mesh`` for ``config`` -> a mesh with both axes ("data", "model"), an absent
+    one added with size 1 (after the mesh's own axes, so the device order is kept), and
+    ``Auto`` axis types. Bad meshes are ``ValueError``s naming ``mesh``, before anything moves."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    unknown = [a for a in mesh.axis_names if a not in AXES]
-    if unknown:
-        raise ValueError(f"mesh axis names must be from {AXES}, got {mesh.axis_names}")
-    tp = axis_size(mesh, "model")
+    names = tuple(mesh.axis_names)
+    if any(a not in AXES for a in names) or len(set(names)) != len(names):
+        raise ValueError(f"mesh axis names must be distinct names from {AXES}, got {names}")
+    devices = mesh.devices
+    if len(set(devices.flat)) != devices.size:
+        raise ValueError(f"mesh must hold each device once, got {devices.size} entries")
+    missing = tuple(a for a in AXES if a not in names)
+    devices = devices.reshape(devices.shape + (1,) * len(missing))
+    names += missing
+    tp = dict(zip(names, devices.shape, strict=True))["model"]
     for field in ("num_kv_heads", "mlp_dim", "vocab_size"):
         if getattr(config, field) % tp:
             raise ValueError(
                 f"{field} ({getattr(config, field)}) must be divisible by the 'model' axis size "
-                f"({tp}); use a smaller 'model' axis (and a larger 'data' axis)"
+                f"({tp}) of mesh; use a smaller 'model' axis (and a larger 'data' axis)"
             )
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def mesh_of(model) -> Mesh | None:
@@ -104,18 +114,74 @@ def param_shardings(model, mesh: Mesh | None = None):
     )
 
 
+def put_global(tree, shardings):
+    """``jax.device_put(tree, shardings)`` that also works when a sharding spans devices of other
+    processes: each process passes the same whole value and keeps the slices of its own devices
+    (``jax.make_array_from_callback``), so no device of another process is addressed."""
+
+    def put(x, sharding):
+        if sharding.is_fully_addressable or (
+            isinstance(x, jax.Array) and not x.is_fully_addressable
+        ):
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+@functools.cache
+def _replicate(sharding: NamedSharding):
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(sharding.mesh, P()))
+
+
+def to_host(tree):
+    """``jax.device_get(tree)`` on every process, also for arrays sharded over devices of other
+    processes: those are first replicated over their mesh (one all-gather, a collective every
+    process must call, as it calls the computation that produced them), so every process gets
+    the whole value. Explicit transfers only: allowed under ``jax.transfer_guard("disallow")``."""
+
+    def fetch(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        if not x.is_fully_replicated:
+            if not isinstance(x.sharding, NamedSharding):
+                raise TypeError(f"to_host: cannot gather an array with {x.sharding!r}")
+            x = _replicate(x.sharding)(x)
+        return x.addressable_data(0)
+
+    return jax.device_get(jax.tree.map(fetch, tree))
+
+
 def shard(model, mesh: Mesh):
     """Places ``model``'s parameters on ``mesh`` (Megatron tensor parallel over "model",
     replicated over "data") and makes its attention run per device on local heads.
 
     Returns the same ``models.Transformer``, changed in place. Raises ``ValueError`` when
-    ``num_kv_heads``, ``mlp_dim`` or ``vocab_size`` is not a multiple of the "model" axis.
+    ``num_kv_heads``, ``mlp_dim`` or ``vocab_size`` is not a multiple of the "model" axis, and
+    ``TypeError`` for anything but a Transformer, before any parameter moves.
+
+    The mesh may span processes (``jax.distributed``): every process calls ``shard`` with the
+    same parameters (the same checkpoint files, or the same seed) and keeps only the shards of
+    its own devices.
     """
     config = getattr(model, "config", None)
-    if not isinstance(config, TransformerConfig):
-        raise TypeError(f"model must be a models.Transformer, got {type(model).__name__}")
+    # Checked before anything moves: a wrong object (Medusa heads have a config too) or a bad
+    # mesh leaves the model as it was.
+    attns = [getattr(layer, "attn", None) for layer in getattr(model, "layers", ())]
+    if (
+        not isinstance(config, TransformerConfig)
+        or len(attns) != config.num_layers
+        or (None in attns)
+    ):
+        hint = (
+            "; shard the target only: speculative_generate places Medusa heads on its mesh"
+            if type(model).__name__ == "MedusaHeads"
+            else ""
+        )
+        raise TypeError(f"model must be a models.Transformer, got {type(model).__name__}{hint}")
     mesh = check_mesh(config, mesh)
-    nnx.update(model, jax.device_put(nnx.state(model), param_shardings(model, mesh)))
+    nnx.update(model, put_global(nnx.state(model), param_shardings(model, mesh)))
     model.mesh = mesh
     for layer in model.layers:
         layer.attn.mesh = mesh
@@ -228,6 +294,10 @@ def make_train_step(model, tx: optax.GradientTransformation):
     ``_, params, rest = nnx.split(model, nnx.Param, ...)``,
     ``opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)`` and ``batch``
     the 4 [B, T] arrays of ``models.train.loss_fn``; B must be a multiple of the "data" axis.
+    On a mesh that spans processes, every process passes the same global batch as NumPy arrays
+    (placed with :func:`put_global`) or global ``jax.Array``s (e.g. from
+    ``jax.make_array_from_process_local_data(shardings.batch, local_rows)``); the loss comes
+    back replicated, readable on every process.
     """
     from models import train  # train imports the transformer, which imports this module
 
@@ -247,6 +317,7 @@ def make_train_step(model, tx: optax.GradientTransformation):
             raise ValueError(
                 f"batch size {batch[0].shape[0]} must be a multiple of the 'data' axis ({dp})"
             )
+        batch = tuple(put_global(x, sh.batch) for x in batch)
         return jitted(params, rest, opt_state, batch)
 
     return step, sh
@@ -260,6 +331,7 @@ def memory_plan(
     hbm_bytes: float,
     context: int,
     reserve_fraction: float = 0.1,
+    processes: int = 1,
 ) -> dict:
     """Memory arithmetic of serving ``config`` on ``devices`` accelerators of ``hbm_bytes`` each,
     sharded ``(devices // model_axis, model_axis)`` over ("data", "model").
@@ -268,6 +340,12 @@ def memory_plan(
     activations, logits and the compiler's workspace. Returns weight bytes (total and per
     device), KV bytes per token (total and per device: 2 x layers x Hkv x D x itemsize, over tp),
     and the largest total batch whose rows each hold ``context`` tokens.
+
+    With ``processes`` hosts (``jax.distributed``, ``devices // processes`` devices each) it
+    also gives what one process holds: ``weight_bytes_per_process`` and
+    ``kv_bytes_per_token_per_process`` on its devices (per-device figures times its devices),
+    and ``host_bytes_per_process_at_load``: every process reads the whole checkpoint into host
+    memory before keeping its own shards (``models.shard``).
     """
     if not 0 <= reserve_fraction < 1:
         raise ValueError(f"reserve_fraction must be in [0, 1), got {reserve_fraction!r}")
@@ -276,6 +354,9 @@ def memory_plan(
             f"model_axis ({model_axis}) must divide devices ({devices}) and num_kv_heads "
             f"({config.num_kv_heads})"
         )
+    if processes < 1 or devices % processes:
+        raise ValueError(f"processes ({processes}) must divide devices ({devices})")
+    local = devices // processes
     itemsize = config.jnp_dtype.itemsize
     weights = config.num_params() * itemsize
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.resolved_head_dim * itemsize
@@ -287,4 +368,7 @@ def memory_plan(
         kv_bytes_per_token=kv_token,
         kv_bytes_per_token_per_device=kv_token / model_axis,
         max_batch=per_replica * (devices // model_axis),
+        weight_bytes_per_process=weights / model_axis * local,
+        kv_bytes_per_token_per_process=kv_token / model_axis * local,
+        host_bytes_per_process_at_load=weights,
     )

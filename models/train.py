@@ -31,6 +31,7 @@ from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.pretrained import checkpoint_arg, load_model
 from models.tokenizer import ByteTokenizer
 from models.transformer import Transformer
+from pallas_attn import IMPLS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,39 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 0
     distill_temperature: float = 1.0  # softens teacher and student when distilling
+
+    def __post_init__(self):
+        """Raises ``ValueError`` naming the field for a value no run can use (bools, NaN,
+        ``steps=0``, a non-positive learning rate, ...), before any work."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            low, high, low_open = _LIMITS[field.name]
+            kinds = (int, np.integer) if field.type in (int, "int") else (int, float, np.number)
+            if isinstance(value, bool | np.bool_) or not isinstance(value, kinds):
+                raise ValueError(f"{field.name} must be {field.type}, got {value!r}")
+            v = float(value)
+            if not math.isfinite(v) or not (low < v if low_open else low <= v) or v > high:
+                bound = f"{'>' if low_open else '>='} {low}"
+                bound += f" and <= {high}" if high < math.inf else ""
+                raise ValueError(f"{field.name} must be finite and {bound}, got {value!r}")
+
+
+# field -> (lower bound, upper bound, lower bound excluded): what a run can use. steps >= 1 so
+# that something is trained and evaluated; a zero or negative learning rate trains nothing.
+_LIMITS = dict(
+    steps=(1, math.inf, False),
+    batch=(1, math.inf, False),
+    seq_len=(1, math.inf, False),
+    lr=(0.0, math.inf, True),
+    warmup=(0, math.inf, False),
+    end_lr_fraction=(0.0, 1.0, False),
+    weight_decay=(0.0, math.inf, False),
+    clip_norm=(0.0, math.inf, True),
+    eval_every=(1, math.inf, False),
+    eval_batches=(1, math.inf, False),
+    seed=(0, 2**32 - 1, False),
+    distill_temperature=(0.0, math.inf, True),
+)
 
 
 def schedule(tc: TrainConfig) -> optax.Schedule:
@@ -215,17 +249,33 @@ def _starting_models(args, config: TransformerConfig):
     return init, teacher
 
 
+def output_dir(text: str) -> str:
+    """An ``argparse`` type: a directory that exists and is writable, or can be created (its
+    nearest existing parent is a writable directory). Nothing is created here."""
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable ({parent!r} is not)")
+    return text
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default=None, help="TransformerConfig preset name (required)")
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--out", required=True, help="output directory (Hugging Face format)")
+    p.add_argument(
+        "--out", required=True, type=output_dir, help="output directory (Hugging Face format)"
+    )
     defaults = TrainConfig()
     for field in dataclasses.fields(TrainConfig):
         if field.name != "steps":
             flag = "--" + field.name.replace("_", "-")
             p.add_argument(flag, type=type(getattr(defaults, field.name)), default=None)
-    p.add_argument("--attn-impl", default="auto")
+    p.add_argument("--attn-impl", default="auto", choices=IMPLS)
     p.add_argument(
         "--init",
         default=None,
@@ -253,14 +303,25 @@ def main(argv=None) -> None:
         for f in dataclasses.fields(TrainConfig)
         if getattr(args, f.name, None) is not None
     }
-    tc = TrainConfig(**overrides)
+    # Every flag is checked here, before the corpus, a model or a step: a run that cannot
+    # finish (or save) fails at once with a usage error (exit 2) naming the flag.
+    try:
+        tc = TrainConfig(**overrides)
+    except ValueError as e:
+        p.error(f"--{str(e).replace('_', '-')}")
+    for flag in ("max_corpus_bytes", "medusa_heads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.medusa_heads is not None:
         from models.medusa_train import main_medusa
 
         return main_medusa(args, tc, argv)
     if args.preset is None:
         p.error("--preset is required (unless --medusa-heads)")
-    config = TransformerConfig.preset(args.preset, attn_impl=args.attn_impl)
+    try:
+        config = TransformerConfig.preset(args.preset, attn_impl=args.attn_impl)
+    except ValueError as e:
+        p.error(f"--preset: {e}")
     corpus = data.Corpus.from_stdlib(max_bytes=args.max_corpus_bytes)
     print(
         f"{args.preset}: {config.num_params():,} params; corpus {corpus.train.size:,} train / "

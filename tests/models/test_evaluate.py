@@ -1,9 +1,11 @@
+import json
 import math
 
 import numpy as np
+import pytest
 from flax import nnx
 
-from models import Transformer, TransformerConfig, data
+from models import Transformer, TransformerConfig, data, evaluate
 from models.evaluate import SEQ_LEN, WINDOWS, heldout_bits_per_byte
 
 
@@ -15,3 +17,19 @@ def test_untrained_model_scores_about_uniform():
     config = TransformerConfig.preset("tiny", attn_impl="xla")
     bpb = heldout_bits_per_byte(Transformer(config, rngs=nnx.Rngs(0)), corpus)
     assert abs(bpb - math.log2(config.vocab_size)) < 0.05, bpb
+
+
+def test_cli_bad_flags_and_lying_checkpoints_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["code-draft", "--attn-impl", "fast"])
+    assert exit_info.value.code == 2 and "--attn-impl" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main([str(tmp_path / "missing")])
+    assert exit_info.value.code == 2 and "models" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"num_attention_heads": 0}))
+    (bad / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main([str(bad)])
+    assert exit_info.value.code == 2 and "bad" in capsys.readouterr().err

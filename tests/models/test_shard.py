@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
@@ -108,6 +108,44 @@ def test_sharded_logits_equal_single_device(shape, single_device_logits):
     if shape[0] > 1:  # 3 rows do not split over the data axis: replicated, same logits
         got = _forward(model, inputs[:3], segment_ids[:3])
         np.testing.assert_allclose(got, single_device_logits[:3], atol=2e-6, rtol=1e-5)
+
+
+@needs_8
+@pytest.mark.parametrize(
+    "shape, names", [((8,), ("data",)), ((8,), ("model",)), ((4, 2), ("model", "data"))]
+)
+def test_meshes_the_docstring_allows(shape, names, single_device_logits):
+    """One-axis meshes (the absent axis counts as size 1) and swapped axis order."""
+    inputs, _, segment_ids, _ = _batch()
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
+    model = models.shard(_model(), mesh)
+    assert mesh_of(model).axis_names[: len(names)] == names and mesh_of(model).size == 8
+    got = _forward(model, inputs, segment_ids)
+    np.testing.assert_allclose(got, single_device_logits, atol=2e-6, rtol=1e-5)
+
+
+def test_other_meshes_are_value_errors_naming_mesh_and_move_nothing():
+    d = jax.devices()[0]
+    model = _model()
+    before = jax.tree.leaves(nnx.state(model))
+    for mesh in [
+        Mesh(np.array([d]).reshape(1, 1), ("model", "model")),
+        Mesh(np.array([d, d]), ("data",)),
+        Mesh(np.array([d]).reshape(1, 1, 1), ("data", "model", "pipe")),
+    ]:
+        with pytest.raises(ValueError, match="mesh"):
+            models.shard(model, mesh)
+    assert mesh_of(model) is None
+    assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model)), before, strict=True))
+
+
+def test_medusa_heads_are_refused_before_any_parameter_moves():
+    heads = models.MedusaHeads(CONFIG, 2, rngs=nnx.Rngs(0))
+    before = jax.tree.leaves(nnx.state(heads))
+    with pytest.raises(TypeError, match="models.Transformer, got MedusaHeads; shard the target"):
+        models.shard(heads, Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")))
+    assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(heads)), before, strict=True))
+    assert getattr(heads, "mesh", None) is None
 
 
 @needs_8
@@ -278,3 +316,24 @@ def test_memory_plan_for_llama_3_8b_on_8_h200():
         assert used(per_replica) <= hbm * (1 - reserve) < used(per_replica + 1)
     with pytest.raises(ValueError, match="model_axis"):
         models.memory_plan(config, devices=8, model_axis=16, hbm_bytes=hbm, context=context)
+    with pytest.raises(ValueError, match="processes"):
+        models.memory_plan(config, devices=8, model_axis=4, hbm_bytes=hbm, context=8, processes=3)
+
+
+def test_memory_plan_per_process_of_two_hosts():
+    """Two hosts of 4 devices on a (2, 4) mesh: each process's devices hold a whole tensor
+    parallel copy of the weights and 4 / 4 of a token's KV bytes; each reads the whole file."""
+    config = TransformerConfig.preset("llama-3-8b")
+    one = models.memory_plan(config, devices=8, model_axis=4, hbm_bytes=141e9, context=8192)
+    two = models.memory_plan(
+        config, devices=8, model_axis=4, hbm_bytes=141e9, context=8192, processes=2
+    )
+    assert two["max_batch"] == one["max_batch"]  # the same devices, split among hosts
+    assert two["weight_bytes_per_process"] == 4 * one["weight_bytes_per_device"]
+    assert two["weight_bytes_per_process"] == two["weight_bytes"]
+    assert two["kv_bytes_per_token_per_process"] == two["kv_bytes_per_token"]
+    assert two["host_bytes_per_process_at_load"] == two["weight_bytes"]
+    eight = models.memory_plan(
+        config, devices=8, model_axis=2, hbm_bytes=141e9, context=8192, processes=8
+    )
+    assert eight["weight_bytes_per_process"] == eight["weight_bytes"] / 2

@@ -82,3 +82,44 @@ def test_cli_writes_a_loadable_checkpoint_and_resumes_from_it(tmp_path):
     with pytest.raises(ValueError, match="does not match"):
         train.main([*args, "--preset", "code-draft", "--steps", "1", "--init", str(out),
                     "--out", str(tmp_path / "bad")])  # fmt: skip
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("a bad flag reached the corpus: the check came after work started")
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--steps", "0"], "--steps"),
+        (["--steps", "2", "--lr", "nan"], "--lr"),
+        (["--steps", "2", "--lr", "0"], "--lr"),
+        (["--steps", "2", "--warmup", "-1"], "--warmup"),
+        (["--steps", "2", "--end-lr-fraction", "1.5"], "--end-lr-fraction"),
+        (["--steps", "2", "--clip-norm", "inf"], "--clip-norm"),
+        (["--steps", "2", "--max-corpus-bytes", "0"], "--max-corpus-bytes"),
+        (["--steps", "2", "--preset", "no-such-preset"], "--preset"),
+        (["--steps", "2", "--attn-impl", "fast"], "--attn-impl"),
+        (["--steps", "2", "--out", "{file}/ckpt"], "--out"),
+        (["--steps", "2", "--out", "{file}"], "--out"),
+    ],
+)
+def test_cli_bad_flags_exit_2_naming_the_flag_before_any_work(
+    flags, named, tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setattr(data.Corpus, "from_stdlib", _no_work)
+    argv = ["--preset", "tiny", "--out", str(tmp_path / "out")]
+    argv += [f.format(file=tmp_path / "file") for f in flags]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_config_refuses_values_no_run_can_use():
+    for bad in [dict(steps=0), dict(lr=float("nan")), dict(batch=True), dict(steps=2.0)]:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            train.TrainConfig(**bad)
+    assert train.TrainConfig(steps=np.int64(3), lr=np.float32(0.5)).steps == 3
