@@ -11,29 +11,53 @@ from pallas_attn import IMPLS
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (``rope_type: "llama3"`` in Hugging Face configs).
+    """RoPE frequency scaling.
 
-    Wavelengths longer than ``original_max_position / low_freq_factor`` are divided by ``factor``,
-    those shorter than ``original_max_position / high_freq_factor`` are kept, and the band in
-    between is interpolated smoothly.
+    ``rope_type`` "llama3" (Hugging Face's ``rope_type: "llama3"``): wavelengths longer than
+    ``original_max_position / low_freq_factor`` are divided by ``factor``, those shorter than
+    ``original_max_position / high_freq_factor`` are kept, and the band in between is
+    interpolated smoothly. "linear" (Gemma 3's global layers): every frequency is divided by
+    ``factor`` (the other fields unused).
     """
 
+    rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
 
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"rope_type must be 'llama3' or 'linear', got {self.rope_type!r}")
+        if not 0 < self.factor < float("inf"):
+            raise ValueError(f"RoPE scaling factor must be a positive number, got {self.factor!r}")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
     """A decoder-only transformer: token embedding, ``num_layers`` x (RMSNorm, GQA attention with
-    RoPE, RMSNorm, SwiGLU MLP), final RMSNorm, LM head.
+    RoPE, RMSNorm, gated MLP), final RMSNorm, LM head.
 
     Shapes: V = ``vocab_size``, Hq = ``num_heads``, Hkv = ``num_kv_heads``, D = ``head_dim``.
 
     Attributes:
       sliding_window: if set, a query sees itself and the ``sliding_window - 1`` keys before it
-        (Mistral / Hugging Face convention), i.e. ``window_size = (sliding_window - 1, 0)``.
+        (Mistral / Hugging Face convention), i.e. ``window_size = (sliding_window - 1, 0)``; in
+        every layer, or with ``layer_types`` only in the ``"sliding_attention"`` layers.
+      layer_types: None, or one of ``"sliding_attention"`` / ``"full_attention"`` per layer
+        (Gemma 3's local and global layers; Hugging Face's ``layer_types``).
+      local_rope_theta: RoPE base of the sliding layers when they have their own (Gemma 3: 10k
+        beside the global layers' ``rope_theta`` of 1M); their RoPE is never scaled.
+      qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3).
+      norm_plus_one: RMSNorm weights are applied as ``(1 + w)``, the product taken in float32
+        (Gemma); ``w`` is stored as Hugging Face stores it.
+      sandwich_norm: four norms per layer: also one on the attention output and one on the MLP
+        output, before each residual add (Gemma 2 / 3).
+      embed_scale: multiply the embedding by ``sqrt(dim)`` (rounded to the activation dtype, as
+        transformers' Gemma does).
+      mlp_act: the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
+      query_pre_attn_scalar: the softmax scale is its ``** -0.5``; None = D (``1 / sqrt(D)``).
+        Gemma 3's field of that name (its 27B model scales by ``dim / num_heads``, not D).
       attn_softcap, final_softcap: Gemma-2 style ``c * tanh(x / c)`` on attention scores / logits
         (0 = off).
       attn_impl: the ``pallas_attn`` implementation used by every attention call.
@@ -53,6 +77,14 @@ class TransformerConfig:
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
+    qk_norm: bool = False
+    norm_plus_one: bool = False
+    sandwich_norm: bool = False
+    embed_scale: bool = False
+    mlp_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     tie_embeddings: bool = False
@@ -82,6 +114,21 @@ class TransformerConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.resolved_head_dim}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types must be a tuple of num_layers ({self.num_layers}) entries, got "
+                    f"{self.layer_types!r}"
+                )
+            bad = set(self.layer_types) - set(LAYER_TYPES)
+            if bad:
+                raise ValueError(f"layer_types entries must be in {LAYER_TYPES}, got {sorted(bad)}")
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
+        for name in ("local_rope_theta", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
         if self.attn_impl not in IMPLS:
             raise ValueError(f"attn_impl must be one of {IMPLS}, got {self.attn_impl!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -94,8 +141,31 @@ class TransformerConfig:
 
     @property
     def window_size(self) -> tuple[int, int]:
-        """``(left, right)`` for ``pallas_attn``: causal, limited look-back with a sliding window."""
+        """``(left, right)`` for ``pallas_attn``: causal, limited look-back with a sliding window
+        (the sliding layers' window when ``layer_types`` mixes kinds; see :meth:`layer_window`)."""
         return (-1 if self.sliding_window is None else self.sliding_window - 1, 0)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends through ``sliding_window``."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> tuple[int, int]:
+        """``window_size`` of layer ``layer``: the sliding window or unbounded (causal)."""
+        return self.window_size if self.is_sliding(layer) else (-1, 0)
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """RoPE base of layer ``layer``: ``local_rope_theta`` for a sliding layer when set."""
+        if self.local_rope_theta is not None and self.is_sliding(layer):
+            return self.local_rope_theta
+        return self.rope_theta
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The attention's softmax scale (None: ``pallas_attn``'s default ``1 / sqrt(D)``)."""
+        q = self.query_pre_attn_scalar
+        return None if q is None else float(q) ** -0.5
 
     @property
     def jnp_dtype(self):
@@ -110,7 +180,10 @@ class TransformerConfig:
         attn = self.dim * D * (Hq + 2 * Hkv) + Hq * D * self.dim
         if self.qkv_bias:
             attn += D * (Hq + 2 * Hkv)
-        layer = attn + 3 * self.dim * self.mlp_dim + 2 * self.dim
+        if self.qk_norm:
+            attn += 2 * D
+        norms = (4 if self.sandwich_norm else 2) * self.dim
+        layer = attn + 3 * self.dim * self.mlp_dim + norms
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.num_layers * layer + self.dim + head
 
@@ -121,6 +194,9 @@ class TransformerConfig:
             raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
         return PRESETS[name].replace(**overrides)
 
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+MLP_ACTS = ("silu", "gelu_tanh")
 
 # Byte-level vocabulary of the shipped models: 256 bytes + BOS/EOS/PAD = 259 ids, embedding
 # padded to 264 (a multiple of 8) so the LM-head matmul has an aligned width. Ids 259..263 are

@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format) for the ``llama`` and ``qwen2`` architectures.
+"""GGUF checkpoints (llama.cpp's format) for the ``llama``, ``qwen2``, ``qwen3`` and ``gemma3``
+architectures.
 
 The file's header is parsed by :func:`models.gguf_metadata.read_gguf` (its tensors memory-mapped)
 and its tensors are dequantized with ``gguf.quants`` (llama.cpp's own reference dequantizers)
@@ -7,11 +8,18 @@ turned into the Hugging Face ``config.json`` dict that the same model would have
 are renamed to Hugging Face's names, so :func:`models.hf.config_from_hf` and
 :func:`models.hf.build_model` (one description per family) build the model for both formats.
 
-llama.cpp's converter permutes the rows of each ``llama`` Q and K projection so that RoPE pairs
-adjacent dimensions (``(2i, 2i + 1)``, GPT-J style) where Hugging Face pairs ``(i, i + D/2)``
-(GPT-NeoX style); :func:`unpermute` undoes it. ``qwen2`` files keep Hugging Face's order.
-Llama-3 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency divisors; the
-:class:`~models.config.RopeScaling` that reproduces it is recovered from it.
+The metadata becomes the ``config.json`` dict through one table of keys (:data:`_KEYS`) and the
+family's entry in :data:`models.hf.FAMILIES`, which also says what llama.cpp's loader assumes
+where its converter writes nothing (Gemma 3: the sliding / global layer pattern, the local RoPE
+base, the attention scale) and how the converter changed the tensors:
+
+* it permutes the rows of each ``llama`` Q and K projection so that RoPE pairs adjacent
+  dimensions (``(2i, 2i + 1)``, GPT-J style) where Hugging Face pairs ``(i, i + D/2)`` (GPT-NeoX
+  style); :func:`unpermute` undoes it. ``qwen2``, ``qwen3`` and ``gemma3`` files keep Hugging
+  Face's order (llama.cpp runs them with NeoX RoPE);
+* it stores Gemma's norm weights ``w`` (applied as ``1 + w``) as ``1 + w``; 1 is taken off again;
+* Llama-3 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency divisors; the
+  :class:`~models.config.RopeScaling` that reproduces it is recovered from it.
 """
 
 from __future__ import annotations
@@ -25,7 +33,15 @@ import numpy as np
 
 from models.config import RopeScaling, TransformerConfig
 from models.gguf_metadata import read_gguf
-from models.hf import build_model, config_from_hf, hf_tensors
+from models.hf import (
+    FAMILIES,
+    Family,
+    build_model,
+    config_from_hf,
+    config_to_hf,
+    family_of,
+    hf_tensors,
+)
 from models.transformer import Transformer, rope_frequencies
 
 _Q = gguf.GGMLQuantizationType
@@ -37,7 +53,23 @@ TENSOR_TYPES = tuple(
         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     )
 )  # fmt: skip
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {f.gguf: f.architecture for f in FAMILIES.values() if f.gguf is not None}
+_FAMILY = {f.gguf: f for f in FAMILIES.values() if f.gguf is not None}
+
+# The one table of metadata keys: ``{arch}.KEY`` -> the config.json key it is (read and write).
+_KEYS = {
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "context_length": "max_position_embeddings",
+    "attention.sliding_window": "sliding_window",
+    "vocab_size": "vocab_size",
+}
 
 # GGUF tensor name (``blk.N.`` stripped) -> Hugging Face name (``model.layers.N.`` stripped).
 _LAYER_NAMES = {
@@ -50,9 +82,19 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's four norms: llama.cpp's ``ffn_norm`` is the pre-MLP norm everywhere, which Hugging Face
+# Gemma calls ``pre_feedforward_layernorm`` (and Llama ``post_attention_layernorm``).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -62,14 +104,20 @@ _NAMES = {
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of GGUF tensor ``name``, or None for one the model has no use for."""
+def _layer_names(arch: str) -> dict[str, str]:
+    return _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+
+
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of GGUF tensor ``name`` in a file of architecture ``arch``, or None
+    for one the model has no use for."""
     if name in _NAMES:
         return _NAMES[name]
     blk, _, rest = name.partition(".")
     index, _, rest = rest.partition(".")
-    if blk == "blk" and index.isdigit() and rest in _LAYER_NAMES:
-        return f"model.layers.{index}.{_LAYER_NAMES[rest]}"
+    names = _layer_names(arch)
+    if blk == "blk" and index.isdigit() and rest in names:
+        return f"model.layers.{index}.{names[rest]}"
     return None
 
 
@@ -121,16 +169,40 @@ class _Metadata:
 
 
 def _hf_config(meta: _Metadata, tensors: dict, vocab_rows: int) -> dict:
-    """The Hugging Face ``config.json`` dict of a ``llama`` / ``qwen2`` GGUF file."""
+    """The Hugging Face ``config.json`` dict of a GGUF file, through :data:`_KEYS` and the
+    family's :attr:`~models.hf.Family.gguf_defaults`."""
     arch = meta.require("general.architecture", str)
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{meta.path}: unsupported architecture {arch!r}; supported: {tuple(ARCHITECTURES)}"
         )
+    family = _FAMILY[arch]
     a = lambda key: f"{arch}.{key}"  # noqa: E731
     heads = meta.count(a("attention.head_count"))
     dim = meta.count(a("embedding_length"))
-    head_dim = meta.count(a("attention.key_length"), max(dim // heads, 1))
+    tokens = meta.fields.get("tokenizer.ggml.tokens")
+    defaults = {
+        "attention.head_count_kv": heads,
+        "attention.key_length": max(dim // heads, 1),
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "rope.freq_base": 10000.0,
+        "context_length": 2048,
+        "vocab_size": len(tokens) if tokens else max(vocab_rows, 1),
+    }
+    counts = {"embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+              "attention.head_count_kv", "attention.key_length", "vocab_size",
+              "attention.sliding_window"}  # fmt: skip
+    hf = {"architectures": [family.architecture], "model_type": family.model_type}
+    for key, hf_key in _KEYS.items():
+        if key in counts:
+            if key == "attention.sliding_window" and arch != "gemma3":
+                continue  # llama.cpp reads no window for the other architectures
+            hf[hf_key] = meta.count(a(key), defaults.get(key))
+        elif key == "context_length":
+            hf[hf_key] = meta.get(a(key), int, defaults[key])
+        else:
+            hf[hf_key] = meta.get(a(key), float, defaults[key])
+    head_dim = hf["head_dim"]
     value_dim = meta.count(a("attention.value_length"), head_dim)
     rope_dim = meta.count(a("rope.dimension_count"), head_dim)
     if value_dim != head_dim or rope_dim != head_dim:
@@ -139,31 +211,39 @@ def _hf_config(meta: _Metadata, tensors: dict, vocab_rows: int) -> dict:
             f"{rope_dim} must be equal (partial rotary and distinct value heads are unsupported)"
         )
     scaling = meta.get(a("rope.scaling.type"), str, "none")
-    if scaling != "none":
+    if scaling == "linear":
+        factor = meta.get(a("rope.scaling.factor"), float)
+        if factor is None:
+            raise ValueError(f"{meta.path}: linear RoPE scaling without {a('rope.scaling.factor')}")
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    elif scaling != "none":
         raise ValueError(f"{meta.path}: unsupported RoPE scaling type {scaling!r}")
-    tokens = meta.fields.get("tokenizer.ggml.tokens")
-    hf = {
-        "architectures": [ARCHITECTURES[arch]],
-        "vocab_size": meta.count(a("vocab_size"), len(tokens) if tokens else max(vocab_rows, 1)),
-        "hidden_size": dim,
-        "num_hidden_layers": meta.count(a("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": meta.count(a("attention.head_count_kv"), heads),
-        "intermediate_size": meta.count(a("feed_forward_length")),
-        "head_dim": head_dim,
-        "rms_norm_eps": meta.get(a("attention.layer_norm_rms_epsilon"), float, 1e-5),
-        "rope_theta": meta.get(a("rope.freq_base"), float, 10000.0),
-        "max_position_embeddings": meta.get(a("context_length"), int, 2048),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", int),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id", int),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", int),
-    }
+    hf.update(
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id", int),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id", int),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id", int),
+    )
+    if arch == "gemma3":
+        hf.update(_gemma3_defaults(hf, family, meta))
     if ROPE_FREQS in tensors:
         original = meta.get(a("rope.scaling.original_context_length"), int, 8192)
         divisors = gguf.quants.dequantize(tensors[ROPE_FREQS].data, tensors[ROPE_FREQS].tensor_type)
         hf["rope_scaling"] = _llama3_scaling(np.ravel(divisors), hf, original, meta.path)
     return hf
+
+
+def _gemma3_defaults(hf: dict, family: Family, meta: _Metadata) -> dict:
+    """What llama.cpp's loader assumes for a ``gemma3`` file (its converter writes none of it):
+    every 6th layer global, the others sliding (``set_swa_pattern(6)``), a local RoPE base of
+    10000 unscaled (``rope_freq_base_train_swa``), and an attention scale of ``1 / sqrt(D)``,
+    except ``1 / sqrt(dim / heads)`` for the 62-layer 27B model (``f_attention_scale``). The
+    window itself is required, as llama.cpp requires it."""
+    if "sliding_window" not in hf:
+        raise ValueError(f"{meta.path}: metadata lacks gemma3.attention.sliding_window")
+    n_layers = hf["num_hidden_layers"]
+    scalar = hf["hidden_size"] // hf["num_attention_heads"] if n_layers == 62 else hf["head_dim"]
+    return {**family.gguf_defaults, "query_pre_attn_scalar": scalar}
 
 
 def _llama3_scaling(divisors: np.ndarray, hf: dict, original: int, path: str) -> dict:
@@ -208,8 +288,11 @@ class _Tensors(Mapping):
     """The file's tensors under their Hugging Face names, dequantized (float32) on access."""
 
     def __init__(self, by_name: dict, hf: dict):
-        self._gguf = {hf_name(n): t for n, t in by_name.items() if hf_name(n) is not None}
-        self._permute = hf["architectures"][0] == "LlamaForCausalLM"
+        family = FAMILIES[hf["model_type"]]
+        names = {n: hf_name(n, family.gguf) for n in by_name}
+        self._gguf = {h: by_name[n] for n, h in names.items() if h is not None}
+        self._permute = family.permute_qk
+        self._norm_shift = family.gguf_norm_shift
         self._heads = {"q_proj": hf["num_attention_heads"], "k_proj": hf["num_key_value_heads"]}
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -219,6 +302,8 @@ class _Tensors(Mapping):
         proj = name.split(".")[-2]
         if self._permute and proj in self._heads:
             w = unpermute(w, self._heads[proj])
+        if self._norm_shift and name.endswith("norm.weight"):
+            w = w - np.float32(self._norm_shift)
         return w
 
     def __iter__(self) -> Iterator[str]:
@@ -234,7 +319,7 @@ def read_config(path, *, dtype=None) -> TransformerConfig:
 
 
 def _default_dtype(by_name: dict):
-    types = {t.tensor_type for t in by_name.values() if hf_name(t.name)}
+    types = {t.tensor_type for t in by_name.values() if hf_name(t.name, "gemma3")}
     return jnp.bfloat16 if _Q.BF16 in types else jnp.float32
 
 
@@ -259,7 +344,7 @@ def _prepare(path, dtype):
 
 
 def load_gguf(path, *, dtype=None, attn_impl: str = "auto") -> Transformer:
-    """A :class:`Transformer` from a GGUF file (``llama`` or ``qwen2`` architecture).
+    """A :class:`Transformer` from a GGUF file (``llama``, ``qwen2``, ``qwen3`` or ``gemma3``).
 
     Args:
       path: the ``.gguf`` file.
@@ -268,8 +353,9 @@ def load_gguf(path, *, dtype=None, attn_impl: str = "auto") -> Transformer:
       attn_impl: the ``pallas_attn`` implementation of every attention call.
 
     The config comes from the file's metadata: layers, heads, KV heads, head dim, MLP width,
-    vocabulary, RoPE base (and Llama-3 scaling from ``rope_freqs``), norm epsilon, context
-    length, tied or separate output, special token ids. Raises FileNotFoundError for a missing
+    vocabulary, RoPE base (and Llama-3 scaling from ``rope_freqs``, linear scaling), norm
+    epsilon, context length, tied or separate output, special token ids, Gemma 3's window
+    (and llama.cpp's defaults for what its files omit, see :func:`_gemma3_defaults`). Raises FileNotFoundError for a missing
     file and ValueError for an unreadable one, an unsupported architecture or tensor type (both
     named, before any weight is read), or tensors that do not match the metadata.
     """
@@ -281,15 +367,15 @@ def load_gguf(path, *, dtype=None, attn_impl: str = "auto") -> Transformer:
 # Tensor types :func:`save_gguf` writes (those ``gguf.quants`` can quantize).
 WRITE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 _GGUF_NAMES = {hf: g for g, hf in _NAMES.items()}
-_GGUF_LAYER_NAMES = {hf: g for g, hf in _LAYER_NAMES.items()}
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str = "llama") -> str:
     """Inverse of :func:`hf_name`."""
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
     _, _, index, rest = name.split(".", 3)  # model.layers.N.rest
-    return f"blk.{index}.{_GGUF_LAYER_NAMES[rest]}"
+    inverse = {hf: g for g, hf in _layer_names(arch).items()}
+    return f"blk.{index}.{inverse[rest]}"
 
 
 def _copy_fields(writer: gguf.GGUFWriter, source: gguf.GGUFReader, prefix: str) -> None:
@@ -299,6 +385,42 @@ def _copy_fields(writer: gguf.GGUFWriter, source: gguf.GGUFReader, prefix: str) 
             vtype = gguf.GGUFValueType(field.types[0])
             sub = gguf.GGUFValueType(field.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(key, field.contents(), vtype, sub)
+
+
+def _gguf_family(c: TransformerConfig) -> Family:
+    """The family ``c`` is written as; ValueError for what its GGUF architecture cannot hold."""
+    family = family_of(c)
+    if family.gguf is None or c.attn_softcap or c.final_softcap:
+        raise ValueError(
+            "a sliding window or softcap has no llama/qwen2/qwen3 GGUF equivalent (gemma3 "
+            "files hold a window, in llama.cpp's fixed layer pattern)"
+        )
+    if (
+        c.rope_scaling is not None
+        and c.rope_scaling.rope_type == "linear"
+        and family.gguf != "gemma3"
+    ):
+        raise ValueError("linear RoPE scaling is written for gemma3 files only")
+    if family.gguf == "gemma3":
+        # The file cannot say otherwise: what llama.cpp's loader assumes must be the model's.
+        hf = config_to_hf(c)
+        assumed = _gemma3_defaults(hf, family, _Metadata({}, "<model>"))
+        pattern = family.gguf_defaults["sliding_window_pattern"]
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(c.num_layers)]  # fmt: skip
+        if (
+            hf["layer_types"] != kinds
+            or c.local_rope_theta != assumed["rope_local_base_freq"]
+            or hf["query_pre_attn_scalar"] != assumed["query_pre_attn_scalar"]
+        ):
+            raise ValueError(
+                "a gemma3 GGUF file cannot hold this model: llama.cpp assumes every "
+                f"{pattern}th layer global, a local RoPE base of "
+                f"{assumed['rope_local_base_freq']} and query_pre_attn_scalar "
+                f"{assumed['query_pre_attn_scalar']}; the model has {hf['layer_types']}, "
+                f"{c.local_rope_theta} and {hf['query_pre_attn_scalar']}"
+            )
+    return family
 
 
 def save_gguf(model: Transformer, path, *, tensor_type: str = "F32", tokenizer_from=None) -> None:
@@ -311,30 +433,34 @@ def save_gguf(model: Transformer, path, *, tensor_type: str = "F32", tokenizer_f
       tokenizer_from: a GGUF file whose ``tokenizer.*`` fields (vocabulary, merges, special
         ids, chat template) are copied, so that llama.cpp can run the file.
 
-    ValueError for a model the ``llama`` / ``qwen2`` architectures cannot express (a sliding
-    window, softcaps, Llama-3 RoPE scaling is written as ``rope_freqs``) or an unknown type.
+    The architecture is the model's family's (``llama``, ``qwen2``, ``qwen3``, ``gemma3``);
+    written as llama.cpp's converter writes it (Q/K rows permuted for ``llama``, Gemma's norms as
+    ``1 + w``, Llama-3 RoPE scaling as ``rope_freqs``). ValueError for a model its architecture
+    cannot express (a sliding window outside gemma3, softcaps, a Gemma 3 whose layer pattern,
+    local RoPE base or attention scale differ from what llama.cpp assumes) or an unknown type.
     """
     c = model.config
     if tensor_type not in WRITE_TYPES:
         raise ValueError(f"tensor_type must be one of {WRITE_TYPES}, got {tensor_type!r}")
-    if c.sliding_window is not None or c.attn_softcap or c.final_softcap:
-        raise ValueError("a sliding window or softcap has no llama/qwen2 GGUF equivalent")
-    arch = "qwen2" if c.qkv_bias else "llama"
+    family = _gguf_family(c)
+    arch = family.gguf
+    hf = {**config_to_hf(c), "rope_theta": c.rope_theta}  # Gemma's dict nests its theta
     writer = gguf.GGUFWriter(os.fspath(path), arch)
+    for key, hf_key in _KEYS.items():
+        value = hf.get(hf_key)
+        if value is None or (key == "attention.sliding_window" and arch != "gemma3"):
+            continue
+        if isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
     D = c.resolved_head_dim
-    writer.add_block_count(c.num_layers)
-    writer.add_context_length(c.max_position)
-    writer.add_embedding_length(c.dim)
-    writer.add_feed_forward_length(c.mlp_dim)
-    writer.add_head_count(c.num_heads)
-    writer.add_head_count_kv(c.num_kv_heads)
-    writer.add_key_length(D)
     writer.add_value_length(D)
     writer.add_rope_dimension_count(D)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_layer_norm_rms_eps(c.norm_eps)
-    writer.add_vocab_size(c.vocab_size)
-    if c.rope_scaling is not None:
+    if c.rope_scaling is not None and c.rope_scaling.rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(c.rope_scaling.factor)
+    elif c.rope_scaling is not None:
         writer.add_rope_scaling_orig_ctx_len(c.rope_scaling.original_max_position)
     if tokenizer_from is not None:
         _copy_fields(writer, _open(tokenizer_from), "tokenizer.")
@@ -343,20 +469,22 @@ def save_gguf(model: Transformer, path, *, tensor_type: str = "F32", tokenizer_f
             writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
     qtype = _Q[tensor_type]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if c.rope_scaling is not None:
+    if c.rope_scaling is not None and c.rope_scaling.rope_type == "llama3":
         plain = rope_frequencies(c.replace(rope_scaling=None))
         divisors = np.asarray(plain / rope_frequencies(c), np.float32)
         writer.add_tensor(ROPE_FREQS, divisors, raw_dtype=_Q.F32)
     heads = {"q_proj": c.num_heads, "k_proj": c.num_kv_heads}
     for name, w in hf_tensors(model, jnp.float32).items():
         w = np.asarray(w, np.float32)
-        if arch == "llama" and name.split(".")[-2] in heads:
+        if family.permute_qk and name.split(".")[-2] in heads:
             w = _permute(w, heads[name.split(".")[-2]])
+        if family.gguf_norm_shift and name.endswith("norm.weight"):
+            w = w + np.float32(family.gguf_norm_shift)
         kind = qtype if w.ndim == 2 else _Q.F32
         if kind != _Q.F32 and w.shape[-1] % block:
             kind = _Q.F16
         data = w if kind == _Q.F32 else gguf.quants.quantize(w, kind)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=kind)  # shape from the bytes
+        writer.add_tensor(gguf_name(name, arch), data, raw_dtype=kind)  # shape from the bytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints: ``config.json`` + ``model.safetensors`` (or sharded with
-``model.safetensors.index.json``) for ``LlamaForCausalLM``, ``MistralForCausalLM`` and
-``Qwen2ForCausalLM``, read and written without torch.
+``model.safetensors.index.json``) for ``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and ``Gemma3ForCausalLM`` (the text model, ``model_type``
+``gemma3_text``), read and written without torch. :data:`FAMILIES` describes each family once.
 
 Hugging Face stores a linear layer's weight as ``[out, in]``; NNX ``Linear.kernel`` is ``[in, out]``,
 so those tensors are transposed on the way in and out. The model's fused ``qkv_proj`` and
@@ -25,12 +26,87 @@ from flax import nnx
 from models.config import RopeScaling, TransformerConfig
 from models.transformer import Transformer, fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPE = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: its names in Hugging Face and llama.cpp files and what it switches on.
+
+    The one description of a family that :func:`config_from_hf`, :func:`config_to_hf`, the
+    tensor names of :func:`build_model` / :func:`hf_tensors` and the GGUF reader and writer
+    (``models.gguf``, which turns a file's metadata into this family's ``config.json`` dict
+    through its one table of keys) all read.
+
+    Attributes:
+      architecture, model_type: Hugging Face's ``architectures[0]`` and ``model_type``.
+      gguf: llama.cpp's ``general.architecture`` for it; None when llama.cpp's converter writes
+        the family under another one (Mistral as ``llama``).
+      features: the :class:`TransformerConfig` fields the family fixes (the others' defaults).
+      act: ``(config key, value)``: the activation key and the one value supported.
+      defaults: values of transformers' config class for keys a ``config.json`` may omit.
+      gguf_defaults: ``config.json`` values llama.cpp's loader assumes for the family when the
+        file's metadata lacks them (its converter never writes them).
+      permute_qk: llama.cpp's converter reorders each Q/K head's rows for GPT-J RoPE pairing.
+      gguf_norm_shift: added to every norm weight by llama.cpp's converter (Gemma's ``1 + w``
+        is stored as its sum).
+      renames: our tensor name -> the family's Hugging Face name, where they differ.
+    """
+
+    architecture: str
+    model_type: str
+    gguf: str | None
+    features: dict = dataclasses.field(default_factory=dict)
+    act: tuple[str, str] = ("hidden_act", "silu")
+    defaults: dict = dataclasses.field(default_factory=dict)
+    gguf_defaults: dict = dataclasses.field(default_factory=dict)
+    permute_qk: bool = False
+    gguf_norm_shift: float = 0.0
+    renames: dict = dataclasses.field(default_factory=dict)
+
+
+# The TransformerConfig fields a family decides; every other family has their defaults.
+_FEATURES = dict(
+    qkv_bias=False,
+    qk_norm=False,
+    norm_plus_one=False,
+    sandwich_norm=False,
+    embed_scale=False,
+    mlp_act="silu",
+)
+_GEMMA3_LOCAL_THETA = 10000.0  # transformers' and llama.cpp's base of Gemma 3's sliding layers
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("LlamaForCausalLM", "llama", "llama", permute_qk=True),
+        Family("MistralForCausalLM", "mistral", None),
+        Family("Qwen2ForCausalLM", "qwen2", "qwen2", features=dict(qkv_bias=True)),
+        Family("Qwen3ForCausalLM", "qwen3", "qwen3", features=dict(qk_norm=True),
+               defaults=dict(head_dim=128)),
+        Family(
+            "Gemma3ForCausalLM",
+            "gemma3_text",
+            "gemma3",
+            features=dict(qk_norm=True, norm_plus_one=True, sandwich_norm=True,
+                          embed_scale=True, mlp_act="gelu_tanh"),
+            act=("hidden_activation", "gelu_pytorch_tanh"),
+            defaults=dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                          sliding_window_pattern=6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                          rope_theta=1e6, rope_local_base_freq=_GEMMA3_LOCAL_THETA),
+            # llama.cpp's src/llama-model.cpp, LLM_ARCH_GEMMA3 hparams: set_swa_pattern(6)
+            # (every 6th layer global), rope_freq_base_train_swa = 10000, no scaling of the
+            # local RoPE, and f_attention_scale = 1 / sqrt(n_embd_head_k) except for the 62-layer
+            # 27B model, 1 / sqrt(n_embd / n_head) (see models.gguf._gemma3_defaults).
+            gguf_defaults=dict(sliding_window_pattern=6, rope_local_base_freq=_GEMMA3_LOCAL_THETA),
+            gguf_norm_shift=1.0,
+            renames={
+                "post_attn_norm": "pre_feedforward_layernorm",
+                "attn_out_norm": "post_attention_layernorm",
+                "mlp_out_norm": "post_feedforward_layernorm",
+            },
+        ),
+    )
+}  # fmt: skip
+ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
+_BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 
 
 _REQUIRED = (
@@ -42,26 +118,53 @@ _REQUIRED = (
 )
 
 
-def _architecture(hf: dict) -> str:
-    """``architectures[0]``, or when that list is absent the architecture ``model_type`` names
-    (older and hand-written configs give only ``model_type``)."""
+def family_of_hf(hf: dict) -> Family:
+    """The family of a ``config.json`` dict: ``architectures[0]``, or when that list is absent
+    the family ``model_type`` names (older and hand-written configs give only ``model_type``)."""
     archs = hf.get("architectures")
     if archs:
         arch = archs if isinstance(archs, str) else archs[0]
-        if arch not in ARCHITECTURES:
+        if arch not in _BY_ARCHITECTURE:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
-        return arch
-    by_type = {model_type: arch for arch, model_type in _MODEL_TYPE.items()}
+        return _BY_ARCHITECTURE[arch]
     model_type = hf.get("model_type")
-    if model_type not in by_type:
+    if model_type not in FAMILIES:
         raise ValueError(
             f"unsupported model: no architectures and model_type {model_type!r}; supported: "
-            f"{ARCHITECTURES} or model_type in {tuple(by_type)}"
+            f"{ARCHITECTURES} or model_type in {tuple(FAMILIES)}"
         )
-    return by_type[model_type]
+    return FAMILIES[model_type]
 
 
-def _check_supported(hf: dict, arch: str) -> None:
+def family_of(config: TransformerConfig) -> Family:
+    """The family whose features ``config`` has; ValueError when no family has them all."""
+    if config.norm_plus_one:
+        family = FAMILIES["gemma3_text"]
+    elif config.qk_norm:
+        family = FAMILIES["qwen3"]
+    elif config.qkv_bias:
+        family = FAMILIES["qwen2"]
+    elif config.sliding_window is not None:
+        family = FAMILIES["mistral"]
+    else:
+        family = FAMILIES["llama"]
+    wanted = {**_FEATURES, **family.features}
+    have = {k: getattr(config, k) for k in _FEATURES}
+    gemma = family.model_type == "gemma3_text"
+    if have != wanted or (
+        not gemma
+        and (config.layer_types or config.local_rope_theta or config.query_pre_attn_scalar)
+    ):
+        raise ValueError(
+            f"no supported Hugging Face architecture has this combination of features: {have} "
+            f"(the nearest, {family.architecture}, has {wanted})"
+        )
+    if family.model_type in ("qwen2", "qwen3") and config.sliding_window is not None:
+        raise ValueError(f"{family.architecture} with a sliding window cannot be exported")
+    return family
+
+
+def _check_supported(hf: dict, family: Family) -> None:
     """ValueError for a missing required key or a feature the model does not have."""
     missing = [key for key in _REQUIRED if key not in hf]
     if missing:
@@ -72,12 +175,15 @@ def _check_supported(hf: dict, arch: str) -> None:
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
             raise ValueError(f"{key} must be a positive int, got {value!r}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
+    key, act = family.act
+    if hf.get(key, act) != act:
+        raise ValueError(f"unsupported {key} {hf[key]!r} (only {act})")
     if hf.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=True")
-    if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):
+    if hf.get("attention_bias") and not family.features.get("qkv_bias"):
         raise ValueError("unsupported attention_bias=True (bias on o_proj)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention=True (a causal decoder only)")
 
 
 def _number(hf: dict, key: str, default: float) -> float:
@@ -92,11 +198,21 @@ def _number(hf: dict, key: str, default: float) -> float:
     return float(value)
 
 
-def _flag(hf: dict, key: str) -> bool:
-    value = hf.get(key, False)
+def _flag(hf: dict, key: str, default: bool = False) -> bool:
+    value = hf.get(key, default)
     if not isinstance(value, bool):  # "false" is truthy: never guess
         raise ValueError(f"{key} must be true or false, got {value!r}")
     return value
+
+
+def _scalar(hf: dict) -> int | float:
+    """Gemma's ``query_pre_attn_scalar``, an int kept an int (transformers' config wants one)."""
+    _number(hf, "query_pre_attn_scalar", 1.0)
+    return hf["query_pre_attn_scalar"]
+
+
+def _softcap(hf: dict, key: str) -> float:
+    return 0.0 if hf.get(key) is None else _number(hf, key, 0.0)
 
 
 def _token_id(hf: dict, key: str) -> int | None:
@@ -111,16 +227,16 @@ def _token_id(hf: dict, key: str) -> int | None:
     return value
 
 
-def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
-    """(theta, Llama-3 scaling or None) from ``rope_parameters`` or the legacy ``rope_scaling``."""
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    theta = _number({"rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0))},
-                    "rope_theta", 10000.0)  # fmt: skip
+def _rope(rope: dict, default_theta: float) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling or None) from one ``rope_parameters`` dict (legacy keys merged in)."""
+    theta = _number({"rope_theta": rope.get("rope_theta", default_theta)}, "rope_theta", 1.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling(rope_type="linear", factor=_number(rope, "factor", 1.0))
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_type {rope_type!r} (default or llama3)")
+        raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear or llama3)")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in rope]
     if missing:
@@ -134,32 +250,87 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _sliding_window(hf: dict, arch: str) -> int | None:
-    if arch == "MistralForCausalLM":
-        return hf.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+def _rope_params(hf: dict, family: Family) -> tuple[float, RopeScaling | None, float | None]:
+    """(theta, scaling, local theta or None): ``rope_parameters`` (per layer kind for Gemma 3),
+    else the legacy ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``."""
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, dict) or not isinstance(hf.get("rope_scaling") or {}, dict):
+        raise ValueError(f"rope_parameters must be an object, got {params!r}")
+    default_theta = family.defaults.get("rope_theta", 10000.0)
+    legacy = {"rope_theta": hf.get("rope_theta", default_theta), **(hf.get("rope_scaling") or {})}
+    if "full_attention" in params or "sliding_attention" in params:  # one dict per layer kind
+        theta, scaling = _rope({**legacy, **(params.get("full_attention") or {})}, default_theta)
+        local = {"rope_theta": hf.get("rope_local_base_freq", _GEMMA3_LOCAL_THETA),
+                 **(params.get("sliding_attention") or {})}  # fmt: skip
+        local_theta, local_scaling = _rope(local, _GEMMA3_LOCAL_THETA)
+        if local_scaling is not None:
+            raise ValueError("unsupported RoPE scaling of the sliding_attention layers")
+        return theta, scaling, local_theta
+    theta, scaling = _rope({**legacy, **params}, default_theta)
+    local = None
+    if family.model_type == "gemma3_text":
+        local = _number(hf, "rope_local_base_freq", _GEMMA3_LOCAL_THETA)
+    return theta, scaling, local
+
+
+def _layer_types(hf: dict, family: Family) -> tuple[str, ...] | None:
+    """Gemma 3's per-layer kinds: ``layer_types``, else every ``sliding_window_pattern``-th
+    layer global (transformers' rule)."""
+    if family.model_type != "gemma3_text":
+        return None
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        pattern = hf.get("sliding_window_pattern", family.defaults["sliding_window_pattern"])
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"sliding_window_pattern must be a positive int, got {pattern!r}")
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if not isinstance(kinds, list) or len(kinds) != n:
+        raise ValueError(f"layer_types must be a list of num_hidden_layers ({n}) entries")
+    bad = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise ValueError(f"unsupported layer_types {bad}")
+    return tuple(kinds)
+
+
+def _sliding_window(hf: dict, family: Family) -> int | None:
+    if family.model_type == "mistral":
+        window = hf.get("sliding_window")
+    elif family.model_type == "gemma3_text":
+        window = hf.get("sliding_window", family.defaults["sliding_window"])
+    elif family.model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         kinds = set(hf.get("layer_types") or ["sliding_attention"])
         if kinds != {"sliding_attention"}:
             raise ValueError(f"unsupported mix of layer_types {sorted(kinds)} (one kind only)")
-        return hf.get("sliding_window")
-    return None
+        window = hf.get("sliding_window")
+    else:
+        return None
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"sliding_window must be a positive int or null, got {window!r}")
+    return window
 
 
 def config_from_hf(hf: dict, *, dtype=jnp.float32) -> TransformerConfig:
     """A :class:`TransformerConfig` from a Hugging Face ``config.json`` dict.
 
-    The architecture is ``architectures[0]``, else the one ``model_type`` names ("llama",
-    "mistral", "qwen2"). ValueError names an unsupported architecture, feature or missing key.
+    The family is ``architectures[0]``, else the one ``model_type`` names (see
+    :data:`FAMILIES`: llama, mistral, qwen2, qwen3, gemma3_text). ValueError names an
+    unsupported architecture, feature or missing key.
     """
     if not isinstance(hf, dict):
         raise ValueError(f"a Hugging Face config must be a JSON object, got {type(hf).__name__}")
-    arch = _architecture(hf)
-    _check_supported(hf, arch)
-    theta, scaling = _rope(hf)
+    family = family_of_hf(hf)
+    hf = {**family.defaults, **hf}
+    _check_supported(hf, family)
+    theta, scaling, local_theta = _rope_params(hf, family)
 
     head_dim = hf.get("head_dim")
     if head_dim == hf["hidden_size"] // hf["num_attention_heads"]:
         head_dim = None  # the derived default: keeps round trips equal
+    features = {**_FEATURES, **family.features}
+    gemma = family.model_type == "gemma3_text"
     return TransformerConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
@@ -171,42 +342,52 @@ def config_from_hf(hf: dict, *, dtype=jnp.float32) -> TransformerConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         norm_eps=_number(hf, "rms_norm_eps", 1e-6),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        sliding_window=_sliding_window(hf, arch),
+        sliding_window=_sliding_window(hf, family),
+        layer_types=_layer_types(hf, family),
+        local_rope_theta=local_theta,
+        query_pre_attn_scalar=_scalar(hf) if gemma else None,
+        attn_softcap=_softcap(hf, "attn_logit_softcapping"),
+        final_softcap=_softcap(hf, "final_logit_softcapping"),
         tie_embeddings=_flag(hf, "tie_word_embeddings"),
         max_position=hf.get("max_position_embeddings", 2048),
         bos_id=_token_id(hf, "bos_token_id"),
         eos_id=_token_id(hf, "eos_token_id"),
         pad_id=_token_id(hf, "pad_token_id"),
         dtype=jnp.dtype(dtype).name,
+        **features,
     )
 
 
-def config_to_hf(config: TransformerConfig) -> dict:
-    """The ``config.json`` dict for ``config``: Qwen2 when it has q/k/v bias, Mistral when it has
-    a sliding window, else Llama."""
-    if config.attn_softcap or config.final_softcap:
-        raise ValueError("softcap has no Llama/Mistral/Qwen2 equivalent; cannot export it")
-    if config.qkv_bias and config.sliding_window is not None:
-        raise ValueError("q/k/v bias with a sliding window has no supported HF architecture")
-    arch = "LlamaForCausalLM"
-    if config.qkv_bias:
-        arch = "Qwen2ForCausalLM"
-    elif config.sliding_window is not None:
-        arch = "MistralForCausalLM"
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
+def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict:
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if scaling is not None and scaling.rope_type == "linear":
+        rope.update(rope_type="linear", factor=scaling.factor)
+    elif scaling is not None:
         rope.update(
             rope_type="llama3",
-            factor=s.factor,
-            low_freq_factor=s.low_freq_factor,
-            high_freq_factor=s.high_freq_factor,
-            original_max_position_embeddings=s.original_max_position,
+            factor=scaling.factor,
+            low_freq_factor=scaling.low_freq_factor,
+            high_freq_factor=scaling.high_freq_factor,
+            original_max_position_embeddings=scaling.original_max_position,
         )
+    return rope
+
+
+def config_to_hf(config: TransformerConfig) -> dict:
+    """The ``config.json`` dict for ``config``, of the family whose features it has
+    (:func:`family_of`: Gemma 3 with Gemma's norms, Qwen3 with q/k norms, Qwen2 with q/k/v
+    bias, Mistral with a sliding window, else Llama)."""
+    family = family_of(config)
+    gemma = family.model_type == "gemma3_text"
+    if (config.attn_softcap or config.final_softcap) and not gemma:
+        raise ValueError(f"softcap has no {family.architecture} equivalent; cannot export it")
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear" and not gemma:
+        raise ValueError("linear RoPE scaling is only exported for Gemma 3")
+    rope = _rope_dict(config.rope_theta, config.rope_scaling)
+    act_key, act = family.act
     hf = {
-        "architectures": [arch],
-        "model_type": _MODEL_TYPE[arch],
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.dim,
         "num_hidden_layers": config.num_layers,
@@ -214,7 +395,7 @@ def config_to_hf(config: TransformerConfig) -> dict:
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.resolved_head_dim,
         "intermediate_size": config.mlp_dim,
-        "hidden_act": "silu",
+        act_key: act,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
         "rope_parameters": rope,
@@ -225,12 +406,34 @@ def config_to_hf(config: TransformerConfig) -> dict:
         "pad_token_id": config.pad_id,
         "dtype": config.dtype,
     }
-    if arch == "MistralForCausalLM":
+    if family.model_type != "qwen2":  # Qwen2's bias is not optional: its config has no key
+        hf["attention_bias"] = False
+    if family.model_type == "mistral":
         hf["sliding_window"] = config.sliding_window
-    if arch == "Qwen2ForCausalLM":
+    if family.model_type in ("qwen2", "qwen3"):
         hf.update(use_sliding_window=False, sliding_window=None)
-    if arch == "LlamaForCausalLM":
-        hf.update(attention_bias=False, mlp_bias=False)
+    if family.model_type == "llama":
+        hf["mlp_bias"] = False
+    if gemma:
+        del hf["rope_theta"]
+        local = (
+            config.local_rope_theta if config.local_rope_theta is not None else config.rope_theta
+        )
+        hf.update(
+            rope_parameters={"full_attention": rope, "sliding_attention": _rope_dict(local, None)},
+            sliding_window=config.sliding_window,
+            layer_types=[
+                "sliding_attention" if config.is_sliding(i) else "full_attention"
+                for i in range(config.num_layers)
+            ],
+            query_pre_attn_scalar=(
+                config.query_pre_attn_scalar
+                if config.query_pre_attn_scalar is not None
+                else config.resolved_head_dim
+            ),
+            attn_logit_softcapping=config.attn_softcap or None,
+            final_logit_softcapping=config.final_softcap or None,
+        )
     return hf
 
 
@@ -262,8 +465,10 @@ def _linear_entries(prefix: str, linear: nnx.Linear, names: list[str], fuse, unf
 
 
 def _entries(model: Transformer) -> list[_Entry]:
-    """Every parameter of ``model`` with the HF tensors it is made of (q/k/v and gate/up fused)."""
+    """Every parameter of ``model`` with the HF tensors it is made of (q/k/v and gate/up fused),
+    named as its family names them (:attr:`Family.renames`)."""
     c = model.config
+    renames = family_of(c).renames if (c.sandwich_norm or c.qk_norm) else {}
     qkv = dict(
         fuse=lambda q, k, v: fuse_qkv(q, k, v, c.num_kv_heads),
         unfuse=lambda w: split_qkv(w, c.num_kv_heads, c.resolved_head_dim),
@@ -273,11 +478,25 @@ def _entries(model: Transformer) -> list[_Entry]:
         _Entry(model.embed.embedding, ("model.embed_tokens.weight",)),
         _Entry(model.norm.weight, ("model.norm.weight",)),
     ]
+    norms = {
+        "input_norm": "input_layernorm",
+        "post_attn_norm": "post_attention_layernorm",
+        "attn_out_norm": None,
+        "mlp_out_norm": None,
+    }
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
+        for attr, hf_name in norms.items():
+            norm = getattr(layer, attr)
+            if norm is not None:
+                name = renames.get(attr, hf_name)
+                entries.append(_Entry(norm.weight, (f"{p}{name}.weight",)))
+        if layer.attn.q_norm is not None:
+            entries += [
+                _Entry(layer.attn.q_norm.weight, (p + "self_attn.q_norm.weight",)),
+                _Entry(layer.attn.k_norm.weight, (p + "self_attn.k_norm.weight",)),
+            ]
         entries += [
-            _Entry(layer.input_norm.weight, (p + "input_layernorm.weight",)),
-            _Entry(layer.post_attn_norm.weight, (p + "post_attention_layernorm.weight",)),
             *_linear_entries(p + "self_attn.", layer.attn.qkv_proj, ["q_proj", "k_proj", "v_proj"],
                              **qkv),
             *_linear_entries(p + "self_attn.", layer.attn.o_proj, ["o_proj"], **one),

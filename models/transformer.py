@@ -4,6 +4,12 @@ Token embedding -> ``num_layers`` x [x + Attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x)
 LM head. Attention is GQA with RoPE (rotate-half / GPT-NeoX pairing, as Hugging Face Llama),
 optional q/k/v bias (Qwen2), sliding window (Mistral) and score softcap (Gemma-2).
 
+The other families are the same skeleton with pieces switched on by the config (each a
+trace-time branch: a Llama layer runs none of their code): per-head q/k RMSNorm before RoPE
+(Qwen3, Gemma 3); Gemma's ``(1 + w)`` norms, four per layer, ``sqrt(dim)``-scaled embedding,
+GeGLU MLP and ``query_pre_attn_scalar`` softmax scale; per-layer sliding / global attention with
+a RoPE base of each kind (Gemma 3, ``config.layer_types`` / ``local_rope_theta``).
+
 Fused projections: each attention layer has one ``qkv_proj`` (dim -> (Hq + 2 Hkv) D) and each MLP
 one ``gate_up_proj`` (dim -> 2 mlp_dim), so a decode step runs 4 matrix-vector products per layer
 instead of 7. Their output features are grouped so that any contiguous split into ``tp`` equal
@@ -28,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -42,25 +49,54 @@ _INIT = nnx.initializers.normal(stddev=0.02)
 
 
 class RMSNorm(nnx.Module):
-    """``x / rms(x) * weight``, statistics in float32 (as Hugging Face's ``LlamaRMSNorm``)."""
+    """``x / rms(x) * weight``, statistics in float32 (as Hugging Face's ``LlamaRMSNorm``: the
+    normalized x is cast back to x's dtype, then scaled).
 
-    def __init__(self, dim: int, *, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    ``plus_one`` (Gemma): ``x / rms(x) * (1 + weight)``, the product in float32 and then cast
+    (as ``Gemma3RMSNorm``); the weight starts at zero."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, plus_one: bool = False):
+        self.weight = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), dtype))
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
 
 
-def rope_frequencies(config: TransformerConfig):
-    """Inverse frequencies [D/2] float32, with Llama-3 scaling when ``config.rope_scaling``."""
+def _norm(config: TransformerConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, eps=config.norm_eps, dtype=config.jnp_dtype, plus_one=config.norm_plus_one)
+
+
+class Embed(nnx.Embed):
+    """``nnx.Embed`` whose lookup is multiplied by ``scale`` (Gemma's ``sqrt(dim)``, rounded to
+    the activation dtype first, as transformers does) when it is not None; ``attend`` (the tied
+    LM head) is unscaled."""
+
+    scale: float | None = None
+
+    def __call__(self, inputs):
+        x = super().__call__(inputs)
+        if self.scale is None:
+            return x
+        return x * jnp.asarray(np.float32(self.scale)).astype(x.dtype)  # float32 first, as HF
+
+
+def rope_frequencies(config: TransformerConfig, *, local: bool = False):
+    """Inverse frequencies [D/2] float32, with Llama-3 scaling when ``config.rope_scaling``;
+    ``local``: those of the sliding layers' own base ``config.local_rope_theta`` (unscaled)."""
     D = config.resolved_head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
-    s = config.rope_scaling
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    s = None if local else config.rope_scaling
     if s is None:
         return inv_freq
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
     wavelen = 2 * jnp.pi / inv_freq
     low_wavelen = s.original_max_position / s.low_freq_factor
     high_wavelen = s.original_max_position / s.high_freq_factor
@@ -73,9 +109,18 @@ def rope_frequencies(config: TransformerConfig):
 
 
 def rope_tables(config: TransformerConfig, positions):
-    """``(cos, sin)``, each [B, T, D/2] float32, for integer ``positions`` [B, T]."""
+    """``(cos, sin)``, each [B, T, D/2] float32, for integer ``positions`` [B, T].
+
+    With ``config.local_rope_theta`` (layers of two RoPE bases) each is instead a dict
+    ``{"global": [B, T, D/2], "local": [B, T, D/2]}``; every :class:`Block` takes its own."""
     angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
-    return jnp.cos(angles), jnp.sin(angles)
+    if config.local_rope_theta is None:
+        return jnp.cos(angles), jnp.sin(angles)
+    local = positions.astype(jnp.float32)[..., None] * rope_frequencies(config, local=True)
+    return (
+        {"global": jnp.cos(angles), "local": jnp.cos(local)},
+        {"global": jnp.sin(angles), "local": jnp.sin(local)},
+    )
 
 
 def apply_rope(x, cos, sin):
@@ -203,14 +248,21 @@ def _linear(d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> Line
 
 
 class Attention(nnx.Module):
-    """GQA self-attention: q/k/v projections, RoPE, ``pallas_attn``, output projection."""
+    """GQA self-attention: q/k/v projections, (per-head q/k RMSNorm,) RoPE, ``pallas_attn``,
+    output projection. ``layer``: its index, for the per-layer window and RoPE base."""
 
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.config = config
         D, dt = config.resolved_head_dim, config.jnp_dtype
         features = (config.num_heads + 2 * config.num_kv_heads) * D
         self.qkv_proj = _linear(config.dim, features, bias=config.qkv_bias, dtype=dt, rngs=rngs)
         self.o_proj = _linear(config.num_heads * D, config.dim, bias=False, dtype=dt, rngs=rngs)
+        self.q_norm = _norm(config, D) if config.qk_norm else None
+        self.k_norm = _norm(config, D) if config.qk_norm else None
+        self.window_size = config.layer_window(layer)
+        self.rope_kind = (
+            "local" if config.layer_rope_theta(layer) != config.rope_theta else "global"
+        )
         self.mesh = None  # set by models.shard
 
     def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
@@ -220,9 +272,15 @@ class Attention(nnx.Module):
         c = self.config
         B, T, _ = x.shape
         D = c.resolved_head_dim
+        if isinstance(cos, dict):  # two RoPE bases (rope_tables): this layer's
+            cos, sin = cos[self.rope_kind], sin[self.rope_kind]
         qkv = self.qkv_proj(x).reshape(B, T, c.num_kv_heads, -1, D)  # [B, T, Hkv, G + 2, D]
-        q = apply_rope(qkv[:, :, :, :-2].reshape(B, T, c.num_heads, D), cos, sin)
-        k = apply_rope(qkv[:, :, :, -2], cos, sin)
+        q = qkv[:, :, :, :-2].reshape(B, T, c.num_heads, D)
+        k = qkv[:, :, :, -2]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         v = qkv[:, :, :, -1]
         attend = self._attend
         if tree_mask is not None:
@@ -241,7 +299,12 @@ class Attention(nnx.Module):
         """``pallas_attn`` on q [B, T, Hq, D], k/v [B, T, Hkv, D] -> out [B, T, Hq, D], or
         ``(out, (k_cache, v_cache))`` for a cached call."""
         c = self.config
-        common = dict(causal=True, window_size=c.window_size, softcap=c.attn_softcap)
+        common = dict(
+            causal=True,
+            window_size=self.window_size,
+            softcap=c.attn_softcap,
+            softmax_scale=c.softmax_scale,
+        )
         if kv is None:
             return pallas_attn.flash_attention(
                 q,
@@ -269,36 +332,47 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one fused ``gate_up_proj``."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, gate and up as one fused ``gate_up_proj``;
+    ``act`` is SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, ``config.mlp_act``)."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         dt, M = config.jnp_dtype, config.mlp_dim
         self.gate_up_proj = _linear(config.dim, 2 * M, bias=False, dtype=dt, rngs=rngs)
         self.down_proj = _linear(M, config.dim, bias=False, dtype=dt, rngs=rngs)
+        self.act = config.mlp_act
 
     def __call__(self, x):
         gate, up = split_gate_up(self.gate_up_proj(x))
+        if self.act == "gelu_tanh":
+            return self.down_proj(jax.nn.gelu(gate, approximate=True) * up)
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP. With ``config.sandwich_norm`` (Gemma) the
+    attention and MLP outputs are normed too (``attn_out_norm``, ``mlp_out_norm``) before their
+    residual adds; ``post_attn_norm`` is always the norm in front of the MLP."""
 
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        dt = config.jnp_dtype
-        self.input_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dt)
-        self.attn = Attention(config, rngs=rngs)
-        self.post_attn_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dt)
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
+        self.input_norm = _norm(config, config.dim)
+        self.attn = Attention(config, rngs=rngs, layer=layer)
+        self.post_attn_norm = _norm(config, config.dim)
         self.mlp = MLP(config, rngs=rngs)
+        self.attn_out_norm = _norm(config, config.dim) if config.sandwich_norm else None
+        self.mlp_out_norm = _norm(config, config.dim) if config.sandwich_norm else None
 
     def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
         h = self.attn(
             self.input_norm(x), cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask
         )
         h, new_kv = h if kv is not None else (h, None)
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
         x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
-        return x, new_kv
+        h = self.mlp(self.post_attn_norm(x))
+        if self.mlp_out_norm is not None:
+            h = self.mlp_out_norm(h)
+        return x + h, new_kv
 
 
 def positions_from_segments(segment_ids):
@@ -330,7 +404,7 @@ class Transformer(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.config = config
         dt = config.jnp_dtype
-        self.embed = nnx.Embed(
+        self.embed = Embed(
             config.vocab_size,
             config.dim,
             dtype=dt,
@@ -338,8 +412,12 @@ class Transformer(nnx.Module):
             embedding_init=_INIT,
             rngs=rngs,
         )
-        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dt)
+        if config.embed_scale:
+            self.embed.scale = config.dim**0.5
+        self.layers = nnx.List(
+            [Block(config, rngs=rngs, layer=i) for i in range(config.num_layers)]
+        )
+        self.norm = _norm(config, config.dim)
         self.lm_head = (
             None
             if config.tie_embeddings
