@@ -308,19 +308,27 @@ def head_weights(target):
 
 
 def make_shared_step(graphdef, tx, softcap: float = 0.0):
-    """``step(params, opt_state, w, h, labels) -> (params, opt_state, loss)``, jitted, for
+    """``step(params, opt_state, w, h, labels, ht) -> (params, opt_state, loss)``, jitted, for
     shared-head heads: h [M, dim] cached hidden states, w [V', dim] the target's head rows over
     the training vocabulary, labels [M, N] indices into those rows (-1: no label). The loss is
-    the mean over heads of each head's cross entropy over the V' rows."""
+    the mean over heads of each head's cross entropy over the V' rows: against the label, or,
+    with ht [M, N, dim] (the target's hidden state at t + 1 + i, whose LM head predicted the
+    label), against the target's own distribution there (self-distillation's soft labels: the
+    whole distribution, not one sample of it)."""
 
-    def step(params, opt_state, w, h, labels):
+    def cap(logits):
+        return softcap * jnp.tanh(logits / softcap) if softcap > 0 else logits
+
+    def step(params, opt_state, w, h, labels, ht=None):
         def f(p):
             r = nnx.merge(graphdef, p).residuals(h[:, None])[:, 0]  # [M, N, dim]
-            logits = jnp.einsum("mnd,vd->mnv", r.astype(w.dtype), w).astype(jnp.float32)
-            if softcap > 0:
-                logits = softcap * jnp.tanh(logits / softcap)
+            logits = cap(jnp.einsum("mnd,vd->mnv", r.astype(w.dtype), w).astype(jnp.float32))
             ok = labels >= 0
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+            if ht is None:
+                ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+            else:
+                t_logits = cap(jnp.einsum("mnd,vd->mnv", ht.astype(w.dtype), w))
+                ce = optax.softmax_cross_entropy(logits, jax.nn.softmax(t_logits, -1))
             per_head = jnp.sum(ce * ok, 0) / jnp.maximum(jnp.sum(ok, 0), 1)
             return jnp.mean(per_head)
 
@@ -354,7 +362,8 @@ def hidden_accuracy(heads: MedusaHeads, target, h, labels, *, chunk: int = 256) 
 
 
 def train_shared_heads(
-    target, h, labels, num_heads: int, tc, *, heldout=None, vocab: str = "data", log=print
+    target, h, labels, num_heads: int, tc, *, heldout=None, vocab: str = "data",
+    soft: bool = False, log=print,
 ):  # fmt: skip
     """Trains ``num_heads`` shared-head heads on cached hidden states h [M, dim] and labels
     [M, >= num_heads] of the frozen ``target``; ``tc`` a ``models.train.TrainConfig`` (steps,
@@ -363,7 +372,11 @@ def train_shared_heads(
     ``vocab``: "data" computes each step's softmax over the tokens that occur as labels (the
     target's own outputs: the other rows of the head are never the answer, and a full-vocabulary
     softmax would cost ~8x more per step on SmolLM2); "full" over all V rows. Accuracy is always
-    measured over the full vocabulary (``heldout`` = (h, labels))."""
+    measured over the full vocabulary (``heldout`` = (h, labels)).
+
+    ``soft``: the target's own distribution at t + 1 + i as each label (``make_shared_step``);
+    h must then be :func:`hidden_dataset`'s consecutive rows (row j + 1 + i is position
+    t + 1 + i of the same sequence wherever row j has head i's label)."""
     from models.train import optimizer
 
     labels = np.asarray(labels)[:, :num_heads]
@@ -387,7 +400,11 @@ def train_shared_heads(
     history, start, first_loss = [], time.perf_counter(), None
     for i in range(1, tc.steps + 1):
         idx = rng.integers(0, len(h), tc.batch)
-        params, opt_state, loss = step_fn(params, opt_state, w, h[idx], lab[idx])
+        ht = None
+        if soft:
+            tidx = idx[:, None] + 1 + np.arange(num_heads)[None]  # [M, N]
+            ht = h[np.where(lab[idx] >= 0, tidx, idx[:, None])]
+        params, opt_state, loss = step_fn(params, opt_state, w, h[idx], lab[idx], ht)
         if first_loss is None:
             first_loss = float(loss)  # the untrained heads' loss (computed before the update)
         if i % tc.eval_every == 0 or i == tc.steps:
@@ -403,6 +420,7 @@ def train_shared_heads(
     summary = dict(
         num_heads=num_heads,
         vocab=vocab,
+        soft_labels=soft,
         vocab_rows=int(w.shape[0]),
         rows_seen=tc.steps * tc.batch,
         first_loss=first_loss,
@@ -448,8 +466,11 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=pos, default=256, help="hidden-state rows per step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--vocab", choices=("data", "full"), default="data")
+    p.add_argument("--hard-labels", action="store_true",
+                   help="train on the sampled tokens, not the target's distributions")  # fmt: skip
     p.add_argument("--heldout", type=float, default=0.1, help="fraction of pairs held out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-dtype", choices=("float16", "float32"), default="float16")
     args = p.parse_args(argv)
     if any(t < 0 for t in args.temperatures):
         p.error(f"--temperatures must be >= 0, got {args.temperatures}")
@@ -501,12 +522,12 @@ def main(argv=None) -> None:
     heldout = (h[split], labels[split]) if split.any() else None
     heads, summary = train_shared_heads(
         target, h[~split], labels[~split], args.num_heads, tc, heldout=heldout,
-        vocab=args.vocab, log=log,
+        vocab=args.vocab, soft=not args.hard_labels, log=log,
     )  # fmt: skip
     command = " ".join(["python -m models.medusa_train", *(sys.argv[1:] if argv is None else argv)])
     summary.update(command=command, base_model=args.target, data=data_meta,
                    total_seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
-    save_medusa(heads, args.out, extra=dict(base_model=args.target))
+    save_medusa(heads, args.out, extra=dict(base_model=args.target), dtype=args.save_dtype)
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")

@@ -100,6 +100,11 @@ def test_shared_checkpoint_round_trip_and_mismatches(tmp_path):
     assert again.shared_head and again.num_heads == 2
     _, h = target(jnp.asarray([[5, 6, 7]]), return_hidden=True)
     np.testing.assert_array_equal(again(h, target=target), heads(h, target=target))
+    save_medusa(heads, str(tmp_path / "half"), dtype="float16")  # shipping size
+    half = load_medusa(str(tmp_path / "half"), target.config)
+    np.testing.assert_allclose(half(h, target=target), heads(h, target=target), atol=2e-2)
+    with pytest.raises(ValueError, match="dtype"):
+        save_medusa(heads, str(tmp_path / "bad"), dtype="int8")
     for field, value in (("num_layers", 3), ("vocab_size", 300), ("mlp_dim", 64)):
         with pytest.raises(ValueError, match=f"{field}={value}"):
             load_medusa(str(tmp_path / "h"), target.config.replace(**{field: value}))

@@ -115,3 +115,11 @@ def test_self_distilled_shared_heads_end_to_end_lower_the_loss():
     assert summary["history"][-1]["train_loss"] < 0.5 * summary["first_loss"], summary
     after = hidden_accuracy(heads, target, h, labels, chunk=len(h))
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    # soft labels: the target's own distribution at t + 1 + i
+    tc = train.TrainConfig(steps=30, batch=64, lr=1e-2, warmup=2, eval_every=30)
+    soft_heads, soft = train_shared_heads(target, h, labels, 2, tc, soft=True,
+                                          log=lambda s: None)  # fmt: skip
+    assert soft["soft_labels"]
+    # the cross entropy to a distribution has the target's entropy as its floor
+    assert soft["history"][-1]["train_loss"] < soft["first_loss"] - 0.3, soft
+    assert soft_heads.shared_head
