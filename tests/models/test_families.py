@@ -234,3 +234,51 @@ def test_hf_round_trip_is_bit_exact(family, tmp_path):
     tokens = torch.tensor(_tokens()[:1])
     with torch.no_grad():
         np.testing.assert_array_equal(reread(tokens).logits.numpy(), hf(tokens).logits.numpy())
+
+
+# --- Gemma's GGUF vocabulary: SentencePiece ('llama' model), no space prefix ------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_vocab(tmp_path_factory):
+    """A vocabulary laid out as llama.cpp's converter writes Gemma's: <pad>/<eos>/<bos>/<unk>,
+    turn markers (CONTROL), 256 byte-fallback pieces, pieces with U+2581 for spaces ranked by
+    score, ``add_space_prefix`` false; and the same vocabulary with the prefix, for transformers'
+    GGUF tokenizer (which always prefixes) as the oracle."""
+    from tokenizer_utils import learn_sentencepiece_bpe, write_vocab_gguf
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, hello there: theory"]
+    pieces = learn_sentencepiece_bpe(corpus * 3, n_merges=50)
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tokens = [*specials, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [3, 3, 3, 2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    scores = [0.0] * (len(tokens) - len(pieces)) + [-float(r) for r in range(len(pieces))]
+    keys = dict(model="llama", tokens=tokens, scores=scores, token_type=types, bos_token_id=2,
+                eos_token_id=1, unknown_token_id=3, padding_token_id=0)  # fmt: skip
+    d = tmp_path_factory.mktemp("gemma_vocab")
+    return (
+        write_vocab_gguf(d / "gemma.gguf", add_space_prefix=False, **keys),
+        write_vocab_gguf(d / "prefixed.gguf", add_space_prefix=True, **keys),
+    )
+
+
+def test_gemma_sentencepiece_vocab(gemma_vocab):
+    from tokenizer_utils import hf_gguf_tokenizer
+
+    from models.tokenizer import load_tokenizer
+
+    gemma, prefixed = gemma_vocab
+    tok, hf = load_tokenizer(gemma), hf_gguf_tokenizer(str(prefixed))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.add_bos) == (2, 1, 0, True)
+    # Text that starts with a space is tokenized alike with and without the prefix option.
+    for text in [" the theory", " hello  world\n", " naïve 😀", " x<start_of_turn>user\nhi"]:
+        assert tok.encode(text) == hf.encode(text, add_special_tokens=False), text
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    # Without it no U+2581 is prepended: "the" is spelled from its letters, not as "▁the".
+    the = tok.encode("the")
+    assert the != hf.encode("the", add_special_tokens=False)
+    assert tok.decode(the) == "the" and tok.encode(" the") == hf.encode(" the")[-1:]
+    ids = tok.encode("Ω")  # not a piece: its UTF-8 bytes through the <0xNN> pieces
+    assert [i - 6 for i in ids] == list("Ω".encode())
+    turn = tok.encode("<start_of_turn>user")
+    assert turn[0] == 4 and tok.decode(turn) == "user"  # a control token, dropped by decode
