@@ -8,9 +8,9 @@ bfloat16, Hq = 32, Hkv = 8, D = 128, B in {1, 8, 64}, S in {1k, 8k, 32k, 128k}, 
 (``decode_attention.gqa``, ``paged_attention``) are timed as a comparison only. Writes
 ``benchmarks/results/decode_gpu.json``.
 
-On CPU: the ``"xla"`` path's time (float32, B in {1, 8}, S in {1k, 8k}, contiguous and paged P = 16),
-with the same bandwidth figures (``num_splits`` does not apply to it): the native kernel
-(``pallas_attn.cpu``) where it is built, and the blockwise jnp path it replaces ("xla blockwise");
+On CPU: the ``"native"`` kernel's time (``pallas_attn.cpu``, where it is built; what ``"auto"``
+runs there) and the blockwise ``"xla"`` path's (float32, B in {1, 8}, S in {1k, 8k}, contiguous and
+paged P = 16), with the same bandwidth figures (``num_splits`` does not apply to them);
 plus the shipped code-target's decode and verification calls (Hq = 8, Hkv = 4, D = 32, S = 160,
 paged P = 16, B = 1, Tq in {1, 3, 5}; ``small_heads``), timed as a jitted loop of calls (each call
 is a few microseconds, below one dispatch). Writes ``benchmarks/results/decode_cpu.json``.
@@ -93,9 +93,9 @@ def _measure(row, fn, args, kv_bytes, copy_bw, runs, warmup):
     return row
 
 
-def run(configs, impl, dtype, runs, *, bundled: bool, warmup: int = 1):
+def run(configs, impls, dtype, runs, *, bundled: bool, warmup: int = 1):
     rows = []
-    for B, S, P in tqdm(configs, desc=f"{impl} configs"):
+    for B, S, P in tqdm(configs, desc=f"{'/'.join(impls)} configs"):
         q, k_cache, v_cache, table = _inputs(B, S, P, dtype)
         lengths = jnp.full((B,), S, jnp.int32)
         kv_bytes = 2 * B * S * Hkv * D * jnp.dtype(dtype).itemsize
@@ -103,17 +103,13 @@ def run(configs, impl, dtype, runs, *, bundled: bool, warmup: int = 1):
         base = dict(B=B, S=S, layout="contiguous" if P is None else f"paged P={P}")
         base.update(dtype=jnp.dtype(dtype).name, copy_GB_per_s=copy_bw / 1e9)
         args = (q, k_cache, v_cache, lengths, table)
-        for splits in (0, 1) if impl == "pallas" else (0,):  # the xla path does not split
-            row = dict(base, impl=impl, num_splits="auto" if splits == 0 else 1)
-            rows.append(_measure(row, _ours(impl, splits), args, kv_bytes, copy_bw, runs, warmup))
-        if impl == "xla" and cpu.eligible(q, k_cache):  # "xla" ran the native kernel: also time
-            cpu.ENABLED = False  # the blockwise path it replaces (traced anew: a new jit)
-            try:
-                row = dict(base, impl="xla blockwise", num_splits="auto")
-                fn = _ours(impl, 0)
+        for impl in impls:
+            if impl == "native" and not cpu.eligible(q, k_cache):
+                continue
+            for splits in (0, 1) if impl == "pallas" else (0,):  # the CPU paths do not split
+                row = dict(base, impl=impl, num_splits="auto" if splits == 0 else 1)
+                fn = _ours(impl, splits)
                 rows.append(_measure(row, fn, args, kv_bytes, copy_bw, runs, warmup))
-            finally:
-                cpu.ENABLED = True
         if bundled:
             row = dict(base, impl="jax_bundled", num_splits="")
             if P is None:
@@ -143,13 +139,18 @@ def small_heads(runs: int, warmup: int) -> list[dict]:
     table = jnp.arange(pages, dtype=jnp.int32)[None]
     lengths = jnp.full((1,), S, jnp.int32)
 
-    def make_loop():  # a new function per path: eligibility is read when it is traced
+    def make_loop(impl):
         def loop(q, k_cache, v_cache):
             def body(_, q):
                 return attention_with_kvcache(
-                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, causal=True,
-                    impl="xla",
-                ).out  # fmt: skip
+                    q,
+                    k_cache,
+                    v_cache,
+                    cache_seqlens=lengths,
+                    block_table=table,
+                    causal=True,
+                    impl=impl,
+                ).out
 
             return jax.lax.fori_loop(0, SMALL_CALLS, body, q)
 
@@ -158,15 +159,9 @@ def small_heads(runs: int, warmup: int) -> list[dict]:
     rows = []
     for Tq in tqdm((1, 3, 5), desc="code-target shapes"):
         q = jax.random.normal(kq, (1, Tq, h, d), jnp.float32)
-        paths = [("xla", True), ("xla blockwise", False)] if cpu.eligible(q, k_cache) else [
-            ("xla blockwise", False)]  # fmt: skip
-        for impl, native in paths:
-            saved, cpu.ENABLED = cpu.ENABLED, native
-            try:
-                seconds = common.time_fn(make_loop(), q, k_cache, v_cache, runs=runs,
-                                         warmup=warmup)  # fmt: skip
-            finally:
-                cpu.ENABLED = saved
+        for impl in ("native", "xla") if cpu.eligible(q, k_cache) else ("xla",):
+            loop = make_loop(impl)
+            seconds = common.time_fn(loop, q, k_cache, v_cache, runs=runs, warmup=warmup)
             row = dict(impl=impl, B=1, S=S, layout=f"paged P={P}", case="code-target", Tq=Tq)
             rows.append(dict(row, us_per_call=1e6 * seconds / SMALL_CALLS))
     return rows
@@ -203,9 +198,11 @@ def main(argv=None) -> None:
     gpu = jax.default_backend() == "gpu"
     configs = _configs(gpu, args.quick)
     if gpu:
-        rows = run(configs, "pallas", jnp.bfloat16, args.runs, bundled=True, warmup=args.warmup)
+        rows = run(configs, ("pallas",), jnp.bfloat16, args.runs, bundled=True, warmup=args.warmup)
     else:
-        rows = run(configs, "xla", jnp.float32, args.runs, bundled=False, warmup=args.warmup)
+        rows = run(
+            configs, ("native", "xla"), jnp.float32, args.runs, bundled=False, warmup=args.warmup
+        )
         small = small_heads(args.runs, args.warmup)
         common.print_table(small, ["impl", "Tq", "S", "layout", "us_per_call"])
         rows += small

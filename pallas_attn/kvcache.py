@@ -77,11 +77,12 @@ def attention_with_kvcache(
       k_descale, v_descale: [B, Hkv] float32 for an FP8 cache (default 1): real = stored * descale.
       num_splits: KV splits of the decode kernel; 0 = heuristic. Results agree within rounding.
       return_lse: also return the float32 natural-log lse [B, Hq, Tq].
-      impl: "reference", "xla", "pallas", "interpret", "mosaic" / "mosaic_interpret" (the
+      impl: "reference", "xla" (blockwise jnp), "native" (the C++ kernel of the attention step
+        on the CPU backend, :mod:`pallas_attn.cpu`: at most ``cpu.MAX_ROWS`` queries per KV
+        head, built on first use), "pallas", "interpret", "mosaic" / "mosaic_interpret" (the
         Hopper kernel: TMA, wgmma; 16-bit caches, D 64 or 128, no tree mask; the cache write is
-        the jnp scatter) or "auto" (mosaic on sm_90+ where it applies, else pallas on GPU). On
-        the CPU backend "xla" runs the attention step as a native kernel when built
-        (:mod:`pallas_attn.cpu`, same results).
+        the jnp scatter) or "auto" (mosaic on sm_90+ where it applies, else pallas on GPU;
+        native on CPU where it applies, else xla).
       tree_mask: [Tq, Tq] or [B, Tq, Tq] bool, tree attention (speculative token trees): among
         the last ``Tq`` keys (the queries' own positions ``cache_seqlens + Tn - Tq + j``) query
         ``i`` sees key ``j`` only where ``tree_mask[i, j]``; keys before them follow the other
@@ -100,7 +101,7 @@ def attention_with_kvcache(
       and the Pallas path, need no second cache buffer).
     """
     auto = impl == "auto"
-    impl = validation.resolve_impl(impl)
+    impl = validation.resolve_impl(impl, native=True)
     validation.check_array("q", q, ndim=4)
     validation.check_nonempty("q", q, "BTHD")
     _check_caches(q, k_cache, v_cache)
@@ -136,8 +137,10 @@ def attention_with_kvcache(
         from pallas_attn.kernels.mosaic import decode  # sm_90+: the Mosaic kernel where it applies
 
         impl = "mosaic" if decode.supports(q, k_cache, paged=paged, fp8=fp8, tree=tree) else impl
-    if impl == "xla" and cpu.eligible(q, k_cache):
+    if auto and impl == "xla" and cpu.eligible(q, k_cache):
         impl = "native"
+    elif impl == "native" and (why := _native_unsupported(q, k_cache)):
+        raise ValueError(f'impl="native" {why}; impl="auto" falls back to "xla" where it does not')
     if impl in ("reference", "xla", "native"):
         out, lse, k_cache, v_cache = _jnp(impl, static, args, q, k_cache, v_cache, *new)
     elif impl in ("mosaic", "mosaic_interpret"):
@@ -156,10 +159,22 @@ def attention_with_kvcache(
     return KVCacheResult(out, lse.astype(jnp.float32) if return_lse else None, k_cache, v_cache)
 
 
+def _native_unsupported(q, k_cache) -> str | None:
+    """Why an explicit ``impl="native"`` call cannot run (None when it can)."""
+    if jax.default_backend() != "cpu":
+        return f"runs on the CPU backend only, not {jax.default_backend()!r}"
+    rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
+    if rows > cpu.MAX_ROWS:
+        return f"takes at most {cpu.MAX_ROWS} queries per KV head (Tq * Hq / Hkv), got {rows}"
+    if not native.available():
+        return "needs the native kernels, which are not built (see pallas_attn.native)"
+    return None
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _jnp(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, k, v):
     """The jnp paths: the cache write (:func:`cache.write`), then the native CPU kernel over the
-    cache in place (``"native"``: "xla" on CPU, see :mod:`pallas_attn.cpu`), or a gather of each
+    cache in place (``"native"``, see :mod:`pallas_attn.cpu`), or a gather of each
     row's keys and :func:`pallas_attn.reference.attention` (``"reference"``, the oracle) or the
     blockwise :func:`pallas_attn.xla.attention` (``"xla"``)."""
     q = cache.rotate_queries(static, args, q)

@@ -9,18 +9,26 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-# The ``impl`` values every op takes (exported as ``pallas_attn.IMPLS``).
-IMPLS = ("auto", "reference", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
+# The ``impl`` values (exported as ``pallas_attn.IMPLS``). "native" (the C++ kernel of the cached
+# attention step on CPU, :mod:`pallas_attn.cpu`) is taken by ``attention_with_kvcache`` only.
+IMPLS = ("auto", "reference", "xla", "native", "pallas", "interpret", "mosaic", "mosaic_interpret")
+NATIVE_OPS = ("attention_with_kvcache",)
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MOSAIC_MIN_CC = 9  # Hopper (sm_90) and newer: TMA and wgmma
 
 
-def resolve_impl(impl, *, mosaic_dtype=None) -> str:
+def resolve_impl(impl, *, mosaic_dtype=None, native: bool = False) -> str:
     """Checks ``impl`` and turns ``"auto"`` into ``"mosaic"`` on sm_90+ GPUs for 16-bit inputs of
     an op with Mosaic kernels (``mosaic_dtype`` given), ``"pallas"`` (Triton) on other GPUs,
-    ``"xla"`` elsewhere."""
+    ``"xla"`` elsewhere (an op with a native CPU kernel, ``native=True``, then picks it per call).
+    ``"native"`` is accepted only by such an op."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "native" and not native:
+        raise ValueError(
+            f'impl="native" (a CPU kernel of {", ".join(NATIVE_OPS)}) is not an implementation '
+            'of this op; "auto" picks the fastest one it has'
+        )
     if impl != "auto":
         return impl
     if jax.default_backend() != "gpu":

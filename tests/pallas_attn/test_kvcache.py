@@ -3,7 +3,6 @@ cache contents, paged == contiguous, num_splits, donation in place, and bad inpu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -14,7 +13,8 @@ import numpy as np
 import pytest
 from attn_utils import max_err, numpy_attention
 
-from pallas_attn import attention_with_kvcache, cpu
+import pallas_attn
+from pallas_attn import attention_with_kvcache, cpu, native
 
 FP8 = jnp.float8_e4m3fn
 
@@ -333,23 +333,41 @@ def check_impls(case: Case, seed: int):
     assert max_err(res.out, out) <= _tol(case) * 4
     assert max_err(res.lse, lse) <= _tol(case) * 4
     check_caches(case, inp, res, new_k, new_v)
-    for native in (True, False):  # on CPU: the native kernel, then the blockwise jnp path
-        with native_kernel(native):
-            got = call(inp, "xla")
+    impls = ["xla"]
+    if native.available():  # the C++ kernel, where it takes the shape
+        impls.append("native" if case.Tq * case.Hq // case.Hkv <= cpu.MAX_ROWS else None)
+    for impl in impls:
+        if impl is None:
+            with pytest.raises(ValueError, match="at most"):
+                call(inp, "native")
+            continue
+        got = call(inp, impl)
         assert max_err(got.out, res.out) <= _tol(case)
         assert max_err(got.lse, res.lse) <= _tol(case)
         for a, b in ((got.k_cache, res.k_cache), (got.v_cache, res.v_cache)):
             np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-@contextlib.contextmanager
-def native_kernel(enabled: bool):
-    """``pallas_attn.cpu.ENABLED`` (the native CPU kernel behind "xla") set for a block."""
-    saved, cpu.ENABLED = cpu.ENABLED, enabled
-    try:
-        yield
-    finally:
-        cpu.ENABLED = saved
+def _runs_native(impl: str, inp: Inputs) -> bool:
+    """Whether the traced program of ``call(inp, impl)`` calls the native kernel."""
+    return native.KV_ATTENTION in str(jax.make_jaxpr(lambda: call(inp, impl))())
+
+
+@pytest.mark.skipif(not native.available(), reason="native CPU kernels not built")
+def test_native_is_an_impl_that_auto_picks_on_cpu():
+    inp = make_inputs(Case(Tq=1, Tn=1, Hq=4, Hkv=2, S=40, page=8, causal=True), seed=2)
+    assert _runs_native("auto", inp) and _runs_native("native", inp)
+    assert not _runs_native("xla", inp)  # "xla" is the blockwise path, never silently native
+    wide = make_inputs(Case(Tq=40, Tn=40, Hq=8, Hkv=2, S=60, page=None, causal=True), seed=2)
+    assert not _runs_native("auto", wide)  # 160 queries per KV head: auto falls back to xla
+    with pytest.raises(ValueError, match=r'impl="native" takes at most 128 queries'):
+        call(wide, "native")
+
+
+def test_native_is_not_an_impl_of_full_attention():
+    q = jnp.zeros((1, 4, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r'impl="native".*not an implementation of this op'):
+        pallas_attn.flash_attention(q, q, q, impl="native")
 
 
 @pytest.mark.parametrize("case", HAND + sampled_cases(4, seed=1), ids=repr)
@@ -391,7 +409,9 @@ def test_reference_and_xla_wide(case):
 
 
 @pytest.mark.parametrize(
-    "impl,page", [("reference", 1), ("reference", 4), ("xla", 16), ("xla", 1), ("interpret", 4)]
+    "impl,page",
+    [("reference", 1), ("reference", 4), ("xla", 16), ("xla", 1), ("interpret", 4)]
+    + [("native", 16), ("native", 1)] * native.available(),
 )
 def test_paged_equals_contiguous(impl, page):
     case = Case(Tq=5, Tn=5, Hq=4, Hkv=2, S=48, page=page, leftpad=True, causal=True)
