@@ -57,9 +57,13 @@ def run_all(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             try:
                 proc = subprocess.run(
-                    command(s, args.quick, args.results_dir), cwd=ROOT, env=env,
-                    capture_output=True, text=True, timeout=args.timeout,
-                )  # fmt: skip
+                    command(s, args.quick, args.results_dir),
+                    cwd=ROOT,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=args.timeout,
+                )
                 status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
                 shown = proc.stdout if proc.returncode == 0 else proc.stdout + proc.stderr
             except subprocess.TimeoutExpired:

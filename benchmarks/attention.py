@@ -138,14 +138,27 @@ def run_cpu(runs: int, quick: bool, warmup: int = 1):
 PLOTS = {
     "attention_cpu": (
         Plot("time", x="T", y=("fwd_ms", "fwd_bwd_ms"), series=("impl", "causal"), logx=True),
-        Plot("memory", x="T", y=("fwd_peak_MiB", "fwd_bwd_peak_MiB"), series=("impl",),
-             where=(("causal", True),), logx=True),  # causal or not: the same buffers
+        Plot(
+            "memory",
+            x="T",
+            y=("fwd_peak_MiB", "fwd_bwd_peak_MiB"),
+            series=("impl",),
+            where=(("causal", True),),
+            logx=True,
+        ),  # causal or not: the same buffers
     ),
     "attention_gpu": (
-        Plot("tflops", x="T", y=("fwd_TFLOPs", "fwd_bwd_TFLOPs"), series=("impl",),
-             facet="D", where=(("causal", True),), logx=True),
+        Plot(
+            "tflops",
+            x="T",
+            y=("fwd_TFLOPs", "fwd_bwd_TFLOPs"),
+            series=("impl",),
+            facet="D",
+            where=(("causal", True),),
+            logx=True,
+        ),
     ),
-}  # fmt: skip
+}
 
 
 def main(argv=None) -> None:

@@ -48,9 +48,15 @@ def _ours(impl, num_splits):
     @jax.jit
     def fn(q, k_cache, v_cache, lengths, table):
         return attention_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
-            causal=True, num_splits=num_splits, impl=impl,
-        ).out  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=lengths,
+            block_table=table,
+            causal=True,
+            num_splits=num_splits,
+            impl=impl,
+        ).out
 
     return fn
 
@@ -169,15 +175,35 @@ def small_heads(runs: int, warmup: int) -> list[dict]:
 
 PLOTS = {
     "decode_cpu": (
-        Plot("time", x="S", y=("ms",), series=("impl", "layout"), facet="B", where=(("case", None),),
-             logx=True, logy=True),
-        Plot("code_target", x="Tq", y=("us_per_call",), series=("impl",), where=(("case", "code-target"),)),
+        Plot(
+            "time",
+            x="S",
+            y=("ms",),
+            series=("impl", "layout"),
+            facet="B",
+            where=(("case", None),),
+            logx=True,
+            logy=True,
+        ),
+        Plot(
+            "code_target",
+            x="Tq",
+            y=("us_per_call",),
+            series=("impl",),
+            where=(("case", "code-target"),),
+        ),
     ),
     "decode_gpu": (
-        Plot("bandwidth", x="S", y=("vs_copy",), series=("impl", "layout", "num_splits"),
-             facet="B", logx=True),
+        Plot(
+            "bandwidth",
+            x="S",
+            y=("vs_copy",),
+            series=("impl", "layout", "num_splits"),
+            facet="B",
+            logx=True,
+        ),
     ),
-}  # fmt: skip
+}
 
 
 def _configs(gpu: bool, quick: bool) -> list[tuple]:
@@ -209,9 +235,10 @@ def main(argv=None) -> None:
     cols = ["impl", "B", "S", "layout", "num_splits", "ms", "GB_per_s", "vs_copy", "copy_GB_per_s"]
     cols += ["Tq", "us_per_call"] if not gpu else []
     goal = [
-        r for r in rows
+        r
+        for r in rows
         if r.get("impl") == "pallas" and r["B"] == 8 and r["S"] == 32768 and "vs_copy" in r
-    ]  # fmt: skip
+    ]
     meta = dict(shape=dict(Hq=Hq, Hkv=Hkv, D=D, Tq=1), code_target_shape=SMALL)
     if goal:
         meta["goal_B8_S32k_best_vs_copy"] = max(r["vs_copy"] for r in goal)

@@ -39,18 +39,42 @@ from pathlib import Path
 # 227 KiB opt-in shared memory per block); the H200 has 141 GB of HBM3e at 4.8 TB/s.
 TARGETS = {
     "h100": dict(
-        name="NVIDIA H100 80GB HBM3", cc=(9, 0), sms=132, smem_core=233472, smem_optin=232448,
-        fpus=128, bandwidth=3_352_320_000_000, l2=52_428_800, clock=1.98, memory=85_520_809_984,
+        name="NVIDIA H100 80GB HBM3",
+        cc=(9, 0),
+        sms=132,
+        smem_core=233472,
+        smem_optin=232448,
+        fpus=128,
+        bandwidth=3_352_320_000_000,
+        l2=52_428_800,
+        clock=1.98,
+        memory=85_520_809_984,
     ),
     "h200": dict(
-        name="NVIDIA H200", cc=(9, 0), sms=132, smem_core=233472, smem_optin=232448,
-        fpus=128, bandwidth=4_800_000_000_000, l2=52_428_800, clock=1.98, memory=150_754_820_096,
+        name="NVIDIA H200",
+        cc=(9, 0),
+        sms=132,
+        smem_core=233472,
+        smem_optin=232448,
+        fpus=128,
+        bandwidth=4_800_000_000_000,
+        l2=52_428_800,
+        clock=1.98,
+        memory=150_754_820_096,
     ),
     "a100": dict(
-        name="NVIDIA A100-SXM4-80GB", cc=(8, 0), sms=108, smem_core=167936, smem_optin=166912,
-        fpus=64, bandwidth=2_039_000_000_000, l2=41_943_040, clock=1.41, memory=85_899_345_920,
+        name="NVIDIA A100-SXM4-80GB",
+        cc=(8, 0),
+        sms=108,
+        smem_core=167936,
+        smem_optin=166912,
+        fpus=64,
+        bandwidth=2_039_000_000_000,
+        l2=41_943_040,
+        clock=1.41,
+        memory=85_899_345_920,
     ),
-}  # fmt: skip
+}
 
 PALLAS_KERNELS = ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "kvcache_decode", "kvcache_append")
 # Mosaic GPU kernels (pallas_attn.kernels.mosaic) compile outside XLA's pipeline, in the CUDA
@@ -58,8 +82,12 @@ PALLAS_KERNELS = ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "kvcache_decode
 # ptxas takes); MOSAIC_GPU_DUMP_TO makes it dump per kernel its PTX, its ``ptxas -v`` report
 # (kernel ``<name>_mosaic_gpu_kernel``) and its MLIR pass log, whose ``gpu.launch`` holds the
 # grid, the threads and the dynamic shared memory.
-MOSAIC_KERNELS = ("mosaic_flash_fwd", "mosaic_flash_bwd_dkdv", "mosaic_flash_bwd_dq",
-                  "mosaic_decode")  # fmt: skip
+MOSAIC_KERNELS = (
+    "mosaic_flash_fwd",
+    "mosaic_flash_bwd_dkdv",
+    "mosaic_flash_bwd_dq",
+    "mosaic_decode",
+)
 MOSAIC_SUFFIX = "_mosaic_gpu_kernel"
 _MOSAIC_LAUNCH = re.compile(
     r"gpu\.launch .*?in \(%\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*\) "

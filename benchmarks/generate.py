@@ -32,11 +32,21 @@ from benchmarks import common
 from benchmarks.plot import Plot
 
 CONFIGS = {
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=2),
-    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4),
-}  # fmt: skip
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+    "small": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
+}
 VOCAB = 32000
 PROMPT_LEN = 32
 NEW_TOKENS = 128
@@ -168,11 +178,18 @@ def time_ours(model, prompts: np.ndarray, runs: int, cache: str):
 
 PLOTS = {
     "generate_cpu": (
-        Plot("tokens_per_s", x=("config", "batch"), y=("ours_tok_s", "hf_tok_s"), kind="bar",
-             overlay=True, logy=True, where=(("dtype", "float32"),)),
+        Plot(
+            "tokens_per_s",
+            x=("config", "batch"),
+            y=("ours_tok_s", "hf_tok_s"),
+            kind="bar",
+            overlay=True,
+            logy=True,
+            where=(("dtype", "float32"),),
+        ),
         Plot("roofline", x=("config", "batch"), y=("roofline",), series=("dtype",), kind="bar"),
     ),
-}  # fmt: skip
+}
 
 
 def _row(name: str, batch: int, hf_s: float, hf_tokens, ours, prompts, args) -> dict:
@@ -219,8 +236,17 @@ def goals(rows: list[dict]) -> list[dict]:
         for r in rows:
             if (r["config"], r["batch"], r["dtype"]) == (name, batch, dtype):
                 value = r[column]
-                out.append(dict(config=name, batch=batch, dtype=dtype, metric=column,
-                                goal=threshold, value=value, met=bool(value >= threshold)))  # fmt: skip
+                out.append(
+                    dict(
+                        config=name,
+                        batch=batch,
+                        dtype=dtype,
+                        metric=column,
+                        goal=threshold,
+                        value=value,
+                        met=bool(value >= threshold),
+                    )
+                )
     return out
 
 
@@ -254,13 +280,32 @@ def main(argv=None) -> None:
                     bar.set_postfix(config=name, batch=batch, dtype=d)
                     rows.append(_row(name, batch, hf_s, hf_tokens, models[d], prompts, args))
                     bar.update()
-    columns = ["config", "batch", "dtype", "ours_tok_s", "hf_tok_s", "speedup", "prefill_ms",
-               "decode_tok_s", "step_ms", "roofline_ms", "roofline", "matvec_gb_s", "dots", "fusions",
-               "compile_s", "match"]  # fmt: skip
+    columns = [
+        "config",
+        "batch",
+        "dtype",
+        "ours_tok_s",
+        "hf_tok_s",
+        "speedup",
+        "prefill_ms",
+        "decode_tok_s",
+        "step_ms",
+        "roofline_ms",
+        "roofline",
+        "matvec_gb_s",
+        "dots",
+        "fusions",
+        "compile_s",
+        "match",
+    ]
     settings = dict(
-        prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, vocab=VOCAB, greedy=True, cache=args.cache,
+        prompt_len=PROMPT_LEN,
+        new_tokens=NEW_TOKENS,
+        vocab=VOCAB,
+        greedy=True,
+        cache=args.cache,
         torch_threads=torch.get_num_threads(),
-    )  # fmt: skip
+    )
     met = goals(rows)
     note = (
         "Ours: one jitted prefill + one jitted lax.while_loop decode "
@@ -270,8 +315,10 @@ def main(argv=None) -> None:
     common.finish(args, "generate_cpu", rows, columns, settings=settings, goals=met, note=note)
     print(f"load average {common.load_average()}")
     for g in met:
-        print(f"goal {g['config']} B={g['batch']} {g['metric']} >= {g['goal']}: "
-              f"{g['value']:.2f} {'MET' if g['met'] else 'NOT MET'}")  # fmt: skip
+        print(
+            f"goal {g['config']} B={g['batch']} {g['metric']} >= {g['goal']}: "
+            f"{g['value']:.2f} {'MET' if g['met'] else 'NOT MET'}"
+        )
 
 
 if __name__ == "__main__":

@@ -44,9 +44,13 @@ MOSAIC_MASKS = ("causal", "window", "softcap", "segments")
 
 def mosaic_flash_case(D: int, dtype: str, mask: str) -> dict:
     return dict(
-        id=f"mosaic_flash-D{D}-{dtype}-{mask}", family="mosaic_flash", D=D, dtype=dtype, mask=mask,
+        id=f"mosaic_flash-D{D}-{dtype}-{mask}",
+        family="mosaic_flash",
+        D=D,
+        dtype=dtype,
+        mask=mask,
         mosaic=True,
-    )  # fmt: skip
+    )
 
 
 def mosaic_kvcache_case(D, dtype, G, Tq, layout, *, rotary=False) -> dict:
@@ -72,9 +76,16 @@ def kvcache_case(D, dtype, G, Tq, layout, *, fp8=False, rotary=False, num_splits
     )
     return dict(
         id=f"kvcache-D{D}-{dtype}-G{G}-Tq{Tq}-" + "-".join(tags),
-        family="kvcache", D=D, dtype=dtype, G=G, Tq=Tq, layout=layout, fp8=fp8, rotary=rotary,
+        family="kvcache",
+        D=D,
+        dtype=dtype,
+        G=G,
+        Tq=Tq,
+        layout=layout,
+        fp8=fp8,
+        rotary=rotary,
         num_splits=num_splits,
-    )  # fmt: skip
+    )
 
 
 MODEL_CASES = [
@@ -232,10 +243,17 @@ def _kvcache(case, sds):
     def step(a):
         a = dict(a)
         res = attention_with_kvcache(
-            a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), a.pop("k"), a.pop("v"), **a,
-            causal=True, num_splits=case["num_splits"], return_lse=True,
+            a.pop("q"),
+            a.pop("k_cache"),
+            a.pop("v_cache"),
+            a.pop("k"),
+            a.pop("v"),
+            **a,
+            causal=True,
+            num_splits=case["num_splits"],
+            return_lse=True,
             impl="mosaic" if case.get("mosaic") else "pallas",
-        )  # fmt: skip
+        )
         return res.out, res.lse, res.k_cache, res.v_cache
 
     return step, (args,)

@@ -146,8 +146,10 @@ def main(argv=None) -> int:
                 bad += 1
                 print(f"{device} {r['id']}: {r['status']} {r['error'] or ''}", file=sys.stderr)
             for k in r.get("xla_spills", ()):  # XLA's own kernels: reported, not ours to tile
-                print(f"{device} {r['id']}: XLA kernel {k['name']} spills "
-                      f"{k.get('spill_stores', 0)} B stores / {k.get('spill_loads', 0)} B loads")  # fmt: skip
+                print(
+                    f"{device} {r['id']}: XLA kernel {k['name']} spills "
+                    f"{k.get('spill_stores', 0)} B stores / {k.get('spill_loads', 0)} B loads"
+                )
         common.print_table(
             summary, ["device", "kernel", "cases", "max_regs", "max_smem_KiB", "spilled"]
         )

@@ -98,5 +98,10 @@ def generate(
     )
     # {}: no packed weights (decode_kernels packs for CPU programs only)
     return functools.partial(gen._decode_jit, **static), (
-        params, {}, state, scalar, scalar, settings,
-    )  # fmt: skip
+        params,
+        {},
+        state,
+        scalar,
+        scalar,
+        settings,
+    )

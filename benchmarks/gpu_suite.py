@@ -53,13 +53,17 @@ F16, BF16 = "float16", "bfloat16"
 CHECKS = {
     "check-T113-S203-D40-causal": (dict(T=113, S=203, Hq=8, Hkv=2, D=40, causal=True), BF16),
     "check-T1023-D80-window-softcap": (
-        dict(T=1023, S=1023, Hq=4, Hkv=1, D=80, window_size=(64, 0), softcap=20.0), F16),
+        dict(T=1023, S=1023, Hq=4, Hkv=1, D=80, window_size=(64, 0), softcap=20.0),
+        F16,
+    ),
     "check-T203-S113-D96-segments": (dict(T=203, S=113, Hq=4, Hkv=4, D=96, segments=True), BF16),
     "check-T512-D128-causal": (dict(T=512, S=512, Hq=8, Hkv=2, D=128, causal=True), F16),
     "check-T257-S1024-D256-softcap": (
-        dict(T=257, S=1024, Hq=4, Hkv=2, D=256, causal=True, softcap=30.0), BF16),
+        dict(T=257, S=1024, Hq=4, Hkv=2, D=256, causal=True, softcap=30.0),
+        BF16,
+    ),
     "check-T7-S1023-D64-mqa": (dict(T=7, S=1023, Hq=16, Hkv=1, D=64), BF16),
-}  # fmt: skip
+}
 KV_CHECKS = {
     "check-decode-paged-fp8-rotary": dict(Tq=1, D=128, dtype=BF16, paged=True, fp8=True),
     "check-decode-Tq5-D80-f16": dict(Tq=5, D=80, dtype=F16, paged=False, fp8=False),
@@ -238,8 +242,16 @@ def run_checks(emit=print, only: str = "") -> list[dict]:
             worst = max(ratios, key=ratios.get)
             value = ratios[worst]
             tag = "" if kernel == "pallas" else f"-{kernel}"
-            rows.append(dict(section="check", name=name + tag, value=value, unit="err/bound",
-                             ok=value <= 1, worst=worst))  # fmt: skip
+            rows.append(
+                dict(
+                    section="check",
+                    name=name + tag,
+                    value=value,
+                    unit="err/bound",
+                    ok=value <= 1,
+                    worst=worst,
+                )
+            )
             emit(rows[-1])
     for name, case in KV_CHECKS.items():
         if not wanted(name):
@@ -274,9 +286,15 @@ def run_generate(runs: int) -> list[dict]:
     tok_s = float(np.median([s["tokens_per_s"] for s in stats]))
     decode_tok_s = float(np.median([s["decode_tokens_per_s"] for s in stats]))
     return [
-        dict(section="generate", name=f"{GEN['preset']} B{GEN['batch']}", value=tok_s,
-             unit="tok/s", ok=True, decode_tok_s=decode_tok_s),
-    ]  # fmt: skip
+        dict(
+            section="generate",
+            name=f"{GEN['preset']} B{GEN['batch']}",
+            value=tok_s,
+            unit="tok/s",
+            ok=True,
+            decode_tok_s=decode_tok_s,
+        ),
+    ]
 
 
 SPEC_CASES = (
@@ -309,9 +327,17 @@ def run_speculative(runs: int, attn_impl: str = "pallas") -> list[dict]:
         if kind.startswith("medusa-tree"):  # calibrated here, so its depth is this run's
             k = spec.medusa_tree(kind).depth
         r = spec.ours(target, draft, ids, kind, k, decoding.SamplingConfig(), new, timing, plain)
-        rows.append(dict(section="speculative", name=f"{kind} k={k}", value=r["speedup"],
-                         unit="x plain", ok=True, match=r["match"],
-                         tokens_per_call=r["tokens_per_call"]))  # fmt: skip
+        rows.append(
+            dict(
+                section="speculative",
+                name=f"{kind} k={k}",
+                value=r["speedup"],
+                unit="x plain",
+                ok=True,
+                match=r["match"],
+                tokens_per_call=r["tokens_per_call"],
+            )
+        )
     return rows
 
 
@@ -331,8 +357,17 @@ def run_attention(runs: int) -> list[dict]:
         for key in ("fwd_TFLOPs", "fwd_bwd_TFLOPs"):
             value, ratio = r.get(key), r.get(f"{key}_vs_cudnn")
             err = {"error": r["error"]} if "error" in r else {}
-            rows.append(dict(section="attention", name=f"{key[:-7]} {tag}", value=value,
-                             unit="TFLOP/s", vs=ratio, ok=not err, **err))  # fmt: skip
+            rows.append(
+                dict(
+                    section="attention",
+                    name=f"{key[:-7]} {tag}",
+                    value=value,
+                    unit="TFLOP/s",
+                    vs=ratio,
+                    ok=not err,
+                    **err,
+                )
+            )
     return rows
 
 
@@ -341,8 +376,17 @@ def run_decode(runs: int) -> list[dict]:
     for r in decode.run(DECODE_CONFIGS, "pallas", jnp.bfloat16, runs, bundled=False):
         name = f"B{r['B']} S{r['S']} {r['layout']} splits {r['num_splits']}"
         err = {"error": r["error"]} if "error" in r else {}
-        rows.append(dict(section="decode", name=name, value=r.get("GB_per_s"), unit="GB/s",
-                         vs=r.get("vs_copy"), ok=not err, **err))  # fmt: skip
+        rows.append(
+            dict(
+                section="decode",
+                name=name,
+                value=r.get("GB_per_s"),
+                unit="GB/s",
+                vs=r.get("vs_copy"),
+                ok=not err,
+                **err,
+            )
+        )
     return rows
 
 
@@ -377,9 +421,19 @@ def run_deviceless(jobs: int) -> list[dict]:
         needs_device = r["id"].startswith("attn-") and "-cudnn-" in r["id"] and r["error"]
         status = "needs_device" if needs_device else r["status"]
         regs = max((k.get("registers", 0) for k in r["kernels"]), default=None)
-        rows.append(dict(section="deviceless h200", name=r["id"], value=r["compile_s"],
-                         unit="compile s", ok=status in ("ok", "needs_device"), status=status,
-                         max_regs=regs, error=r["error"], kernels=r["kernels"]))  # fmt: skip
+        rows.append(
+            dict(
+                section="deviceless h200",
+                name=r["id"],
+                value=r["compile_s"],
+                unit="compile s",
+                ok=status in ("ok", "needs_device"),
+                status=status,
+                max_regs=regs,
+                error=r["error"],
+                kernels=r["kernels"],
+            )
+        )
     return rows
 
 
@@ -388,9 +442,12 @@ def main(argv=None) -> int:
     p.add_argument("--deviceless", action="store_true", help="compile only, for the H200 target")
     p.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma-separated, from {','.join(SECTIONS)}; a new row replaces the "
-                        "JSON's row of the same section and name, the others stay")  # fmt: skip
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated, from {','.join(SECTIONS)}; a new row replaces the "
+        "JSON's row of the same section and name, the others stay",
+    )
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--checks", default="", help="check: only names containing one of these")
     args = p.parse_args(argv)

@@ -48,12 +48,17 @@ def summarize(system: str, rate, results: list[dict]) -> dict:
     latency = [r["end"] - r["arrival"] for r in results]
     tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
     return dict(
-        system=system, rate=rate, requests=len(results), requests_per_s=len(results) / span,
+        system=system,
+        rate=rate,
+        requests=len(results),
+        requests_per_s=len(results) / span,
         output_tokens_per_s=sum(r["tokens"] for r in results) / span,
-        ttft_p50_s=_percentile(ttft, 50), ttft_p99_s=_percentile(ttft, 99),
-        tpot_p50_s=_percentile(tpot, 50), latency_p50_s=_percentile(latency, 50),
+        ttft_p50_s=_percentile(ttft, 50),
+        ttft_p99_s=_percentile(ttft, 99),
+        tpot_p50_s=_percentile(tpot, 50),
+        latency_p50_s=_percentile(latency, 50),
         latency_p99_s=_percentile(latency, 99),
-    )  # fmt: skip
+    )
 
 
 def arrivals(n: int, rate: float, seed: int) -> np.ndarray:
@@ -70,9 +75,14 @@ async def _one(http, prompt, max_new, delay, t0) -> dict:
     await asyncio.sleep(delay)
     arrival = time.perf_counter() - t0
     body = dict(
-        model=MODEL, prompt=prompt, max_tokens=max_new, temperature=0, stream=True,
-        ignore_eos=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_new,
+        temperature=0,
+        stream=True,
+        ignore_eos=True,
+        stream_options={"include_usage": True},
+    )
     first, tokens = None, 0
     async with http.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -149,9 +159,13 @@ class Baseline:
             with torch.inference_mode():
                 t0 = time.perf_counter()
                 self.model.generate(
-                    input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                    do_sample=False, pad_token_id=self.pad,
-                )  # fmt: skip
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=self.pad,
+                )
                 self.cache[key] = time.perf_counter() - t0
         return self.cache[key]
 
@@ -199,13 +213,26 @@ def main() -> None:
     if not args.no_baseline:
         rows += run_baseline(requests, args.rates, seed=1)
     columns = [
-        "system", "rate", "requests_per_s", "output_tokens_per_s", "ttft_p50_s", "tpot_p50_s",
-        "latency_p50_s", "latency_p99_s",
-    ]  # fmt: skip
+        "system",
+        "rate",
+        "requests_per_s",
+        "output_tokens_per_s",
+        "ttft_p50_s",
+        "tpot_p50_s",
+        "latency_p50_s",
+        "latency_p99_s",
+    ]
     common.finish(
-        args, "serve_cpu", rows, columns, model=MODEL, requests=args.requests, scale=args.scale,
-        max_batch=args.max_batch, baseline_batch=BASELINE_BATCH,
-    )  # fmt: skip
+        args,
+        "serve_cpu",
+        rows,
+        columns,
+        model=MODEL,
+        requests=args.requests,
+        scale=args.scale,
+        max_batch=args.max_batch,
+        baseline_batch=BASELINE_BATCH,
+    )
 
 
 if __name__ == "__main__":

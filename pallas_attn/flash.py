@@ -90,9 +90,16 @@ def attention(
     Sp = shapes.round_up(S, max(cfg.block_k, cfg.block_k_bwd))
     Dp = shapes.next_pow2(D, floor=16)
     ranges = shapes.row_ranges(
-        q.shape, S, Tp, Sp, q_offset=q_offset, kv_start=kv_start, kv_len=kv_len,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    )  # fmt: skip
+        q.shape,
+        S,
+        Tp,
+        Sp,
+        q_offset=q_offset,
+        kv_start=kv_start,
+        kv_len=kv_len,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
     # [B, META_WIDTH] int32 rows (q_offset, kv_start, kv_len, unused): one small load per program.
     meta = jnp.stack(
         [ranges.q_offset, ranges.kv_start, ranges.kv_len, jnp.zeros_like(ranges.kv_len)], 1

@@ -126,11 +126,16 @@ def attention_with_kvcache(
     _check_rotary_length(cos, seqlens, leftpad, max(Tn, Tq if static.window != (-1, -1) else 1))
     fp8, descale_shape = cache.is_fp8(k_cache), (B, k_cache.shape[2])
     args = cache.CacheArgs(
-        seqlens, leftpad, cache_batch_idx, block_table, cos, sin,
+        seqlens,
+        leftpad,
+        cache_batch_idx,
+        block_table,
+        cos,
+        sin,
         _descale("k_descale", k_descale, fp8, descale_shape),
         _descale("v_descale", v_descale, fp8, descale_shape),
         _check_tree_mask(tree_mask, B, Tq),
-    )  # fmt: skip
+    )
     new = (k, v) if Tn else (None, None)
     paged, tree = block_table is not None, tree_mask is not None
     if auto and validation.resolve_impl("auto", mosaic_dtype=q.dtype) == "mosaic":
@@ -148,14 +153,26 @@ def attention_with_kvcache(
 
         decode.check_supported(q, k_cache, paged=paged, fp8=fp8, tree=tree)
         out, lse, k_cache, v_cache = _mosaic(
-            static, args, q, k_cache, v_cache, *new, num_splits=num_splits,
+            static,
+            args,
+            q,
+            k_cache,
+            v_cache,
+            *new,
+            num_splits=num_splits,
             interpret=impl == "mosaic_interpret",
-        )  # fmt: skip
+        )
     else:
         out, lse, k_cache, v_cache = _pallas(
-            static, args, q, k_cache, v_cache, *new, num_splits=num_splits,
+            static,
+            args,
+            q,
+            k_cache,
+            v_cache,
+            *new,
+            num_splits=num_splits,
             interpret=impl == "interpret",
-        )  # fmt: skip
+        )
     return KVCacheResult(out, lse.astype(jnp.float32) if return_lse else None, k_cache, v_cache)
 
 
@@ -186,8 +203,10 @@ def _jnp(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_c
         out, lse = native.on_cpu(
             functools.partial(cpu.attention, static, args, Tn=Tn),
             functools.partial(_gathered, "xla", static, args, Tn=Tn),
-            q, k_cache, v_cache,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+        )
     else:
         out, lse = _gathered(impl, static, args, q, k_cache, v_cache, Tn=Tn)
     return out, lse, k_cache, v_cache
@@ -219,20 +238,42 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
     if k is not None:
         Tn = k.shape[1]
         k_cache, v_cache = append.append(
-            k_cache, v_cache, k, v, args.cache_seqlens, args.cache_leftpad, index,
-            args.rotary_cos, args.rotary_sin, descale,
-            interleaved=static.rotary_interleaved, interpret=interpret,
-        )  # fmt: skip
+            k_cache,
+            v_cache,
+            k,
+            v,
+            args.cache_seqlens,
+            args.cache_leftpad,
+            index,
+            args.rotary_cos,
+            args.rotary_sin,
+            descale,
+            interleaved=static.rotary_interleaved,
+            interpret=interpret,
+        )
     cfg = decode.DecodeConfig.make(
-        q.shape, k_cache.shape[2], static.capacity, q.dtype,
-        softmax_scale=static.softmax_scale, window=static.window, softcap=static.softcap,
+        q.shape,
+        k_cache.shape[2],
+        static.capacity,
+        q.dtype,
+        softmax_scale=static.softmax_scale,
+        window=static.window,
+        softcap=static.softcap,
         num_splits=num_splits,
-    )  # fmt: skip
+    )
     ranges = cache.key_range(args, q.shape[1], Tn)
     out, lse = decode.decode(
-        q, k_cache, v_cache, ranges.kv_len, ranges.kv_start, index, descale, args.tree_mask,
-        cfg=cfg, interpret=interpret,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        ranges.kv_len,
+        ranges.kv_start,
+        index,
+        descale,
+        args.tree_mask,
+        cfg=cfg,
+        interpret=interpret,
+    )
     return out, lse, k_cache, v_cache
 
 

@@ -68,9 +68,18 @@ def default_blocks(head_dim: int) -> BlockSizes:
 
 
 def attention(
-    q, k, v, *, softmax_scale: float, window, softcap: float, q_segment_ids=None,
-    kv_segment_ids=None, block_sizes: BlockSizes | None, interpret: bool,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    *,
+    softmax_scale: float,
+    window,
+    softcap: float,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    block_sizes: BlockSizes | None,
+    interpret: bool,
+):
     """Flash attention with the Mosaic GPU kernels.
 
     Args:
@@ -109,8 +118,10 @@ def attention(
 
     segs = ()
     if cfg.segments:  # padded queries and keys get segment 0 (padded keys are masked anyway)
-        segs = (shapes.pad_axis(q_segment_ids.astype(jnp.int32), 1, Tp),
-                shapes.pad_axis(kv_segment_ids.astype(jnp.int32), 1, Sp))  # fmt: skip
+        segs = (
+            shapes.pad_axis(q_segment_ids.astype(jnp.int32), 1, Tp),
+            shapes.pad_axis(kv_segment_ids.astype(jnp.int32), 1, Sp),
+        )
     out, lse = _attend(cfg, pad(q, Tp), pad(k, Sp), pad(v, Sp), segs)
     return out[:, :T, :, :D], lse[:, :, :T]
 

@@ -51,8 +51,9 @@ class RowRanges(NamedTuple):
     tree: jax.Array | None = None  # [B, Tp, T] int32 tree mask among keys q_offset + [0, T)
 
 
-def row_ranges(q_shape, S: int, Tp: int, Sp: int, *, q_offset, kv_start, kv_len, q_segment_ids,
-               kv_segment_ids) -> RowRanges:  # fmt: skip
+def row_ranges(
+    q_shape, S: int, Tp: int, Sp: int, *, q_offset, kv_start, kv_len, q_segment_ids, kv_segment_ids
+) -> RowRanges:
     """Fills the defaults (``q_offset = S - T``, ``kv_start = 0``, ``kv_len = S``) for q
     [B, T, Hq, D] over S keys, and pads segment ids to ``Tp`` / ``Sp``."""
     B, T = q_shape[:2]

@@ -63,9 +63,16 @@ def attention(
     bq, bk = block_q or default_q, block_k or default_k
     Tp, Sp = shapes.round_up(T, bq), shapes.round_up(S, bk)
     ranges = shapes.row_ranges(
-        q.shape, S, Tp, Sp, q_offset=q_offset, kv_start=kv_start, kv_len=kv_len,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    )  # fmt: skip
+        q.shape,
+        S,
+        Tp,
+        Sp,
+        q_offset=q_offset,
+        kv_start=kv_start,
+        kv_len=kv_len,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
     if tree_mask is not None:
         ranges = ranges._replace(tree=shapes.pad_axis(tree_mask.astype(jnp.int32), 1, Tp))
     static = _Static(float(softmax_scale), tuple(window), float(softcap), bq, bk)

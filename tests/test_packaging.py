@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_wheel_carries_native_sources_and_shipped_models(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("pallas_attn-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for pattern in ("pallas_attn/native/*", "models/shipped/*/*"):

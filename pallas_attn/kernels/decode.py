@@ -158,9 +158,14 @@ def _kernel(
         k, v = _load_keys(k_ref, v_ref, index_ref, b, h, pos, kv_start, kv_len, Dp, q.dtype, paged)
         s2, _ = softmax.scale_scores(flash_common.dot_nt(q, k), scale, cfg.softcap)
         mask = masks.visible(
-            q_pos[:, None], pos[None, :], window=cfg.window, kv_start=kv_start, kv_len=kv_len,
-            tree_rows=None if tree_ref is None else tree_ref[...], tree_start=kv_len - Tq,
-        )  # fmt: skip
+            q_pos[:, None],
+            pos[None, :],
+            window=cfg.window,
+            kv_start=kv_start,
+            kv_len=kv_len,
+            tree_rows=None if tree_ref is None else tree_ref[...],
+            tree_start=kv_len - Tq,
+        )
         return softmax.step(carry, s2, v, flash_common.pv, mask)
 
     init = softmax.init((cfg.block_m,), q.shape[-1])
@@ -206,9 +211,18 @@ def pack_tree(tree, G: int, Mp: int):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def decode(
-    q, k_cache, v_cache, kv_len, kv_start, index, descale, tree=None, *, cfg: DecodeConfig,
+    q,
+    k_cache,
+    v_cache,
+    kv_len,
+    kv_start,
+    index,
+    descale,
+    tree=None,
+    *,
+    cfg: DecodeConfig,
     interpret,
-):  # fmt: skip
+):
     """Split-KV attention of q over a cache whose rows already hold every key.
 
     Args:

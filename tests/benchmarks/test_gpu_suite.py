@@ -47,8 +47,10 @@ def test_rows_land_one_by_one_and_replace_by_name(fake_gpu, tmp_path, capsys):
     assert gpu_suite.main(["--sections", "check", "--out", str(tmp_path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert [(r["section"], r["name"], r["value"]) for r in rows] == [
-        ("decode", "B1", 500.0), ("check", "check-a", 0.1), ("check", "check-b", 0.1),
-    ]  # fmt: skip
+        ("decode", "B1", 500.0),
+        ("check", "check-a", 0.1),
+        ("check", "check-b", 0.1),
+    ]
     assert len(seen[0]) == 2  # check-a written before check-b ran
     assert capsys.readouterr().out.count("'name': 'check-a'") == 1  # emitted once
 
@@ -60,8 +62,9 @@ def test_a_failing_section_is_a_failed_row_and_the_next_one_runs(fake_gpu, tmp_p
     assert gpu_suite.main(args) == 1
     rows = json.loads((tmp_path / "gpu_suite_fake_gpu.json").read_text())["rows"]
     assert [(r["section"], r["name"], r["ok"]) for r in rows] == [
-        ("boom", "error", False), ("check", "check-b", True),
-    ]  # fmt: skip
+        ("boom", "error", False),
+        ("check", "check-b", True),
+    ]
     assert "kernel exploded" in rows[0]["error"]
 
 

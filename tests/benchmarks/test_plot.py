@@ -40,8 +40,11 @@ def test_plot_renders_each_recipe_of_matching_results(tmp_path):
     written = render_all(tmp_path, recipes, out)
     names = sorted(p.name for p in written)
     assert names == [
-        "synth_bars.png", "synth_lines.png", "synth_quick_bars.png", "synth_quick_lines.png"
-    ]  # fmt: skip
+        "synth_bars.png",
+        "synth_lines.png",
+        "synth_quick_bars.png",
+        "synth_quick_lines.png",
+    ]
     for path in written:
         assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000
 

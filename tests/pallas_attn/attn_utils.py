@@ -207,9 +207,16 @@ def check_fully_masked_rows(impl, block_sizes):
 
     def f(q, k, v):
         out, lse = flash_attention(
-            q, k, v, causal=True, q_segment_ids=seg_q, kv_segment_ids=seg_k, return_lse=True,
-            impl=impl, block_sizes=block_sizes,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            causal=True,
+            q_segment_ids=seg_q,
+            kv_segment_ids=seg_k,
+            return_lse=True,
+            impl=impl,
+            block_sizes=block_sizes,
+        )
         return jnp.sum(out**2), (out, lse)
 
     grads, (out, lse) = grad_fn(f, q, k, v)(q, k, v)

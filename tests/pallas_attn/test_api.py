@@ -103,7 +103,10 @@ def test_non_finite_scalars_raise(kwargs, match):
 
 
 def test_numpy_scalars_are_accepted():
-    q, k, v = (jnp.asarray(np.random.default_rng(i).normal(size=x.shape), jnp.float32) for i, x in enumerate(_qkv()))  # fmt: skip
+    q, k, v = (
+        jnp.asarray(np.random.default_rng(i).normal(size=x.shape), jnp.float32)
+        for i, x in enumerate(_qkv())
+    )
     want = flash_attention(q, k, v, softcap=30.0, softmax_scale=0.25, impl="reference")
     got = flash_attention(
         q, k, v, softcap=np.float32(30.0), softmax_scale=np.float64(0.25), impl="reference"

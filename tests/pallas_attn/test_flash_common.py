@@ -13,9 +13,18 @@ WINDOWS = [(-1, -1), (-1, 0), (5, 0), (0, 3), (7, 2), (20, -1), (-1, 9)]
 
 def _config(window):
     return fc.Config(
-        softmax_scale=1.0, window=window, softcap=0.0, segments=False, block_q=8, block_k=8,
-        block_q_bwd=8, block_k_bwd=8, num_warps=4, num_stages=2, interpret=True,
-    )  # fmt: skip
+        softmax_scale=1.0,
+        window=window,
+        softcap=0.0,
+        segments=False,
+        block_q=8,
+        block_k=8,
+        block_q_bwd=8,
+        block_k_bwd=8,
+        num_warps=4,
+        num_stages=2,
+        interpret=True,
+    )
 
 
 def _cases():

@@ -104,9 +104,17 @@ def test_varlen_matches_per_sequence_attention():
 
     def packed(q, k, v):
         out, lse = flash_attention_varlen(
-            q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **opts, impl="interpret",
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max(lens_q),
+            max(lens_k),
+            **opts,
+            impl="interpret",
             block_sizes=SMALL,
-        )  # fmt: skip
+        )
         return jnp.sum(out * d_out), (out, lse)
 
     def separate(q, k, v):

@@ -123,8 +123,16 @@ def test_decode_blocks(rows, D, dtype, want):
 
 def test_padded_head_dim():
     assert [padded_head_dim(D) for D in (1, 16, 17, 40, 64, 80, 128, 160, 256)] == [
-        16, 16, 32, 64, 64, 128, 128, 256, 256,
-    ]  # fmt: skip
+        16,
+        16,
+        32,
+        64,
+        64,
+        128,
+        128,
+        256,
+        256,
+    ]
 
 
 def _default_tiles(D, dtype):

@@ -32,8 +32,14 @@ def inputs(seed=0):
     T = len(PARENTS)
     f = lambda *s: r.standard_normal(s).astype(np.float32)  # noqa: E731
     seqlens = np.array([5, 13], np.int32)
-    return dict(q=f(B, T, Hq, D), kc=f(B, S, Hkv, D), vc=f(B, S, Hkv, D), k=f(B, T, Hkv, D),
-                v=f(B, T, Hkv, D), seqlens=seqlens)  # fmt: skip
+    return dict(
+        q=f(B, T, Hq, D),
+        kc=f(B, S, Hkv, D),
+        vc=f(B, S, Hkv, D),
+        k=f(B, T, Hkv, D),
+        v=f(B, T, Hkv, D),
+        seqlens=seqlens,
+    )
 
 
 def oracle(x, tree):
@@ -63,9 +69,17 @@ def run(x, tree, impl, paged):
         vc[perm] = x["vc"].reshape(B, S // P, P, Hkv, D)
         kw["block_table"] = jnp.asarray(perm, jnp.int32)
     return attention_with_kvcache(
-        x["q"], kc, vc, x["k"], x["v"], cache_seqlens=x["seqlens"], causal=True,
-        tree_mask=tree, impl=impl, **kw,
-    ).out  # fmt: skip
+        x["q"],
+        kc,
+        vc,
+        x["k"],
+        x["v"],
+        cache_seqlens=x["seqlens"],
+        causal=True,
+        tree_mask=tree,
+        impl=impl,
+        **kw,
+    ).out
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

@@ -68,7 +68,11 @@ def test_varlen_lowers_for_cuda():
     kv = jax.ShapeDtypeStruct((300, 2, 64), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((5,), jnp.int32)
     f = functools.partial(
-        flash_attention_varlen, max_seqlen_q=128, max_seqlen_k=128, causal=True, impl="pallas",
+        flash_attention_varlen,
+        max_seqlen_q=128,
+        max_seqlen_k=128,
+        causal=True,
+        impl="pallas",
         block_sizes=BlockSizes(block_q=64, block_k=32),
-    )  # fmt: skip
+    )
     assert _lower(lambda q, k, v, cu: f(q, k, v, cu, cu), q, kv, kv, cu).count(TRITON_CALL) == 1

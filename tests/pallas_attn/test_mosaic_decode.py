@@ -15,13 +15,35 @@ IMPL = "mosaic_interpret"
 # PackGQA rows G * Tq of 8, 20, 6 and 64; paged with pages of 16 (four per tile) and 64, and
 # contiguous (through cache_batch_idx); leftpad, rotary, causal, window, softcap; D 64 and 128.
 CASES = [
-    Case(Tq=1, Tn=1, Hq=8, Hkv=1, D=64, S=128, page=16, leftpad=True, causal=True,
-         dtype="bfloat16"),
-    Case(Tq=5, Tn=5, Hq=4, Hkv=1, D=64, S=128, batch_idx=True, rotary=(16, True), causal=True,
-         dtype="float16"),
-    Case(Tq=3, Tn=0, Hq=2, Hkv=1, D=128, S=128, page=64, leftpad=True, window=(20, 0),
-         softcap=3.0, dtype="bfloat16"),
-]  # fmt: skip
+    Case(
+        Tq=1, Tn=1, Hq=8, Hkv=1, D=64, S=128, page=16, leftpad=True, causal=True, dtype="bfloat16"
+    ),
+    Case(
+        Tq=5,
+        Tn=5,
+        Hq=4,
+        Hkv=1,
+        D=64,
+        S=128,
+        batch_idx=True,
+        rotary=(16, True),
+        causal=True,
+        dtype="float16",
+    ),
+    Case(
+        Tq=3,
+        Tn=0,
+        Hq=2,
+        Hkv=1,
+        D=128,
+        S=128,
+        page=64,
+        leftpad=True,
+        window=(20, 0),
+        softcap=3.0,
+        dtype="bfloat16",
+    ),
+]
 SLOW_CASES = [
     Case(Tq=16, Tn=16, Hq=8, Hkv=2, D=128, S=256, page=32, causal=True, dtype="float16"),
     Case(Tq=1, Tn=0, Hq=4, Hkv=4, D=64, S=192, leftpad=True, dtype="bfloat16"),
@@ -53,8 +75,19 @@ def test_mosaic_decode_matches_reference_slow(case):
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_mosaic_decode_num_splits(num_splits):
-    case = Case(Tq=2, Tn=1, Hq=4, Hkv=2, D=64, S=256, page=16, leftpad=True, causal=True,
-                window=(150, 0), dtype="bfloat16")  # fmt: skip
+    case = Case(
+        Tq=2,
+        Tn=1,
+        Hq=4,
+        Hkv=2,
+        D=64,
+        S=256,
+        page=16,
+        leftpad=True,
+        causal=True,
+        window=(150, 0),
+        dtype="bfloat16",
+    )
     check(case, seed=3, num_splits=num_splits)
 
 
@@ -84,10 +117,14 @@ def test_mosaic_decode_ignores_unowned_memory():
         (Case(D=40, S=128, dtype="bfloat16"), {}, ValueError, "head dims"),
         (Case(D=64, S=96, page=24, dtype="bfloat16"), {}, ValueError, "page size"),
         (Case(D=64, S=100, dtype="bfloat16"), {}, ValueError, "multiple of 64"),
-        (Case(Tq=2, D=64, S=128, dtype="bfloat16"), dict(tree_mask=np.eye(2, dtype=bool)),
-         ValueError, "tree_mask"),
+        (
+            Case(Tq=2, D=64, S=128, dtype="bfloat16"),
+            dict(tree_mask=np.eye(2, dtype=bool)),
+            ValueError,
+            "tree_mask",
+        ),
     ],
-)  # fmt: skip
+)
 def test_mosaic_decode_rejects_what_it_cannot_run(case, extra, error, match):
     inp = make_inputs(case, seed=5)
     extra = {k: jnp.asarray(v) for k, v in extra.items()}

@@ -80,9 +80,17 @@ def test_kvcache_ignores_unowned_slots(impl, layout, lens, pad_frac, junk, poiso
         poison = np.nan  # float8_e4m3fn has no inf
     mask = owned[..., None, None]
     call = functools.partial(
-        attention_with_kvcache, q, k=k, v=v, cache_seqlens=jnp.asarray(lens),
-        cache_leftpad=jnp.asarray(pad), causal=causal, return_lse=True, impl=impl, **kw,
-    )  # fmt: skip
+        attention_with_kvcache,
+        q,
+        k=k,
+        v=v,
+        cache_seqlens=jnp.asarray(lens),
+        cache_leftpad=jnp.asarray(pad),
+        causal=causal,
+        return_lse=True,
+        impl=impl,
+        **kw,
+    )
     clean = call(jnp.asarray(k_cache, cache_dtype), jnp.asarray(v_cache, cache_dtype))
     dirty_k = jnp.asarray(np.where(mask, k_cache, poison), cache_dtype)
     dirty_v = jnp.asarray(np.where(mask, v_cache, -poison), cache_dtype)
@@ -90,7 +98,10 @@ def test_kvcache_ignores_unowned_slots(impl, layout, lens, pad_frac, junk, poiso
     assert np.all(np.isfinite(np.asarray(dirty.out)))
     np.testing.assert_array_equal(np.asarray(dirty.out), np.asarray(clean.out))
     np.testing.assert_array_equal(np.asarray(dirty.lse), np.asarray(clean.lse))
-    for got, want, before in ((dirty.k_cache, clean.k_cache, dirty_k), (dirty.v_cache, clean.v_cache, dirty_v)):  # fmt: skip
+    for got, want, before in (
+        (dirty.k_cache, clean.k_cache, dirty_k),
+        (dirty.v_cache, clean.v_cache, dirty_v),
+    ):
         got, want, before = _bits(got), _bits(want), _bits(before)
         np.testing.assert_array_equal(got[owned], want[owned])  # written and owned slots
         np.testing.assert_array_equal(got[~owned], before[~owned])  # the rest untouched
@@ -102,9 +113,18 @@ def _kv_len_grad(impl):
 
     def loss(q, k, v, q_offset, kv_start, kv_len):
         out, lse = run_impl(
-            impl, q, k, v, block_sizes=SMALL, softmax_scale=0.25, window=(-1, 0), softcap=0.0,
-            q_offset=q_offset, kv_start=kv_start, kv_len=kv_len,
-        )  # fmt: skip
+            impl,
+            q,
+            k,
+            v,
+            block_sizes=SMALL,
+            softmax_scale=0.25,
+            window=(-1, 0),
+            softcap=0.0,
+            q_offset=q_offset,
+            kv_start=kv_start,
+            kv_len=kv_len,
+        )
         return jnp.sum(out * jnp.cos(q)), (out, lse)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))

@@ -80,8 +80,9 @@ def _kernel(
     plgpu.copy_gmem_to_smem(meta_ref.at[b], meta_s, in_bar.at[0])
     if paged:
         plgpu.copy_gmem_to_smem(table_ref.at[b], table_s, in_bar.at[1])
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(pl.multiple_of(mi * rows, rows), rows)], q_s,
-                            in_bar.at[2])  # fmt: skip
+    plgpu.copy_gmem_to_smem(
+        q_ref.at[b, h, pl.ds(pl.multiple_of(mi * rows, rows), rows)], q_s, in_bar.at[2]
+    )
     plgpu.barrier_wait(in_bar.at[0])
     if paged:
         plgpu.barrier_wait(in_bar.at[1])
@@ -209,9 +210,14 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, *, cfg: DecodeStatic, n
     m_blocks = Mp // rows
     n = heuristics.choose_splits(num_splits, B * Hkv * m_blocks, capacity, BLOCK_N)
     dcfg = triton_decode.DecodeConfig(
-        softmax_scale=cfg.softmax_scale, window=cfg.window, softcap=cfg.softcap, group=G,
-        block_m=rows, block_n=BLOCK_N, num_splits=n,
-    )  # fmt: skip
+        softmax_scale=cfg.softmax_scale,
+        window=cfg.window,
+        softcap=cfg.softcap,
+        group=G,
+        block_m=rows,
+        block_n=BLOCK_N,
+        num_splits=n,
+    )
     row = jnp.zeros_like(kv_len) if paged else index
     meta = jnp.stack([kv_start, kv_len, row], 1).astype(jnp.int32)
     meta = jnp.pad(meta, ((0, 0), (0, META_WIDTH - 3)))

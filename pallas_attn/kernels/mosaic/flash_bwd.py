@@ -79,8 +79,12 @@ def _dkdv_kernel(
         g, i = lax.div(n, n_blocks), lo + lax.rem(n, n_blocks)
         rows = (b, pl.ds(pl.multiple_of(i * bq, bq), bq), h * G + g)
         stats = (b, h * G + g, pl.ds(pl.multiple_of(i * bq, bq), bq))
-        copies = ((q_ref, rows, q_s), (do_ref, rows, do_s), (lse_ref, stats, lse_s),
-                  (delta_ref, stats, delta_s))  # fmt: skip
+        copies = (
+            (q_ref, rows, q_s),
+            (do_ref, rows, do_s),
+            (lse_ref, stats, lse_s),
+            (delta_ref, stats, delta_s),
+        )
         if cfg.segments:
             copies += ((q_seg_ref, (b, rows[1]), q_seg_s),)
         for t, (src, at, dst) in enumerate(copies):
@@ -116,9 +120,13 @@ def _dkdv_kernel(
             if cfg.segments:
                 q_seg = mc.bcast(mc.load_vector(cfg, q_seg_s.at[slot], 0), shape, 1)
             mask = masks.visible(
-                q_pos, k_pos, window=cfg.window, kv_len=cfg.S, q_segment_ids=q_seg,
+                q_pos,
+                k_pos,
+                window=cfg.window,
+                kv_len=cfg.S,
+                q_segment_ids=q_seg,
                 kv_segment_ids=kv_seg,
-            )  # fmt: skip
+            )
             p = jnp.where(mask, p, 0.0)
         mc.store_tile(p_s, p)
         dv = mc.matmul_acc(cfg, dv, p_s, do)
@@ -171,8 +179,12 @@ def _dq_kernel(
     num_k_blocks = k_ref.shape[1] // bk
     row0 = pl.multiple_of(qi * bq, bq)
     rows, stats = (b, pl.ds(row0, bq), h), (b, h, pl.ds(row0, bq))
-    copies = ((q_ref.at[rows], q_s), (do_ref.at[rows], do_s), (lse_ref.at[stats], lse_s),
-              (delta_ref.at[stats], delta_s))  # fmt: skip
+    copies = (
+        (q_ref.at[rows], q_s),
+        (do_ref.at[rows], do_s),
+        (lse_ref.at[stats], lse_s),
+        (delta_ref.at[stats], delta_s),
+    )
     if cfg.segments:
         copies += ((q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_s),)
     for t, (src, dst) in enumerate(copies):
@@ -218,9 +230,13 @@ def _dq_kernel(
             if cfg.segments:
                 kv_seg = mc.bcast(mc.load_vector(cfg, kv_seg_s.at[slot], 0), shape, 1)
             mask = masks.visible(
-                q_pos, k_pos, window=cfg.window, kv_len=cfg.S, q_segment_ids=q_seg,
+                q_pos,
+                k_pos,
+                window=cfg.window,
+                kv_len=cfg.S,
+                q_segment_ids=q_seg,
                 kv_segment_ids=kv_seg,
-            )  # fmt: skip
+            )
             p = jnp.where(mask, p, 0.0)
         dp = mc.matmul(cfg, do_s, v, transpose_b=True)
         mc.store_tile(ds_s, softmax.score_grad(p, dp, delta, t))

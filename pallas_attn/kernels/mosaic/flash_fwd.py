@@ -144,9 +144,13 @@ def _kernel(
                 q_pos = q_first + mc.iota(cfg, s.shape, 0)
                 k_pos = j * bk + mc.iota(cfg, s.shape, 1)
                 mask = masks.visible(
-                    q_pos, k_pos, window=cfg.window, kv_len=cfg.S, q_segment_ids=q_seg,
+                    q_pos,
+                    k_pos,
+                    window=cfg.window,
+                    kv_len=cfg.S,
+                    q_segment_ids=q_seg,
                     kv_segment_ids=kv_seg,
-                )  # fmt: skip
+                )
             return softmax.step(carry, s2, slot, pv, mask, accumulate=True)
 
         m, l, acc = softmax.init((rows,), q_tile.shape[-1])
