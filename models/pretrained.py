@@ -17,7 +17,7 @@ import pathlib
 
 import jax.numpy as jnp
 
-from models.gguf import load_gguf
+from models.gguf import load_gguf, read_config
 from models.hf import config_from_hf, load_hf_checkpoint
 from models.medusa import load_medusa
 from models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -26,7 +26,10 @@ from models.transformer import Transformer
 SHIPPED_DIR = pathlib.Path(__file__).parent / "shipped"
 SHIPPED = ("code-target", "code-draft")
 # Shipped Medusa heads (``models.medusa``) -> the shipped model they were trained on.
-SHIPPED_MEDUSA = {"code-target-medusa": "code-target"}
+SHIPPED_MEDUSA = {
+    "code-target-medusa": "code-target",
+    "smollm2-135m-instruct-medusa": "smollm2-135m-instruct",
+}
 # Models installed from PyPI: name -> (distribution, package, file inside the package).
 INSTALLED = {
     "smollm2-135m-instruct": (
@@ -134,11 +137,19 @@ def pretrained(name: str, *, dtype=None, attn_impl: str = "auto") -> tuple[Trans
     library (see ``models.train``); any :func:`model_path` also works.
 
     For "code-target-medusa", ``(models.MedusaHeads, tokenizer)``: 4 Medusa heads trained on the
-    frozen code-target (``models.medusa_train``), in ``dtype``.
+    frozen code-target (``models.medusa_train``), in ``dtype``. For
+    "smollm2-135m-instruct-medusa", shared-head Medusa heads self-distilled on
+    SmolLM2-135M-Instruct (``python -m models.medusa_train``; they read the target's LM head:
+    pass the target to ``decoding.Medusa``'s generation, ``heads(h, target=model)``).
     """
     if name in SHIPPED_MEDUSA:
         dtype = jnp.float32 if dtype is None else dtype
-        hf = json.loads((shipped_path(SHIPPED_MEDUSA[name]) / "config.json").read_text())
-        config = config_from_hf(hf, dtype=dtype).replace(attn_impl=attn_impl)
-        return load_medusa(str(shipped_path(name)), config), ByteTokenizer()
+        base = SHIPPED_MEDUSA[name]
+        if base in INSTALLED:  # the heads only: the target's config is read, not its weights
+            config = read_config(installed_path(base), dtype=dtype)
+        else:
+            hf = json.loads((shipped_path(base) / "config.json").read_text())
+            config = config_from_hf(hf, dtype=dtype)
+        config = config.replace(attn_impl=attn_impl)
+        return load_medusa(str(shipped_path(name)), config), tokenizer_for(base)
     return load_model(name, dtype=dtype, attn_impl=attn_impl), tokenizer_for(name)
