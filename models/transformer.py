@@ -475,7 +475,10 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             kv = None
             if cache is not None:
-                kv = (cache.k[i], cache.v[i], cache.lengths, cache.block_table)
+                table = cache.block_table
+                if cache.ring_pages is not None:  # trace time: only ring caches pay for it
+                    table = cache.layer_table(self.config, i, T)
+                kv = (cache.k[i], cache.v[i], cache.lengths, table)
             x, layer_kv = layer(x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask)
             if layer_kv is not None:
                 new_k.append(layer_kv[0])

@@ -282,3 +282,87 @@ def test_gemma_sentencepiece_vocab(gemma_vocab):
     assert [i - 6 for i in ids] == list("Ω".encode())
     turn = tok.encode("<start_of_turn>user")
     assert turn[0] == 4 and tok.decode(turn) == "user"  # a control token, dropped by decode
+
+
+# --- paged cache: rings of pages for the sliding layers -----------------------------------------
+
+
+def _cached_step(model):
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens, cache):
+        return nnx.merge(graphdef, state)(tokens, cache=cache)
+
+    return lambda tokens, cache: step(state, tokens, cache)
+
+
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
+def test_sliding_layers_keep_a_ring_of_pages(family):
+    """Gemma 3 decoding far past its window (5) with rings for its sliding layers: the logits of
+    the contiguous cache at every step, while the sliding layers hold R pages per row, not all."""
+    from models.kv_cache import KVCache, ring_pages_for
+
+    _, _, path = family
+    model = load_hf_checkpoint(str(path), attn_impl="xla")
+    c = model.config
+    B, P, chunk, total = 2, 2, 3, 30
+    tokens = jnp.asarray(np.random.default_rng(3).integers(1, VOCAB, (B, total)), jnp.int32)
+    R = ring_pages_for(c.sliding_window, chunk, P)  # calls of up to 3 tokens (as a verifier's)
+    max_pages = total // P
+    table = np.arange(B * max_pages, dtype=np.int32).reshape(B, max_pages)
+    ring = KVCache.paged(c, B * max_pages, P, table, ring_pages=R)
+    full = KVCache.contiguous(c, B, total)
+    sliding = [i for i in range(c.num_layers) if c.is_sliding(i)]
+    assert R * P < total - chunk and len(sliding) == 4
+    for i in range(c.num_layers):
+        assert ring.k[i].shape[0] == (B * R if i in sliding else B * max_pages)
+    pages = sum(k.shape[0] for k in ring.k)
+    assert pages == 4 * B * R + 2 * B * max_pages < c.num_layers * B * max_pages
+    step = _cached_step(model)
+    worst, scale, t = 0.0, 0.0, 0
+    while t < total:  # the prompt and a middle stretch in 3-token calls, the rest one by one
+        n = chunk if t == 0 or 15 <= t < 21 else 1
+        got, ring = step(tokens[:, t : t + n], ring)
+        want, full = step(tokens[:, t : t + n], full)
+        worst = max(worst, float(np.abs(np.asarray(got) - np.asarray(want)).max()))
+        scale = max(scale, float(np.abs(np.asarray(want)).max()))
+        t += n
+    assert worst < 1e-5 * scale, worst
+    with pytest.raises(ValueError, match="rings of"):  # a call longer than the ring can hold
+        step(tokens[:, : R * P], ring.replace(lengths=jnp.zeros(B, jnp.int32)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"], indirect=True)
+def test_speculative_decoding_is_lossless(family):
+    """Greedy speculative decoding (a self-speculating early exit, which runs the family's
+    layers through decoding.drafts' own forward) gives the target's greedy tokens."""
+    from decoding import speculative_generate
+    from decoding.drafts import EarlyExit
+
+    _, _, path = family
+    model = load_hf_checkpoint(str(path))
+    prompts = [p[:n].tolist() for p, n in zip(_tokens(), (9, 4), strict=True)]
+    want = generate(model, prompts, max_new_tokens=16).tokens
+    got = speculative_generate(
+        model, EarlyExit(1), prompts, num_draft_tokens=3, max_new_tokens=16, page_size=4
+    )
+    assert got.tokens == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"], indirect=True)
+def test_engine_matches_generate(family):
+    """The continuous-batching engine (chunked prefill, pages shared by its prefix cache)
+    produces the greedy tokens of ``generate``."""
+    from decoding import Engine
+
+    _, _, path = family
+    model = load_hf_checkpoint(str(path))
+    prompts = [p[:n].tolist() for p, n in zip(_tokens(), (9, 4), strict=True)]
+    want = generate(model, prompts, max_new_tokens=12).tokens
+    engine = Engine(model, max_batch=2, num_pages=32, page_size=4, max_prefill_tokens=4)
+    ids = [engine.submit(p, 12) for p in prompts]
+    out = engine.run_until_done()
+    assert [out[i] for i in ids] == want
