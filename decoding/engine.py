@@ -56,10 +56,12 @@ from flax import nnx
 
 from decoding import engine_steps
 from decoding.checks import check_bool, check_int, check_model, check_optional_int, is_int
+from decoding.drafts import MAX_K, PRIOR_ACCEPTANCE, AcceptanceEstimate, PromptLookup
 from decoding.interrupts import deferred_interrupts
 from decoding.paging import pages_for
 from decoding.sampling import SamplingConfig, SamplingParams
 from decoding.scheduler import Request, Scheduler
+from decoding.speculative import chosen_num_draft_tokens
 from models import KVCache
 from models.shard import to_host
 from models.transformer import decode_kernels
@@ -67,6 +69,8 @@ from models.transformer import decode_kernels
 _GREEDY = SamplingConfig()
 MIN_CHUNK = 16  # the smallest prefill chunk bucket
 COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
+# Verification steps between re-choices of k (num_draft_tokens=None): each k compiles once.
+RECHOOSE_STEPS = 16
 
 
 def _check_sampling(name: str, sampling) -> SamplingConfig | None:
@@ -91,6 +95,15 @@ class Engine:
         ``max_position``. It sets the block table's width, ``pages_for(max_seq_len)``, a fixed
         shape of every step; the XLA attention path reads that many positions per row, so a
         tighter bound makes CPU steps cheaper (the Pallas kernel only reads a row's own pages).
+      draft: None (one token per row per step) or ``decoding.PromptLookup(...)``: every step
+        drafts k tokens for each decoding row and verifies them all in the same jitted step
+        (Tq = k + 1 for every row); each row keeps what it accepted (greedy: exactly the
+        tokens of plain decoding; sampled: exactly the target's distribution), its pages grow
+        by what the step writes and rejected positions are dropped by length.
+      num_draft_tokens: k; None = chosen from the target's measured step costs at
+        ``max_batch`` rows and the batch's running acceptance rate
+        (``speculative.chosen_num_draft_tokens``), re-chosen every ``RECHOOSE_STEPS``
+        verification steps (each k in use compiles its step once).
     """
 
     def __init__(
@@ -104,8 +117,18 @@ class Engine:
         max_prefill_tokens: int = 512,
         sampling: SamplingConfig | None = None,
         max_seq_len: int | None = None,
+        draft=None,
+        num_draft_tokens: int | None = None,
     ):
         check_model("model", model)
+        if draft is not None and not isinstance(draft, PromptLookup):
+            raise TypeError(
+                "draft must be None or a decoding.PromptLookup (the engine does not yet run "
+                f"model or Medusa drafts), got {type(draft).__name__}"
+            )
+        k = check_optional_int("num_draft_tokens", num_draft_tokens, 1, MAX_K + 1)
+        if k is not None and draft is None:
+            raise ValueError(f"num_draft_tokens={k} needs a draft (draft=None)")
         self.config = model.config
         self.max_batch = check_int("max_batch", max_batch, 1)
         self.page_size = page_size = check_int("page_size", page_size, 1)
@@ -121,6 +144,14 @@ class Engine:
         graphdef, self._params = nnx.split(model)
         self._kernels = decode_kernels(model, self._params)  # packed weights, few-row steps (CPU)
         self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef)
+        self._model, self._graphdef, self.draft = model, graphdef, draft
+        self._fixed_k, self.num_draft_tokens = k, k
+        # A verification writes up to k positions past a row's last needed one (dropped later),
+        # so the device block table is wider, its extra entries the scratch page.
+        self._table_width = pages_for(self.max_seq_len - 1 + (MAX_K if draft else 0), page_size)
+        if draft is not None:
+            self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE["prompt-lookup"])
+            self._choose_k()
         self._k, self._v = self._new_pool()
         self._counts = collections.Counter()
         self.scheduler = Scheduler(
@@ -338,7 +369,16 @@ class Engine:
         self._counts["prefill_tokens"] += n
         self.scheduler.register(req)
 
+    def _choose_k(self) -> None:
+        """k for the next verification steps (fixed, or the rule on the running estimate)."""
+        if self._fixed_k is None:
+            self.num_draft_tokens = chosen_num_draft_tokens(
+                self._model, self.draft, None, batch=self.max_batch, acceptance=self.acceptance.rate
+            )
+
     def _decode(self) -> None:
+        if self.draft is not None:
+            return self._verify()
         rows = self.scheduler.grow_decoding_rows()
         if not rows:
             return
@@ -369,6 +409,51 @@ class Engine:
             self.scheduler.register(req)
             if req.done:
                 self.scheduler.retire(req)
+
+    def _verify(self) -> None:
+        """One speculative step for every decoding row (``engine_steps.verify_rows``)."""
+        k = self.num_draft_tokens
+        rows = self.scheduler.grow_decoding_rows(ahead=k + 1)
+        if not rows:
+            return
+        B, L = self.max_batch, self.max_seq_len
+        seq = np.zeros((B, L), np.int32)
+        lengths, index = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        seeds = np.zeros(B, np.uint32)
+        table = np.full((B, self._table_width), self._scratch, np.int32)
+        settings = [_GREEDY] * B
+        for req in rows:
+            b = req.row
+            seq[b, : len(req.tokens)] = req.tokens
+            lengths[b], seeds[b] = req.computed, req.seed
+            index[b] = len(req.tokens) - req.prompt_len
+            settings[b] = req.sampling
+            pages = self.tables.rows[b]
+            table[b, : len(pages)] = pages
+        fn = engine_steps.jitted_verify(self._graphdef, self.draft, k)
+        drafted, n, nxt, self._k, self._v = self._call(
+            fn, self._params, self._kernels, self._k, self._v, seq, lengths, table, seeds, index,
+            SamplingParams.rows(settings),
+        )  # fmt: skip
+        drafted, n, nxt = np.asarray(drafted), np.asarray(n), np.asarray(nxt)
+        self._counts["decode_steps"] += 1
+        for req in rows:
+            b = req.row
+            self._counts["draft_accepted"] += int(n[b])
+            self._counts["draft_proposed"] += k
+            self.acceptance.update(int(n[b]), k)
+            for token in [*drafted[b, : n[b]].tolist(), int(nxt[b])]:
+                self._events.setdefault(req.rid, []).append(token)
+                req.tokens.append(token)
+                req.computed += 1
+                self._counts["generated_tokens"] += 1
+                if req.done:
+                    break
+            self.scheduler.register(req)
+            if req.done:
+                self.scheduler.retire(req)
+        if self._counts["decode_steps"] % RECHOOSE_STEPS == 0:
+            self._choose_k()
 
     def _apply(self, copies) -> None:
         for i in range(0, len(copies), COPY_BATCH):
@@ -418,4 +503,7 @@ class Engine:
             evictions=alloc.evictions,
             compile_s=self._compile_s,
             tokens_per_s=c["generated_tokens"] / run_s if run_s > 0 else 0.0,
+            num_draft_tokens=self.num_draft_tokens,
+            draft_accepted=c["draft_accepted"],
+            draft_proposed=c["draft_proposed"],
         )

@@ -6,6 +6,11 @@
 * ``decode_rows``: feeds each row's last token [B, 1] at its own position, samples each row's next
   token with that row's sampling settings (``SamplingParams`` rows: data, so one compiled step
   serves every setting) and PRNG key.
+* ``verify_rows``: speculation: each row's draft of k tokens (``drafts.PromptLookup`` over the
+  row's known tokens ``seq``) and the target's verification of ``[last, d_1 .. d_k]``
+  (Tq = k + 1 for every row) in one step; each row accepts its own number (the acceptance rule
+  of ``decoding.speculative``, drawn with the row's own key), so rows are ragged only in what
+  the host keeps.
 * ``copy_pages``: page copies for copy on write.
 
 The pool is a tuple of ``[num_pages + 1, P, Hkv, D]`` arrays per layer for keys and for values,
@@ -23,9 +28,12 @@ import collections
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from decoding.sampling import SamplingParams, sample
+from decoding.drafts import Context, PromptLookup
+from decoding.sampling import SamplingParams, all_greedy, argmax, branch, probabilities, sample
+from decoding.speculative import accept, accept_greedy
 from models import KVCache
 from models.transformer import decode_layout
 
@@ -66,6 +74,53 @@ def decode_rows(
     logits, cache = model(last[:, None], cache=cache)
     tokens = sample(logits[:, -1], row_keys(seeds, index), sampling)
     return tokens, cache.k, cache.v
+
+
+def verify_rows(
+    graphdef, draft, num_draft, params, kernels, k, v, seq, lengths, table, seeds, index,
+    sampling: SamplingParams,
+):  # fmt: skip
+    """Draft and verify for every row: seq [B, L] each row's known tokens (its last one,
+    ``seq[b, lengths[b]]``, not yet cached), lengths [B] the cached positions, table [B, W].
+
+    ``draft`` (static) proposes ``num_draft`` = k tokens per row; the target runs on
+    ``[last, d_1 .. d_k]`` at positions ``lengths .. lengths + k``. Returns ``(drafted [B, k],
+    n [B] the leading draft tokens kept, nxt [B] the target's token after them, k, v)``: the
+    row emits ``drafted[b, :n[b]]`` then ``nxt[b]``, distributed exactly as that many tokens
+    sampled one by one (greedy: the target's argmax chain). Its key is ``row_keys``' (seed,
+    tokens generated so far), so a row's draws do not depend on the batch.
+    """
+    TRACES["verify"] += 1
+    model = decode_layout(nnx.merge(graphdef, params), kernels)
+    cache = KVCache(k=k, v=v, lengths=lengths, block_table=table)
+    keys = row_keys(seeds, index)
+    prop = draft.propose(Context(model, cache, seq, None, None), num_draft, sampling, keys[0])
+    last = jnp.take_along_axis(seq, lengths[:, None], axis=1)
+    logits, cache = model(jnp.concatenate([last, prop.tokens], 1), cache=prop.cache)
+
+    def sampled():
+        rows = jax.tree.map(lambda x: x[:, None], sampling)  # [B, 1]: one per row's k + 1
+        p = probabilities(logits, rows)  # [B, k + 1, V], each row under its own settings
+        # A deterministic draft's q is one-hot: built here, so greedy steps never make it.
+        q = jax.nn.one_hot(prop.tokens, p.shape[-1]) if isinstance(draft, PromptLookup) else prop.q
+
+        def one(p, q, d, key):
+            n, nxt = accept(p[None], q[None], d[None], key)
+            return n[0], nxt[0]
+
+        return jax.vmap(one)(p, q, prop.tokens, keys)
+
+    n, nxt = branch(
+        all_greedy(sampling), lambda: accept_greedy(argmax(logits), prop.tokens), sampled
+    )
+    return prop.tokens, n, nxt, cache.k, cache.v
+
+
+@functools.lru_cache(maxsize=16)
+def jitted_verify(graphdef, draft, num_draft: int):
+    """``verify_rows`` jitted for one model structure, draft kind and k, the pool donated."""
+    fn = functools.partial(verify_rows, graphdef, draft, num_draft)
+    return jax.jit(fn, donate_argnums=(2, 3))
 
 
 @functools.lru_cache(maxsize=16)

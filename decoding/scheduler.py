@@ -149,17 +149,17 @@ class Scheduler:
         self.copy(self.tables.make_writable(req.row, start, stop))
         return self.tables.rows[req.row]
 
-    def grow_decoding_rows(self) -> list[Request]:
-        """Gives each decoding row (oldest first) the page its next token needs, preempting the
-        most recently admitted request while the pool is short. Returns the rows to decode."""
+    def grow_decoding_rows(self, ahead: int = 1) -> list[Request]:
+        """Gives each decoding row (oldest first) the pages its next ``ahead`` positions need
+        (a speculative step writes k + 1; never past the request's last cached position,
+        prompt + max_new - 2), preempting the most recently admitted request while the pool is
+        short. Returns the rows to decode."""
         for req in [r for r in self.running if r.decoding]:
             while req.row >= 0:
                 pos = req.computed
-                if (
-                    self.tables.pages_to_write(req.row, pos, pos + 1)
-                    <= self.allocator.num_available
-                ):
-                    self.make_writable(req, pos, pos + 1)
+                stop = max(min(pos + ahead, req.prompt_len + req.max_new - 1), pos + 1)
+                if self.tables.pages_to_write(req.row, pos, stop) <= self.allocator.num_available:
+                    self.make_writable(req, pos, stop)
                     break
                 self.preempt(max(self.running, key=lambda r: r.admitted))
         return [r for r in self.running if r.decoding]

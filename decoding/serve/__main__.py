@@ -2,6 +2,12 @@
 
     python -m decoding.serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000 \\
         [--max-batch 32 --num-pages N --page-size 16 --max-queue 256 --max-seq-len 2048]
+        [--draft prompt-lookup [--num-draft-tokens K]]
+
+``--draft prompt-lookup`` runs speculation inside the engine (``Engine(draft=PromptLookup())``):
+every step drafts k tokens per row from its own prompt and output and verifies them in the same
+step; outputs are unchanged (greedy identical, sampled exactly distributed); k is chosen from
+the model's measured step costs unless ``--num-draft-tokens`` fixes it.
 
 SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish for up to
 ``--graceful-timeout`` seconds, then aborts the rest; the exit log line says how many KV pages
@@ -18,10 +24,14 @@ import uvicorn
 
 import models
 from decoding.cli import persistent_compilation_cache, positive_int
+from decoding.drafts import MAX_K, PromptLookup
 from decoding.engine import Engine
 from decoding.paging import pages_for
 from decoding.serve.app import create_app
 from models.pretrained import DEFAULT_MODEL, model_arg
+
+# The draft kinds the engine runs (``Engine(draft=...)``), by command-line name.
+DRAFTS = {"prompt-lookup": PromptLookup}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,11 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=positive_int, default=512)
     p.add_argument("--max-queue", type=positive_int, default=256, help="choices in flight")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
+    p.add_argument(
+        "--draft", choices=sorted(DRAFTS), default=None,
+        help="speculation inside the engine (default: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-draft-tokens", type=positive_int, default=None,
+        help=f"k, at most {MAX_K} (default: chosen from measured step costs)",
+    )  # fmt: skip
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.num_draft_tokens is not None and args.draft is None:
+        parser.error("--num-draft-tokens needs --draft")
+    if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_K:
+        parser.error(f"--num-draft-tokens must be at most {MAX_K}, got {args.num_draft_tokens}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model, tokenizer = models.pretrained(args.model)
     max_seq_len = min(args.max_seq_len, model.config.max_position)
@@ -56,6 +79,7 @@ def main(argv=None) -> int:
     engine = Engine(
         model, max_batch=args.max_batch, num_pages=num_pages, page_size=args.page_size,
         max_prefill_tokens=args.max_prefill_tokens, max_seq_len=max_seq_len,
+        draft=DRAFTS[args.draft]() if args.draft else None, num_draft_tokens=args.num_draft_tokens,
     )  # fmt: skip
     app = create_app(
         engine, tokenizer, model_name=args.served_model_name or args.model, max_queue=args.max_queue

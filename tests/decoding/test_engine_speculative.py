@@ -1,0 +1,161 @@
+"""Speculation inside the engine (``Engine(model, draft=PromptLookup(), ...)``): greedy output of
+every request identical to ``generate`` alone, with shared prefixes, preemption and arrivals;
+sampled output distributed exactly as the target's (chi-square against the enumerated joint) and
+independent of the batch; no recompiles as requests come and go; the draft length chosen from
+measured costs when not given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import random_transformer
+from test_speculative_exact import PROMPT, SMALL, V, assert_matches, exact_joints
+
+from decoding import PromptLookup, drafts, engine_steps
+from decoding.drafts import StepCosts
+from decoding.engine import Engine
+from decoding.generate import generate
+from decoding.sampling import SamplingConfig
+
+MAX_NEW = 14
+PAGE = 8
+K = 3
+
+
+def make_engine(model, num_pages=64, **kwargs) -> Engine:
+    kwargs.setdefault("num_draft_tokens", K)
+    return Engine(
+        model, max_batch=4, num_pages=num_pages, page_size=PAGE, max_prefill_tokens=32,
+        max_seq_len=128, draft=PromptLookup(), **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Small weights: greedy output runs of one token with changes between, so drafts are
+    accepted and rejected."""
+    return random_transformer(0, scale=0.1)
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    """Prompts that repeat themselves (p, its greedy continuation, p again, a bit of it), so
+    lookup drafts get accepted; plus ones with no repeat."""
+    rng = np.random.default_rng(1)
+    base = [rng.integers(0, 256, n).tolist() for n in (9, 17, 12)]
+    out = []
+    for p in base:
+        cont = generate(model, [p], max_new_tokens=16).tokens[0]
+        out.append(p + cont + p + cont[:2])
+    return out + [rng.integers(0, 256, 21).tolist(), [5]]
+
+
+@pytest.fixture(scope="module")
+def refs(model, prompts):
+    return [generate(model, [p], max_new_tokens=MAX_NEW).tokens[0] for p in prompts]
+
+
+def assert_clean(eng: Engine) -> None:
+    s = eng.stats()
+    assert (s["running"], s["waiting"], s["pages_used"]) == (0, 0, 0)
+    assert s["pages_free"] + s["pages_cached"] == s["pages_total"]
+
+
+def test_greedy_equals_generate_alone(model, prompts, refs):
+    eng = make_engine(model)
+    ids = [eng.submit(p, MAX_NEW) for p in prompts]
+    out = eng.run_until_done()
+    assert [out[r] for r in ids] == refs
+    s = eng.stats()
+    assert s["draft_accepted"] > 0  # drafts were kept, not only rejected
+    assert s["decode_steps"] < sum(len(r) for r in refs) / 4 + len(prompts)  # batched, >1/step
+    assert s["generated_tokens"] == len(prompts) * MAX_NEW
+    assert_clean(eng)
+
+
+def test_preemption_prefix_caching_and_arrivals(model, prompts, refs):
+    """A pool too small for every row's k + 1 positions: rows are preempted and recomputed;
+    repeated prompts hit the prefix cache; requests arrive while others run."""
+    eng = make_engine(model, num_pages=12)
+    ids, step, order = {}, 0, [0, 1, 2, 0, 3, 1, 4, 2]
+    while order or eng.busy:
+        if order and step % 2 == 0:
+            i = order.pop(0)
+            ids[eng.submit(prompts[i], MAX_NEW)] = i
+        eng.step()
+        step += 1
+    out = eng.pop_finished()
+    assert {r: out[r] for r in ids} == {r: refs[i] for r, i in ids.items()}
+    s = eng.stats()
+    assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0
+    assert_clean(eng)
+
+
+def test_no_recompiles_as_requests_come_and_go(model, prompts):
+    eng = make_engine(model)
+    for p in prompts[:2]:
+        eng.submit(p, 5)
+    eng.run_until_done()
+    before = dict(engine_steps.TRACES)
+    for i, p in enumerate(prompts):  # other rows, lengths, settings
+        eng.submit(p, 3 + i, sampling=SamplingConfig(temperature=0.5 + i, top_k=i))
+        eng.step()
+    eng.run_until_done()
+    assert dict(engine_steps.TRACES) == before
+
+
+def test_sampled_tokens_do_not_depend_on_the_batch(model, prompts):
+    top_p = SamplingConfig(temperature=1.0, top_p=0.9)
+    alone = make_engine(model)
+    rid = alone.submit(prompts[0], MAX_NEW, sampling=top_p, seed=7)
+    solo = alone.run_until_done()[rid]
+    crowd = make_engine(model)
+    others = [crowd.submit(p, MAX_NEW, sampling=top_p, seed=s) for s, p in enumerate(prompts[1:])]
+    crowd.step()
+    rid, rid8 = (crowd.submit(prompts[0], MAX_NEW, sampling=top_p, seed=s) for s in (7, 8))
+    out = crowd.run_until_done()
+    assert out[rid] == solo and out[rid8] != solo
+    assert all(len(out[r]) == MAX_NEW for r in others)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0)])
+def test_sampled_distribution_exact(sampling):
+    """N requests of one prompt, 3 new tokens each, from k = 2 lookup drafts: the first step's
+    accepted drafts, residual samples and bonus tokens; joints of (t1, t2) and (t2, t3)."""
+    n = 6000
+    target = random_transformer(10, num_layers=2, **SMALL)
+    eng = Engine(
+        target, max_batch=n, num_pages=n + 8, page_size=4, max_prefill_tokens=64,
+        max_seq_len=16, draft=PromptLookup(), num_draft_tokens=2,
+    )  # fmt: skip  # pages of 4: every request but the first takes the prompt from the cache
+    ids = [eng.submit(PROMPT, 3, sampling=sampling, seed=s) for s in range(n)]
+    out = eng.run_until_done()
+    tokens = np.array([out[r] for r in ids])
+    assert eng.stats()["draft_accepted"] > 0
+    joint12, joint23 = exact_joints(target, sampling)
+    assert_matches(tokens[:, :2], joint12)
+    assert_matches(tokens[:, 1:], joint23)
+    assert V == target.config.vocab_size
+
+
+def test_draft_length_chosen_from_costs(model, monkeypatch, prompts, refs):
+    flat = StepCosts(tuple(1.0 + 0.01 * t for t in range(drafts.MAX_K + 1)))
+    steep = StepCosts(tuple(1.0 + t for t in range(drafts.MAX_K + 1)))
+    ks = {}
+    for name, costs in (("flat", flat), ("steep", steep)):
+        monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, c=costs, **kw: c.target)
+        eng = make_engine(model, num_draft_tokens=None)
+        ks[name] = eng.num_draft_tokens
+        rid = eng.submit(prompts[0], MAX_NEW)
+        assert eng.run_until_done()[rid] == refs[0]
+    assert ks["steep"] == 1 and ks["flat"] > 1
+
+
+def test_bad_arguments(tiny_model):
+    with pytest.raises(TypeError, match="draft"):
+        Engine(tiny_model, num_pages=8, draft=tiny_model)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        Engine(tiny_model, num_pages=8, num_draft_tokens=2)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        Engine(tiny_model, num_pages=8, draft=PromptLookup(), num_draft_tokens=0)

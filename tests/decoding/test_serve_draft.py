@@ -1,0 +1,58 @@
+"""The server over an engine that speculates (``--draft prompt-lookup``): the official client's
+completions, streamed and not, equal plain ``generate`` at temperature 0; the command line's
+draft options and their usage errors."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+import models
+from decoding import Engine, PromptLookup, generate
+from decoding.chat import encode_prompt
+from decoding.serve.__main__ import build_parser, main
+from decoding.serve.local import running_server
+
+CODE = "code-target"
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fib",
+    "import os\nimport",
+]
+
+
+@pytest.fixture(scope="module")
+def drafted():
+    model, tok = models.pretrained(CODE)
+    engine = Engine(
+        model, max_batch=4, num_pages=64, page_size=16, max_seq_len=256, draft=PromptLookup(),
+        num_draft_tokens=3,
+    )  # fmt: skip
+    with running_server(engine, tok, model_name=CODE, max_queue=16) as (url, _):
+        yield (
+            model,
+            tok,
+            openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=60, max_retries=0),
+        )
+
+
+def test_completions_equal_generate(drafted):
+    model, tok, client = drafted
+    for prompt in PROMPTS:
+        ids, eos = encode_prompt(prompt, tok, model.config)
+        want = tok.decode(generate(model, [ids], max_new_tokens=24, eos_id=eos).tokens[0])
+        kw = dict(model=CODE, prompt=prompt, max_tokens=24, temperature=0)
+        got = client.completions.create(**kw)
+        assert got.choices[0].text == want
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+        assert streamed == want
+
+
+def test_command_line_draft_options(capsys):
+    args = build_parser().parse_args(["--draft", "prompt-lookup", "--num-draft-tokens", "4"])
+    assert (args.draft, args.num_draft_tokens) == ("prompt-lookup", 4)
+    for argv in (["--draft", "medusa-x"], ["--num-draft-tokens", "2"],
+                 ["--draft", "prompt-lookup", "--num-draft-tokens", "99"]):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "usage" in capsys.readouterr().err
