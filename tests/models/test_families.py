@@ -366,3 +366,55 @@ def test_engine_matches_generate(family):
     ids = [engine.submit(p, 12) for p in prompts]
     out = engine.run_until_done()
     assert [out[i] for i in ids] == want
+
+
+# --- save_gguf for the new families, and what cannot be written ------------------------------
+
+
+def test_save_gguf_round_trips(family, tmp_path):
+    from models.gguf import save_gguf
+
+    name, hf, path = family
+    model = load_hf_checkpoint(str(path), attn_impl="xla")
+    if name == "gemma3":  # a gemma3 file holds only llama.cpp's pattern, local base and scale
+        with pytest.raises(ValueError, match="gemma3 GGUF file cannot hold this model"):
+            save_gguf(model, tmp_path / "no.gguf")
+        model = load_gguf(write_gguf_like_llama_cpp(hf, path, tmp_path / "in.gguf"))
+    save_gguf(model, tmp_path / "out.gguf")
+    again = load_gguf(tmp_path / "out.gguf", attn_impl="xla")
+    eps = float(np.float32(model.config.norm_eps))  # GGUF holds a float32
+    assert again.config == model.config.replace(attn_impl="xla", norm_eps=eps)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(again, nnx.Param)),
+        strict=True,
+    ):
+        # exact but for Gemma's norms, stored as 1 + w (float32 rounding of the sum)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_configs_no_family_has_are_refused():
+    from models import TransformerConfig
+    from models.hf import config_from_hf, config_to_hf
+
+    base = TransformerConfig.preset("tiny")
+    for bad in (
+        dict(norm_plus_one=True),  # Gemma's norms without the rest of Gemma
+        dict(qk_norm=True, qkv_bias=True),
+        dict(layer_types=("sliding_attention", "full_attention"), sliding_window=4),
+    ):
+        with pytest.raises(ValueError, match="no supported Hugging Face architecture"):
+            config_to_hf(base.replace(**bad))
+    gemma = config_to_hf(base.replace(qk_norm=True, norm_plus_one=True, sandwich_norm=True,
+                                      embed_scale=True, mlp_act="gelu_tanh"))  # fmt: skip
+    assert gemma["architectures"] == ["Gemma3ForCausalLM"]
+    for key, value, match in [
+        ("hidden_activation", "silu", "hidden_activation"),
+        ("layer_types", ["full_attention"], "layer_types must be a list of"),
+        ("use_bidirectional_attention", True, "bidirectional"),
+        ("query_pre_attn_scalar", 0, "query_pre_attn_scalar must be a positive"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            config_from_hf({**gemma, key: value})
+    with pytest.raises(ValueError, match="layer_types"):
+        TransformerConfig.preset("tiny", layer_types=("local", "global"))
