@@ -38,7 +38,7 @@ from decoding import paging
 from decoding.checks import check_int, check_model, check_optional_int
 from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
-from models.shard import mesh_of, replicated
+from models.shard import mesh_of, replicated, to_host
 from models.transformer import decode_kernels, decode_layout
 
 PROMPT_BUCKET = 16
@@ -361,7 +361,7 @@ def _timed_phases(run_prefill, run_loop, fetch):
         jax.block_until_ready(state)
         t1 = time.perf_counter()
         state, compile_loop = run_loop(state)
-        out = jax.device_get(fetch(state))
+        out = to_host(fetch(state))  # every process gets the whole result
         t2 = time.perf_counter()
     return out, t1 - t0 - compile_prefill, t2 - t1 - compile_loop, compile_prefill + compile_loop
 

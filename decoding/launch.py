@@ -1,0 +1,128 @@
+"""Runs a command as one process of a ``jax.distributed`` program: once per host.
+
+    python -m decoding.launch --coordinator HOST:PORT --num-processes N --process-id I \\
+        -- python -m models.train --preset tiny --steps 100 --mesh 2,2 --out ckpt
+
+The part after ``--`` is ``python -m MODULE ARGS...``, ``-m MODULE ARGS...`` or
+``SCRIPT.py ARGS...``; it runs in this process (``runpy``) after
+``jax.distributed.initialize``, so every ``jax.devices()`` it sees is the global list and a
+mesh over them spans every process. Every process runs the same command; process 0 is the
+coordinator (``HOST`` must be its address, reachable from the others).
+
+``--local-devices K`` (CPU only) gives the process K host devices
+(``--xla_force_host_platform_device_count``) and uses gloo for the CPU collectives, which is how
+the tests run two "hosts" on one machine. ``--heartbeat-timeout S``: a process that stops
+answering for S seconds (it died, or its host did) makes the others exit with an error instead
+of waiting in a collective for ever. ``--init-timeout S`` bounds the wait for all processes to
+join. Without flags, JAX's own environment detection (SLURM, Open MPI, ...) is used.
+
+Exit status: the command's; 2 for a usage error (no command, a bad flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+
+def _address(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """``(flags, command)``: the launcher's flags and the argv after ``--`` (with a leading
+    ``python`` removed). Exits 2 with a usage error for bad flags or no command."""
+    p = argparse.ArgumentParser(
+        prog="python -m decoding.launch", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--coordinator", type=_address, default=None, help="HOST:PORT of process 0")
+    p.add_argument("--num-processes", type=_positive, default=None, metavar="N")
+    p.add_argument("--process-id", type=int, default=None, metavar="I", help="0 <= I < N")
+    p.add_argument("--local-devices", type=_positive, default=None, metavar="K",
+                   help="CPU: K host devices for this process, gloo collectives")  # fmt: skip
+    p.add_argument("--heartbeat-timeout", type=_positive, default=30, metavar="S")
+    p.add_argument("--init-timeout", type=_positive, default=300, metavar="S")
+    if "--" not in argv:
+        p.error("the command to run comes after --, e.g. -- python -m decoding --help")
+    cut = argv.index("--")
+    args, command = p.parse_args(argv[:cut]), argv[cut + 1 :]
+    given = [args.coordinator, args.num_processes, args.process_id]
+    if any(x is not None for x in given) and None in given:
+        p.error("--coordinator, --num-processes and --process-id go together")
+    if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
+        p.error(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+    if command and os.path.basename(command[0]).startswith("python"):
+        command = command[1:]
+    if not command or command[0] == "-m" and len(command) < 2:
+        p.error("no command after -- (python -m MODULE ARGS, -m MODULE ARGS or SCRIPT ARGS)")
+    return args, command
+
+
+def initialize(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` with the launcher's flags (before any other jax use)."""
+    if args.local_devices is not None:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={args.local_devices}".strip()
+        )
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if args.local_devices is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=args.init_timeout,
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+    )
+
+
+def run(command: list[str]) -> int:
+    """Runs ``command`` (``-m MODULE ARGS`` or ``SCRIPT ARGS``) as ``__main__`` -> exit status."""
+    module = command[1] if command[0] == "-m" else None
+    sys.argv = command[1:] if module else list(command)
+    if module:
+        sys.argv[0] = module
+    try:
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
+            runpy.run_path(command[0], run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # sys.exit("message"), as the interpreter would
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, command = parse(sys.argv[1:] if argv is None else argv)
+    initialize(args)
+    code = run(command)
+    import jax
+
+    jax.distributed.shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Two processes on loopback, two host CPU devices each, one 4-device global mesh
+(``jax.distributed`` through ``python -m decoding.launch``; gloo collectives).
+
+The processes run ``tests/multihost/worker.py``; this process computes the single-device answers
+(``worker.references``) and compares: tensor- and data-parallel logits, greedy ``generate`` and
+``speculative_generate``, one sharded train step, a checkpoint read by both processes, and the
+``DistributedEngine``'s outputs for a request mix. Every process is started with a hard timeout
+and killed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("worker.py")
+TIMEOUT = 240  # seconds, for both processes together (a loaded 2-core machine)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(mode: str, workdir: Path, heartbeat: int = 10, meanwhile=lambda: None):
+    """Starts both processes, calls ``meanwhile()`` while they run -> (its result,
+    [(exit status or None if killed at the timeout, log tail) per process])."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    procs, logs = [], []
+    try:
+        for i in range(2):
+            log = open(workdir / f"log{i}.txt", "w+")
+            cmd = [
+                sys.executable, "-m", "decoding.launch", "--coordinator", f"127.0.0.1:{port}",
+                "--num-processes", "2", "--process-id", str(i), "--local-devices", "2",
+                "--heartbeat-timeout", str(heartbeat), "--init-timeout", "60",
+                "--", str(WORKER), mode, str(workdir),
+            ]  # fmt: skip
+            procs.append(
+                subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            )
+            logs.append(log)
+        deadline = time.monotonic() + TIMEOUT
+        result = meanwhile()
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = []
+    for code, log in zip(codes, logs, strict=True):
+        log.seek(0)
+        out.append((code, log.read()[-4000:]))
+        log.close()
+    return result, out
+
+
+def _worker():
+    spec = importlib.util.spec_from_file_location("multihost_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _results(workdir: Path, pid: int):
+    info = json.loads((workdir / f"p{pid}.json").read_text())
+    assert (info["devices"], info["local"]) == (4, 2)  # one global mesh of both processes
+    return info, np.load(workdir / f"p{pid}.npz")
+
+
+def test_two_processes_equal_one_device(tmp_path):
+    """Tensor parallel over both processes and data parallel across them: logits, greedy
+    generation, one train step and the DistributedEngine's request mix, on both processes."""
+    want, results = _launch("core", tmp_path, meanwhile=lambda: _worker().references("core"))
+    for code, log in results:
+        assert code == 0, log
+    for pid in range(2):
+        info, arrays = _results(tmp_path, pid)
+        for name in ("logits_(1, 4)", "logits_(2, 2)"):
+            np.testing.assert_allclose(arrays[name], want["logits"], atol=2e-6, rtol=1e-5)
+        assert info["generate"] == want["tokens"]
+        np.testing.assert_allclose(arrays["loss"], want["loss"], rtol=1e-6)
+        for i, w in enumerate(want["params"]):
+            np.testing.assert_allclose(arrays[f"param_{i}"], w, atol=1e-6, rtol=1e-5)
+        assert info["engine"] == want["engine"]
+        assert len(info["engine"]) == 4  # the mix's aborted request is not among them
+    assert _results(tmp_path, 1)[0]["follower_steps"] > 0
+
+
+@pytest.mark.slow
+def test_two_processes_speculate_and_read_one_checkpoint(tmp_path):
+    """Pure data parallel over 4 devices, speculative_generate (prompt lookup) on (2, 2), and
+    a checkpoint written by process 0 that both processes load and shard."""
+    want, results = _launch("extra", tmp_path, meanwhile=lambda: _worker().references("extra"))
+    for code, log in results:
+        assert code == 0, log
+    for pid in range(2):
+        info, arrays = _results(tmp_path, pid)
+        for name in ("logits_(4, 1)", "checkpoint_logits"):
+            np.testing.assert_allclose(arrays[name], want["logits"], atol=2e-6, rtol=1e-5)
+        assert info["speculative"] == want["tokens"]
+
+
+def test_a_dead_process_makes_the_other_exit_with_an_error(tmp_path):
+    t0 = time.monotonic()
+    _, ((survivor, log), (died, _)) = _launch("die", tmp_path, heartbeat=5)
+    assert died == 3  # process 1 exited at once
+    assert survivor is not None and survivor != 0, log  # process 0 exited with an error
+    assert time.monotonic() - t0 < TIMEOUT
+
+
+def test_launcher_usage_errors_exit_2():
+    from decoding import launch
+
+    for argv in [
+        ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"],  # no --
+        ["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0", "--", "x.py"],
+        ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2", "--", "x"],
+        ["--num-processes", "2", "--", "x.py"],
+        ["--", "python"],
+    ]:
+        with pytest.raises(SystemExit) as e:
+            launch.parse(argv)
+        assert e.value.code == 2, argv
+    args, command = launch.parse(["--", "python3", "-m", "decoding", "--help"])
+    assert command == ["-m", "decoding", "--help"] and args.coordinator is None
