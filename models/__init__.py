@@ -9,6 +9,7 @@ from models.kv_cache import KVCache
 from models.medusa import MedusaHeads
 from models.nnx_attention import pallas_attention_fn
 from models.pretrained import load_model, pretrained
+from models.quant import QuantLinear, dequantize, quantize
 from models.shard import make_train_step as make_sharded_train_step
 from models.shard import memory_plan, param_shardings, shard, train_shardings
 from models.stream_decoder import StreamDecoder
@@ -21,11 +22,13 @@ __all__ = [
     "HFTokenizer",
     "KVCache",
     "MedusaHeads",
+    "QuantLinear",
     "RopeScaling",
     "StreamDecoder",
     "Tokenizer",
     "Transformer",
     "TransformerConfig",
+    "dequantize",
     "load_gguf",
     "load_hf_checkpoint",
     "load_model",
@@ -35,6 +38,7 @@ __all__ = [
     "pallas_attention_fn",
     "param_shardings",
     "pretrained",
+    "quantize",
     "save_gguf",
     "save_hf_checkpoint",
     "shard",

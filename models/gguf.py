@@ -343,7 +343,7 @@ def _prepare(path, dtype):
     return config, hf, by_name
 
 
-def load_gguf(path, *, dtype=None, attn_impl: str = "auto") -> Transformer:
+def load_gguf(path, *, dtype=None, attn_impl: str = "auto", quantized: bool = False) -> Transformer:
     """A :class:`Transformer` from a GGUF file (``llama``, ``qwen2``, ``qwen3`` or ``gemma3``).
 
     Args:
@@ -351,6 +351,9 @@ def load_gguf(path, *, dtype=None, attn_impl: str = "auto") -> Transformer:
       dtype: the parameters' dtype. Default: bfloat16 for a file whose weights are BF16, else
         float32 (quantized and F16 weights are dequantized into it).
       attn_impl: the ``pallas_attn`` implementation of every attention call.
+      quantized: keep the linear layers (and a tied LM head) block-quantized
+        (:mod:`models.quant`): Q8_0, Q4_0 and Q4_1 tensors as the file's blocks, other types
+        requantized to the nearest of those with a warning; ``dtype`` is then the activations'.
 
     The config comes from the file's metadata: layers, heads, KV heads, head dim, MLP width,
     vocabulary, RoPE base (and Llama-3 scaling from ``rope_freqs``, linear scaling), norm
@@ -361,6 +364,14 @@ def load_gguf(path, *, dtype=None, attn_impl: str = "auto") -> Transformer:
     """
     config, hf, by_name = _prepare(path, dtype)
     config = config.replace(attn_impl=attn_impl)
+    if quantized:  # blocks from the float32 weights: the file's blocks again (models.quant)
+        from models import quant
+
+        types = {name: t.tensor_type.name for name, t in by_name.items()}
+        formats = quant.formats_from_gguf(types, tied=config.tie_embeddings)
+        name = f"GGUF file {os.fspath(path)}"
+        f32 = build_model(config.replace(dtype="float32"), _Tensors(by_name, hf), name)
+        return quant.quantize(f32, formats, dtype=config.jnp_dtype)
     return build_model(config, _Tensors(by_name, hf), f"GGUF file {os.fspath(path)}")
 
 

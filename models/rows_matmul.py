@@ -20,6 +20,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_attn import native
 
@@ -73,5 +74,78 @@ def matmul(x, panels, n: int) -> jax.Array:
         raise ValueError(f"x has {M} rows; rows_matmul is for at most {MAX_ROWS}")
     y = jax.ffi.ffi_call(native.ROWS_MATMUL, jax.ShapeDtypeStruct((M, n), jnp.float32))(
         x.reshape(M, K).astype(jnp.float32), panels
+    )
+    return y.reshape(*lead, n)
+
+
+# Block-quantized weights (models/quant.py): the same product over panels of GGUF-style blocks.
+FORMATS = ("q8_0", "q4_0", "q4_1")  # the kernel's format numbers are indices here
+BLOCK = 32  # weights per block along K
+
+
+def block_bytes(fmt: str) -> int:
+    """Bytes of one (panel, block) of :func:`pack_quantized`: float16 scales [32], float16
+    minimums [32] (q4_1), quants (q8_0: [32 k, 32 columns] int8; q4: [16, 32] uint8, weight
+    ``k`` of the block in the low nibble of row ``k`` for k < 16, else the high one of ``k - 16``)."""
+    return {"q8_0": 64 + 1024, "q4_0": 64 + 512, "q4_1": 128 + 512}[fmt]
+
+
+def _bytes(a, pad: int):
+    """a [R, N] (float16 or int8/uint8) -> uint8 [P, R, PANEL * itemsize]: column panels."""
+    R, N = a.shape
+    a = jnp.pad(a, ((0, 0), (0, pad)))
+    P = a.shape[1] // PANEL
+    a = a.reshape(R, P, PANEL).transpose(1, 0, 2)
+    return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(P, R, -1)
+
+
+def pack_quantized(fmt: str, quants, scales, mins=None) -> jax.Array:
+    """Quantized weights (the layout of :class:`models.quant.QuantLinear`: ``quants`` [K, N]
+    int8 (q8_0) or [K / 2, N] uint8 (q4: block b's rows 16 b + j hold weights 32 b + j and
+    32 b + 16 + j in the low and high nibble), ``scales`` and ``mins`` [K / 32, N] float16) ->
+    panels uint8 [ceil(N / PANEL), K / 32, block_bytes(fmt)] (zero columns padded)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    nb, N = scales.shape
+    pad = -N % PANEL
+    per = 32 if fmt == "q8_0" else 16  # rows of quants per block
+    q = _bytes(quants.reshape(nb * per, N), pad)  # [P, nb * per, PANEL]
+    parts = [_bytes(scales, pad)]
+    if fmt == "q4_1":
+        parts.append(_bytes(mins, pad))
+    parts.append(q.reshape(q.shape[0], nb, per * PANEL))
+    return jnp.concatenate(parts, axis=-1)
+
+
+_pack_quantized = jax.jit(pack_quantized, static_argnums=0)
+
+
+def packed_quantized(fmt: str, quants, scales, mins=None) -> jax.Array:
+    """:func:`pack_quantized` for concrete arrays, made once while ``quants`` lives (as
+    :func:`packed`)."""
+    key = (id(quants), fmt)
+    if (hit := _PACKED.get(key)) is None:
+        hit = _PACKED[key] = _pack_quantized(fmt, quants, scales, mins)
+        weakref.finalize(quants, _PACKED.pop, key, None)
+    return hit
+
+
+def matmul_quantized(x, panels, n: int, fmt: str) -> jax.Array:
+    """``x [..., K] @ W`` -> float32 ``[..., n]`` for ``panels = pack_quantized(fmt, ...)`` of
+    ``W [K, n]``: equal bit for bit to :func:`matmul` over ``pack(dequantized W)``. At most
+    MAX_ROWS rows. Needs :func:`available`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    lead, K = x.shape[:-1], x.shape[-1]
+    P, nb, bb = panels.shape
+    if K != nb * BLOCK or bb != block_bytes(fmt) or -(-n // PANEL) != P:
+        raise ValueError(f"{fmt} panels {panels.shape} do not fit x [..., {K}] and n = {n}")
+    M = math.prod(lead)
+    if not available():
+        raise RuntimeError("the native CPU kernels are not built (pallas_attn.native.available)")
+    if M > MAX_ROWS:
+        raise ValueError(f"x has {M} rows; rows_matmul is for at most {MAX_ROWS}")
+    y = jax.ffi.ffi_call(native.ROWS_MATMUL_Q, jax.ShapeDtypeStruct((M, n), jnp.float32))(
+        x.reshape(M, K).astype(jnp.float32), panels, fmt=np.int32(FORMATS.index(fmt))
     )
     return y.reshape(*lead, n)

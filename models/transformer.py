@@ -39,7 +39,7 @@ from flax import nnx
 from jax import lax
 
 import pallas_attn
-from models import rows_matmul
+from models import quant, rows_matmul
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
 from models.shard import constrain_batch, local_heads
@@ -201,8 +201,9 @@ def _packable(w) -> bool:
 
 def decode_kernels(model: nnx.Module, params=None) -> dict[str, jax.Array]:
     """Packed copies of ``model``'s weights for few-row products, by module path: each
-    :class:`Linear` kernel of at least DECODE_MIN_WEIGHTS float32/bfloat16 weights, and a tied
-    LM head's embedding (transposed) under ``"embed.T"``. Eager (outside jit), on CPU when
+    :class:`Linear` kernel of at least DECODE_MIN_WEIGHTS float32/bfloat16 weights, each
+    :class:`models.quant.QuantLinear`'s blocks (:func:`models.rows_matmul.pack_quantized`), and a
+    tied LM head's embedding (transposed) under ``"embed.T"``. Eager (outside jit), on CPU when
     :func:`models.rows_matmul.available`, else ``{}``. Cached per weight array
     (:func:`models.rows_matmul.packed`), so a model decoded again is not packed again. Pass the
     result into the jitted decode loop and attach it there with :func:`decode_layout`.
@@ -220,8 +221,15 @@ def decode_kernels(model: nnx.Module, params=None) -> dict[str, jax.Array]:
         w = var[...]
         if path[-1] == "kernel" and w.ndim == 2 and _packable(w):  # a Linear's kernel
             out["/".join(map(str, path[:-1]))] = rows_matmul.packed(w)
+        elif path[-1] == "quants" and (*path[:-1], "scales") in flat:  # a QuantLinear's blocks
+            mins = flat.get((*path[:-1], "mins"))
+            fmt = "q8_0" if w.dtype == jnp.int8 else "q4_0" if mins is None else "q4_1"
+            scales = flat[(*path[:-1], "scales")][...]
+            mins = None if mins is None else mins[...]
+            out["/".join(map(str, path[:-1]))] = rows_matmul.packed_quantized(fmt, w, scales, mins)
         elif path[-2:] == ("embed", "embedding") and _packable(w):
-            if (*path[:-2], "lm_head", "kernel") not in flat:  # a Transformer's tied LM head
+            head = (*path[:-2], "lm_head")
+            if (*head, "kernel") not in flat and (*head, "quants") not in flat:  # tied LM head
                 out["/".join(map(str, (*path[:-2], "embed.T")))] = rows_matmul.packed(w, True)
     return out
 
@@ -231,7 +239,7 @@ def decode_layout(model: nnx.Module, kernels: dict[str, jax.Array]) -> nnx.Modul
     loop, where ``kernels`` is an argument); few-row calls then use them."""
     for path, m in nnx.iter_modules(model):
         key = "/".join(map(str, path))
-        if isinstance(m, Linear) and key in kernels:
+        if isinstance(m, (Linear, quant.QuantLinear)) and key in kernels:
             m.decode_kernel = DecodeKernel(kernels[key])
         elif (
             isinstance(m, Transformer)

@@ -4,8 +4,8 @@ XLA:CPU runs a decode step as hundreds of small ops, each a few microseconds, an
 of a few rows read weights at about half the memory's rate. Two kernels take that work where it
 dominates: ``kv_attention.cc`` (attention of a few queries over a KV cache, one pass, in place;
 used by :func:`pallas_attn.attention_with_kvcache`'s "xla" path on CPU, see
-:mod:`pallas_attn.cpu`) and ``rows_matmul.cc`` (few-row products over packed weights, see
-:mod:`models.rows_matmul`).
+:mod:`pallas_attn.cpu`) and ``rows_matmul.cc`` (few-row products over packed float or
+block-quantized weights, see :mod:`models.rows_matmul` and :mod:`models.quant`).
 
 They are compiled on first use with the system C++ compiler (``$CXX`` or ``c++``, ``-O3
 -march=native``) into one library under ``$PALLAS_ATTN_CACHE`` (default
@@ -32,8 +32,13 @@ import jaxlib
 SOURCES = Path(__file__).with_name("native")
 FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-fPIC", "-shared", "-w")
 ROWS_MATMUL = "pallas_attn_rows_matmul"  # FFI target names (jax.ffi.ffi_call)
+ROWS_MATMUL_Q = "pallas_attn_rows_matmul_q"
 KV_ATTENTION = "pallas_attn_kv_attention"
-TARGETS = {ROWS_MATMUL: "PallasAttnRowsMatmul", KV_ATTENTION: "PallasAttnKVAttention"}  # symbols
+TARGETS = {  # target -> symbol
+    ROWS_MATMUL: "PallasAttnRowsMatmul",
+    ROWS_MATMUL_Q: "PallasAttnRowsMatmulQ",
+    KV_ATTENTION: "PallasAttnKVAttention",
+}
 
 
 def cache_dir() -> Path:

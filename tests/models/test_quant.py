@@ -1,0 +1,208 @@
+"""Block-quantized weights (models/quant.py, rows_matmul.cc's quantized kernel): GGUF numerics bit
+for bit, the kernel equal to the float kernel on the dequantized weights, every decode path on a
+quantized model, and the real model."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from decoding import Engine, PromptLookup, generate, speculative_generate
+from models import Transformer, TransformerConfig, quant, rows_matmul
+
+native = pytest.mark.skipif(not rows_matmul.available(), reason="native kernels not built")
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1}  # fmt: skip
+
+
+def _weights(K, N, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((K, N)).astype(np.float32) * rng.uniform(0.01, 3, (1, N))
+    w[:32, 0] = 0  # an all-zero block (d = 0)
+    w[32:64, 1] = 0.25  # a constant block
+    w[:32, 2] = -w[:32, 2]  # blocks of either sign's extreme
+    return w.astype(np.float32)
+
+
+def _to_gguf_bytes(fmt, a):
+    """Our arrays -> GGUF's block bytes [N, K / 32 * block size] (a column is a GGUF row)."""
+    d = a["scales"].T[..., None].view(np.uint8)  # [N, nb, 2]
+    parts = [d]
+    if fmt == "q4_1":
+        parts.append(a["mins"].T[..., None].view(np.uint8))
+    nb, N = a["scales"].shape
+    per = 32 if fmt == "q8_0" else 16
+    q = a["quants"].reshape(nb, per, N).transpose(2, 0, 1).view(np.uint8)
+    parts.append(q)
+    return np.concatenate([p.reshape(N, nb, -1) for p in parts], axis=-1).reshape(N, -1)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_blocks_and_values_equal_gguf_quants(fmt):
+    w = _weights(96, 70)
+    a = quant.quantize_array(w, fmt)
+    ref = gguf.quants.quantize(np.ascontiguousarray(w.T), GGML[fmt])  # rows = our columns
+    np.testing.assert_array_equal(_to_gguf_bytes(fmt, a), ref)
+    values = gguf.quants.dequantize(ref, GGML[fmt]).reshape(70, 96).T
+    np.testing.assert_array_equal(quant.dequantize_array(fmt, **a), values)
+    layer = quant.QuantLinear(fmt, a)
+    np.testing.assert_array_equal(np.asarray(jax.jit(layer.weight)()), values)  # in a program
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_layer_within_the_formats_error(fmt):
+    """Per weight: |w - w_q| <= d / 2 (rounding to the nearest step; q4_0 clips its far end to
+    one full step d) plus the float16 rounding of d times |q|; the layer's output within the
+    sum of those over its inputs."""
+    K, N = 128, 40
+    w = _weights(K, N, seed=3)
+    a = quant.quantize_array(w, fmt)
+    wq = quant.dequantize_array(fmt, **a)
+    d = np.abs(a["scales"].astype(np.float32)).repeat(32, axis=0)
+    step = 1.0 if fmt == "q4_0" else 0.5
+    qmax = 127 if fmt == "q8_0" else 16
+    bound = step * d + qmax * d * 2.0**-10 + 1e-6
+    assert (np.abs(wq - w) <= bound).all()
+    assert np.abs(wq - w).max() > 0.1 * bound.max()  # the bound is not vacuous
+    x = np.random.default_rng(4).standard_normal((5, K)).astype(np.float32)
+    y = np.asarray(quant.QuantLinear(fmt, a)(jnp.asarray(x)))
+    assert (np.abs(y - x @ w) <= np.abs(x) @ bound + 1e-4).all()
+
+
+@native
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 17])
+def test_kernel_equals_float_kernel_on_dequantized_weights(fmt, M):
+    K, N = 160, 100  # N not a multiple of the panel
+    w = _weights(K, N, seed=M)
+    a = {k: jnp.asarray(v) for k, v in quant.quantize_array(w, fmt).items()}
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)).astype(np.float32))
+    panels = rows_matmul.pack_quantized(fmt, a["quants"], a["scales"], a.get("mins"))
+    y = jax.jit(rows_matmul.matmul_quantized, static_argnums=(2, 3))(x, panels, N, fmt)
+    wq = jnp.asarray(quant.dequantize_array(fmt, **a))
+    np.testing.assert_array_equal(
+        np.asarray(y), np.asarray(rows_matmul.matmul(x, rows_matmul.pack(wq), N))
+    )
+
+
+@native
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_kernel_threaded_panels(fmt):
+    """Over the one-thread limit: panels shared with XLA's pool, each column written once."""
+    K, N = 1024, 1000
+    w = _weights(K, N, seed=9)
+    a = {k: jnp.asarray(v) for k, v in quant.quantize_array(w, fmt).items()}
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((4, K)).astype(np.float32))
+    y = rows_matmul.matmul_quantized(x, rows_matmul.pack_quantized(fmt, **a), N, fmt)
+    wq = quant.dequantize_array(fmt, **a)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ wq, rtol=1e-4, atol=1e-3)
+
+
+def test_bad_formats_and_shapes_are_value_errors():
+    w = np.ones((40, 8), np.float32)
+    with pytest.raises(ValueError, match="q5_0"):
+        quant.quantize_array(np.ones((64, 8), np.float32), "q5_0")
+    with pytest.raises(ValueError, match=r"my_layer.*multiple of 32.*\(40, 8\)"):
+        quant.quantize_array(w, "q8_0", "my_layer")
+    m = _model(tied=False, dim=48)
+    with pytest.raises(ValueError, match=r"layers/0/attn/qkv_proj \(48 input.*lm_head"):
+        models.quantize(m, "q4_0")
+    with pytest.raises(ValueError, match="int8"):
+        models.quantize(_model(tied=False), "int8")
+    with pytest.raises(ValueError, match="q8_0"):
+        rows_matmul.matmul_quantized(
+            jnp.ones((1, 64)), jnp.zeros((1, 2, 576), jnp.uint8), 8, "q8_0"
+        )
+
+
+def _model(tied: bool, dim: int = 64, dtype: str = "float32") -> Transformer:
+    config = TransformerConfig(
+        vocab_size=256, dim=dim, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
+        tie_embeddings=tied, max_position=128, dtype=dtype,
+    )  # fmt: skip
+    m = Transformer(config, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(m)
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    params = jax.tree.map(
+        lambda x: (
+            x if x.ndim < 2 else (0.3 * jax.random.normal(next(keys), x.shape)).astype(x.dtype)
+        ),
+        params,
+    )
+    return nnx.merge(graphdef, params)
+
+
+PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 3], [7, 8, 2]]
+NEW = 10
+
+
+@pytest.fixture(scope="module", params=[("q8_0", True), ("q4_0", False), ("q4_1", True)],
+                ids=["q8_0-tied", "q4_0-untied", "q4_1-tied"])  # fmt: skip
+def pair(request):
+    """(quantized model, its dequantized float twin, the twin's greedy tokens)."""
+    fmt, tied = request.param
+    q = models.quantize(_model(tied), fmt)
+    assert isinstance(q.lm_head, quant.QuantLinear) and q.layers[1].mlp.down_proj.fmt == fmt
+    f = models.dequantize(q)
+    return q, f, generate(f, PROMPTS, max_new_tokens=NEW).tokens
+
+
+def test_quantized_generate_equals_dequantized_model(pair):
+    q, f, greedy = pair
+    np.testing.assert_array_equal(np.asarray(q(jnp.asarray(PROMPTS[:1]))),
+                                  np.asarray(f(jnp.asarray(PROMPTS[:1]))))  # fmt: skip
+    assert generate(q, PROMPTS, max_new_tokens=NEW).tokens == greedy
+    assert generate(q, PROMPTS, max_new_tokens=NEW, cache="contiguous").tokens == greedy
+
+
+def test_quantized_speculative_and_engine(pair):
+    q, _, greedy = pair
+    res = speculative_generate(q, PromptLookup(), PROMPTS, num_draft_tokens=3, max_new_tokens=NEW)
+    assert res.tokens == greedy
+    eng = Engine(q, max_batch=2, num_pages=8, page_size=16, max_seq_len=64)
+    rids = [eng.submit(p, NEW) for p in PROMPTS]
+    out = eng.run_until_done()
+    assert [out[r] for r in rids] == greedy
+
+
+def test_quantize_casts_to_bfloat16():
+    q = models.quantize(_model(True), "q8_0", dtype="bfloat16")
+    assert q.config.dtype == "bfloat16" and q.embed.embedding[...].dtype == jnp.bfloat16
+    assert q.layers[0].attn.qkv_proj.dtype == jnp.bfloat16
+    assert (
+        generate(q, PROMPTS, max_new_tokens=4).tokens
+        == generate(models.dequantize(q), PROMPTS, max_new_tokens=4).tokens
+    )
+
+
+def test_real_model_q8_0_greedy_equals_dequantized(smollm2_gguf):
+    """SmolLM2: the file's Q4_1 / Q8_0 blocks survive quantized loading (its dequantized float
+    model has the same weights), and Q8_0 requantized from it decodes 32 greedy chat tokens
+    equal to its own dequantized float model."""
+    tok = models.load_tokenizer(smollm2_gguf)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}])
+               for c in ("What is the capital of France?", "Write a haiku about rain.")]  # fmt: skip
+    f = models.load_gguf(smollm2_gguf)
+    q8 = models.quantize(f, "q8_0")
+    d8 = models.dequantize(q8)
+    assert (
+        generate(q8, prompts, max_new_tokens=32).tokens
+        == generate(d8, prompts, max_new_tokens=32).tokens
+    )
+    # Q4 logits: the file's own Q4_1 loaded quantized carries exactly the float model's weights
+    # (float32 sums in another order: 1e-4 of the largest logit); Q4_0 requantized from them is
+    # within 15% of the largest logit, its top token the float model's on most positions.
+    ids = jnp.asarray([prompts[0]])
+    ref = np.asarray(f(ids))
+    scale = np.abs(ref).max()
+    q41 = models.load_gguf(smollm2_gguf, quantized=True)
+    assert q41.layers[0].attn.qkv_proj.fmt == "q4_1" and q41.lm_head.fmt == "q8_0"
+    assert np.abs(np.asarray(q41(ids)) - ref).max() <= 1e-4 * scale
+    q40 = np.asarray(models.quantize(f, "q4_0")(ids))
+    assert np.abs(q40 - ref).max() <= 0.15 * scale
+    assert (q40.argmax(-1) == ref.argmax(-1)).mean() >= 0.6
