@@ -460,3 +460,18 @@ def test_tensor_parallel_qwen3_and_gemma3():
     out = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT], capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_gemma3_linear_rope_scaling_matches_transformers(tmp_path):
+    """Gemma 3 4B and larger scale their global layers' RoPE linearly (factor 8)."""
+    config_cls, model_cls, extra = FAMILIES["gemma3"]
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+    config = getattr(transformers, config_cls)(**_SMALL, **{**extra, "rope_parameters": rope})
+    config._attn_implementation = "eager"
+    torch.manual_seed(1)
+    hf = getattr(transformers, model_cls)(config).eval().float()
+    hf.save_pretrained(tmp_path)
+    model = load_hf_checkpoint(str(tmp_path), attn_impl="xla")
+    assert (model.config.rope_scaling.rope_type, model.config.rope_scaling.factor) == ("linear", 8)
+    assert _parity(model, hf) < 1e-5
