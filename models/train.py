@@ -29,6 +29,9 @@ from models import data
 from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.pretrained import checkpoint_arg, load_model
+from models.shard import make_train_step as make_sharded_step
+from models.shard import put_global, to_host
+from models.shard import shard as shard_model
 from models.tokenizer import ByteTokenizer
 from models.transformer import Transformer
 from pallas_attn import IMPLS
@@ -175,7 +178,7 @@ def make_eval(graphdef):
 def bits_per_byte(evaluate, params, rest, batches) -> float:
     nll, count = 0.0, 0.0
     for batch in batches:
-        n, c = evaluate(params, rest, batch)
+        n, c = to_host(evaluate(params, rest, batch))  # on every process
         nll, count = nll + float(n), count + float(c)
     return nll / count / math.log(2)
 
@@ -189,19 +192,38 @@ def train(
     progress: bool = True,
     init: Transformer | None = None,
     teacher: Transformer | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[Transformer, dict]:
     """Trains ``init`` (or a fresh ``Transformer(config)``) on ``corpus``; returns the trained
     model and a summary dict. With ``teacher`` (same vocabulary) the loss is the KL to the
-    teacher's distributions (:func:`distill_loss_fn`) instead of the cross entropy."""
+    teacher's distributions (:func:`distill_loss_fn`) instead of the cross entropy.
+
+    With ``mesh`` the model is sharded over it (``models.shard``; data + tensor parallel, the
+    batch a multiple of its "data" axis) and trained by the sharded step; the mesh may span
+    processes, each running this same call (``python -m decoding.launch``). Not with a teacher.
+    """
     model = init if init is not None else Transformer(config, rngs=nnx.Rngs(tc.seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optimizer(tc)
-    opt_state = tx.init(params)
     t_graphdef, t_state = nnx.split(teacher) if teacher is not None else (None, None)
-    step_fn = make_train_step(graphdef, tx, teacher_graphdef=t_graphdef)
+    held = data.heldout_batches(corpus.heldout, tc.batch, tc.seq_len, tc.eval_batches)
+    if mesh is None:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        opt_state = tx.init(params)
+        step_fn = make_train_step(graphdef, tx, teacher_graphdef=t_graphdef)
+    else:
+        if teacher is not None:
+            raise ValueError("mesh: distillation (teacher) is not sharded; train without mesh")
+        model = shard_model(model, mesh)
+        sharded_step, sh = make_sharded_step(model, tx)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        opt_state = jax.jit(tx.init, out_shardings=sh.opt_state)(params)
+
+        def step_fn(params, rest, opt_state, batch, teacher, temperature):
+            return sharded_step(params, rest, opt_state, batch)
+
+        held = [tuple(put_global(x, sh.batch) for x in b) for b in held]
     evaluate = make_eval(graphdef)
     rng = np.random.default_rng(tc.seed)
-    held = data.heldout_batches(corpus.heldout, tc.batch, tc.seq_len, tc.eval_batches)
     history = []
     start = time.perf_counter()
     bar = tqdm(range(1, tc.steps + 1), disable=not progress, mininterval=5.0)
@@ -263,6 +285,14 @@ def output_dir(text: str) -> str:
     return text
 
 
+def mesh_shape(text: str) -> tuple[int, int]:
+    """An ``argparse`` type: ``DATA,MODEL`` -> two ints >= 1."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+        raise argparse.ArgumentTypeError(f"expected DATA,MODEL (two ints >= 1), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default=None, help="TransformerConfig preset name (required)")
@@ -295,6 +325,14 @@ def main(argv=None) -> None:
         help="train this many Medusa heads on the frozen --init model (a shipped name or HF "
         "checkpoint) instead of a model; --preset not needed",
     )
+    p.add_argument(
+        "--mesh",
+        type=mesh_shape,
+        default=None,
+        metavar="DATA,MODEL",
+        help="shard over a (data, model) mesh of all devices (all processes under "
+        "python -m decoding.launch); process 0 writes --out",
+    )
     p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--max-corpus-bytes", type=int, default=None)
     args = p.parse_args(argv)
@@ -312,6 +350,13 @@ def main(argv=None) -> None:
     for flag in ("max_corpus_bytes", "medusa_heads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.mesh is not None:
+        if math.prod(args.mesh) != jax.device_count():
+            p.error(f"--mesh {args.mesh} must hold all {jax.device_count()} devices")
+        if args.medusa_heads is not None or args.distill_from is not None:
+            p.error("--mesh trains a model: not with --medusa-heads or --distill-from")
+        if tc.batch % args.mesh[0]:
+            p.error(f"--batch ({tc.batch}) must be a multiple of the --mesh data axis")
     if args.medusa_heads is not None:
         from models.medusa_train import main_medusa
 
@@ -329,9 +374,15 @@ def main(argv=None) -> None:
         flush=True,
     )
     init, teacher = _starting_models(args, config)
+    mesh = None if args.mesh is None else jax.make_mesh(args.mesh, ("data", "model"))
     model, summary = train(
-        config, corpus, tc, log=lambda s: print(s, flush=True), init=init, teacher=teacher
-    )
+        config, corpus, tc, log=lambda s: print(s, flush=True), init=init, teacher=teacher,
+        mesh=mesh,
+    )  # fmt: skip
+    if mesh is not None:
+        nnx.update(model, to_host(nnx.state(model)))  # whole, on every process
+        if jax.process_index() != 0:
+            return  # process 0 writes the checkpoint
     save_hf_checkpoint(model, args.out, dtype=jnp.dtype(args.save_dtype))
     shipped = load_hf_checkpoint(args.out, attn_impl=args.attn_impl)
     graphdef, params, rest = nnx.split(shipped, nnx.Param, ...)

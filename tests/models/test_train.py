@@ -102,6 +102,8 @@ def _no_work(*args, **kwargs):
         (["--steps", "2", "--attn-impl", "fast"], "--attn-impl"),
         (["--steps", "2", "--out", "{file}/ckpt"], "--out"),
         (["--steps", "2", "--out", "{file}"], "--out"),
+        (["--steps", "2", "--mesh", "64,64"], "--mesh"),  # more devices than there are
+        (["--steps", "2", "--mesh", "2"], "--mesh"),
     ],
 )
 def test_cli_bad_flags_exit_2_naming_the_flag_before_any_work(

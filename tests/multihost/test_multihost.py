@@ -33,7 +33,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(mode: str, workdir: Path, heartbeat: int = 10, meanwhile=lambda: None):
+def _launch(mode: str, workdir: Path, heartbeat: int = 10, meanwhile=lambda: None, command=None):
     """Starts both processes, calls ``meanwhile()`` while they run -> (its result,
     [(exit status or None if killed at the timeout, log tail) per process])."""
     port = _free_port()
@@ -46,7 +46,7 @@ def _launch(mode: str, workdir: Path, heartbeat: int = 10, meanwhile=lambda: Non
                 sys.executable, "-m", "decoding.launch", "--coordinator", f"127.0.0.1:{port}",
                 "--num-processes", "2", "--process-id", str(i), "--local-devices", "2",
                 "--heartbeat-timeout", str(heartbeat), "--init-timeout", "60",
-                "--", str(WORKER), mode, str(workdir),
+                "--", *(command or [str(WORKER), mode, str(workdir)]),
             ]  # fmt: skip
             procs.append(
                 subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -117,6 +117,36 @@ def test_two_processes_speculate_and_read_one_checkpoint(tmp_path):
         for name in ("logits_(4, 1)", "checkpoint_logits"):
             np.testing.assert_allclose(arrays[name], want["logits"], atol=2e-6, rtol=1e-5)
         assert info["speculative"] == want["tokens"]
+
+
+TRAIN_FLAGS = [
+    "--preset", "tiny", "--steps", "2", "--batch", "4", "--seq-len", "16", "--eval-every", "1",
+    "--eval-batches", "1", "--max-corpus-bytes", "20000", "--attn-impl", "xla",
+    "--save-dtype", "float32",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_train_command_line_on_two_processes_equals_one(tmp_path):
+    """``decoding.launch -- python -m models.train --mesh 2,2``: the same losses and held-out
+    bits per byte as ``models.train.train`` on one device; process 0 writes the checkpoint."""
+    from models import TransformerConfig, data, train
+
+    def one_device():
+        tc = train.TrainConfig(steps=2, batch=4, seq_len=16, eval_every=1, eval_batches=1)
+        config = TransformerConfig.preset("tiny", attn_impl="xla")
+        return train.train(config, data.Corpus.from_stdlib(max_bytes=20000), tc, progress=False)
+
+    command = ["python", "-m", "models.train", *TRAIN_FLAGS, "--mesh", "2,2"]
+    (_, want), results = _launch(
+        "train", tmp_path, meanwhile=one_device, command=[*command, "--out", str(tmp_path / "c")]
+    )
+    for code, log in results:
+        assert code == 0, log
+    got = json.loads((tmp_path / "c" / "training.json").read_text())
+    for g, w in zip(got["history"], want["history"], strict=True):
+        np.testing.assert_allclose(g["train_loss"], w["train_loss"], rtol=1e-5)
+        np.testing.assert_allclose(g["heldout_bpb"], w["heldout_bpb"], rtol=1e-5)
 
 
 def test_a_dead_process_makes_the_other_exit_with_an_error(tmp_path):
