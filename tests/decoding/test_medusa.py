@@ -324,3 +324,22 @@ def test_numpy_ints_in_trees_and_lookup_ngram(tiny_model):
         Medusa(heads, lookup_ngram=True)
     with pytest.raises(ValueError, match="ints >= 0"):
         TreeSpec(((True,),))
+
+
+def test_shipped_smollm2_heads_load_and_keep_greedy_output(smollm2_gguf):
+    """The shipped self-distilled heads are small, fit the real model, and their chain's greedy
+    output is the model's own (a short run: the real model's compile dominates)."""
+    from models import load_gguf, pretrained
+    from models.pretrained import shipped_path
+
+    heads, tokenizer = pretrained("smollm2-135m-instruct-medusa")
+    target = load_gguf(smollm2_gguf)
+    assert heads.shared_head and heads.num_heads >= 3
+    heads.check_target(target.config)
+    size = sum(f.stat().st_size for f in shipped_path("smollm2-135m-instruct-medusa").iterdir())
+    assert size < 4 << 20, size
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    want = generate(target, [ids], max_new_tokens=8).tokens
+    res = speculative_generate(target, Medusa(heads), [ids], num_draft_tokens=2,
+                               max_new_tokens=8)  # fmt: skip
+    assert res.tokens == want, (tokenizer.decode(res.tokens[0]), tokenizer.decode(want[0]))
