@@ -20,6 +20,10 @@ tokens/s counts each request's own new tokens only. KV memory utilization over t
 live tokens over the token slots the running requests hold as pages (paged), against live tokens
 over ``max length`` slots per running request (contiguous preallocation, the seed's ~5%). Writes
 ``benchmarks/results/engine_cpu.json`` and ``engine_cpu.png`` and prints a table.
+
+``--speculation [--quick]``: SmolLM2-135M-Instruct in the engine with and without prompt lookup
+(:func:`speculation`): throughput and mean latency at batch 1, 8 and 32;
+``benchmarks/results/engine_speculative.json``.
 """
 
 from __future__ import annotations
@@ -135,11 +139,80 @@ def plot(series, rows, path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# ----------------------------------------------------------------------------- speculation
+
+SPEC_BATCHES = (1, 8, 32)
+SPEC_MAX_SEQ = 384
+
+
+def spec_pass(model, requests, batch: int, draft):
+    """One pass of the engine (``draft`` or none) with every request submitted at once ->
+    (tokens per request, seconds inside ``step`` less compilation, mean latency, stats)."""
+    from decoding import Engine
+
+    eng = Engine(
+        model, max_batch=batch, num_pages=batch * SPEC_MAX_SEQ // PAGE, page_size=PAGE,
+        max_seq_len=SPEC_MAX_SEQ, draft=draft,
+    )  # fmt: skip
+    ids = [eng.submit(p, n) for p, n in requests]
+    t0, done, compile_before = time.perf_counter(), {}, eng.stats()["compile_s"]
+    while eng.busy:
+        eng.step()
+        for rid in eng.pop_finished().items():
+            done[rid[0]] = (rid[1], time.perf_counter())
+    stats = eng.stats()
+    compile_s = stats["compile_s"] - compile_before
+    wall = time.perf_counter() - t0 - compile_s
+    latency = float(np.mean([done[r][1] - t0 for r in ids])) - compile_s
+    return [done[r][0] for r in ids], wall, latency, stats
+
+
+def speculation(args) -> None:
+    """SmolLM2-135M-Instruct in the engine, greedy, with and without prompt lookup (k chosen
+    from measured costs) at batch 1, 8 and 32 (1 and 8 quick): the same chat request mix
+    (``benchmarks.speculative.REAL_PROMPTS``, both workloads alternating), a warm-up pass that
+    compiles, then a timed one; every drafted row checked identical to the undrafted one."""
+    import models
+    from benchmarks.speculative import REAL_PROMPTS, real_prompt_ids
+    from decoding import PromptLookup
+
+    model, tok = models.pretrained("smollm2-135m-instruct")
+    new = 32 if args.quick else 64
+    mix = [ids for w in REAL_PROMPTS for ids in real_prompt_ids(tok, w)]
+    mix = [mix[i // 2 + (i % 2) * (len(mix) // 2)] for i in range(len(mix))]  # alternate
+    rows = []
+    for batch in SPEC_BATCHES[:2] if args.quick else SPEC_BATCHES:
+        n_req = max(4, 2 * batch)
+        requests = [(mix[i % len(mix)], new) for i in range(n_req)]
+        result = {}
+        for name, draft in (("plain", None), ("prompt-lookup", PromptLookup())):
+            spec_pass(model, requests, batch, draft)  # warm-up: compilation
+            result[name] = spec_pass(model, requests, batch, draft)
+        (plain_tok, plain_s, plain_lat, _), (tok_, spec_s, spec_lat, st) = result.values()
+        useful = n_req * new
+        row = dict(batch=batch, requests=n_req, plain_tok_s=useful / plain_s,
+                   spec_tok_s=useful / spec_s, throughput_x=plain_s / spec_s,
+                   plain_latency_s=plain_lat, spec_latency_s=spec_lat,
+                   latency_x=plain_lat / spec_lat, k=st["num_draft_tokens"],
+                   acceptance=st["draft_accepted"] / max(st["draft_proposed"], 1),
+                   identical=tok_ == plain_tok)  # fmt: skip
+        print(row)
+        rows.append(row)
+    settings = dict(model="smollm2-135m-instruct", new_tokens=new, greedy=True, page_size=PAGE,
+                    max_seq_len=SPEC_MAX_SEQ, quick=args.quick, loadavg=os.getloadavg())  # fmt: skip
+    common.finish(args, "engine_speculative", rows, list(rows[0]), settings=settings)
+
+
 def main() -> None:
     parser = common.parser(__doc__, runs=1, quick="16 requests at scale 4")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--scale", type=int, default=1, help="divide every length by this")
+    parser.add_argument(
+        "--speculation", action="store_true", help="only SmolLM2 with and without a draft"
+    )
     args = parser.parse_args()
+    if args.speculation:
+        return speculation(args)
     if args.quick:
         args.requests, args.scale = 16, 4
 

@@ -26,6 +26,9 @@ calibrated rank accuracy, at its own depth) and k = 1..8:
 Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and prints a table.
 ``--quick``: one prompt, greedy, k in {2, 4}, 48 new tokens (results in ``*_quick.json``).
 ``--acceptance-of CHECKPOINT ...``: only the acceptance of draft checkpoints (k = 3, 4 prompts).
+``--real [--quick]``: SmolLM2-135M-Instruct (:func:`real_model`): prompt lookup at the chosen k
+against plain ``generate``, B = 1, 160 new tokens (48 quick), greedy and T = 0.7, on
+input-grounded and open-chat prompts; ``benchmarks/results/speculative_real.json``.
 """
 
 from __future__ import annotations
@@ -415,6 +418,87 @@ def sources(k: int = 3, ngrams=(1, 2, 3, 4)) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- the real model
+
+# Chat prompts for SmolLM2. Input-grounded: the answer copies much of the prompt (edit, rewrite,
+# extract); open chat: it does not.
+_CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+"""
+_TEXT = (
+    "The meeting is moved from Tuesday to Thursday at 3 pm. Alice will present the budget, Bob "
+    "the hiring plan and Carol the new office layout. Please send your slides to Dan by "
+    "Wednesday noon, and book the large room on the second floor."
+)
+REAL_PROMPTS = {
+    "input-grounded": [
+        f"```python\n{_CODE}```\nRewrite this code with the variable `subtotal` renamed to `net`.",
+        f"Convert this function to use a list comprehension:\n\n```python\n{_CODE}```",
+        "Fix the spelling mistakes in this text and return it: "
+        + _TEXT.replace("meeting", "meetng").replace("present", "presnt"),
+        f"Extract the names and tasks from this text as a list: {_TEXT}",
+    ],
+    "open-chat": [
+        "What are three tips for staying focused while studying?",
+        "Write a short poem about the sea at night.",
+        "Explain why the sky is blue to a ten-year-old.",
+        "Give me a simple recipe for a vegetable soup.",
+    ],
+}
+
+
+def real_prompt_ids(tokenizer, workload: str, count: int | None = None) -> list[list[int]]:
+    """The chat-templated token ids of a workload's prompts."""
+    texts = REAL_PROMPTS[workload][:count]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        for t in texts
+    ]
+
+
+def real_model(args) -> None:
+    """SmolLM2-135M-Instruct, B = 1, 160 new tokens (48 quick), greedy and T = 0.7, prompt
+    lookup at the chosen k (``num_draft_tokens=None``) against plain ``generate``, per workload:
+    median of paired runs per prompt, summed over prompts; greedy rows checked identical."""
+    import models
+    from decoding import PromptLookup, SamplingConfig, generate, speculative_generate
+
+    target, tok = models.pretrained("smollm2-135m-instruct")
+    new = 48 if args.quick else 160
+    n_prompts = 1 if args.quick else 4
+    timing = (1 if args.quick else 3, 1)  # (runs, warm-up)
+    modes = {"greedy": SamplingConfig(), "T=0.7": SamplingConfig(temperature=0.7)}
+    rows = []
+    for workload in REAL_PROMPTS:
+        for mode, sampling in modes.items():
+            plain_s = spec_s = 0.0
+            match, acc, ks, tpc = [], [], set(), []
+            for ids in tqdm(real_prompt_ids(tok, workload, n_prompts), desc=f"{workload} {mode}"):
+                common_kw = dict(max_new_tokens=new, sampling=sampling, seed=0)
+                plain = functools.partial(generate, target, [ids], **common_kw)
+                spec = functools.partial(speculative_generate, target, PromptLookup(), [ids],
+                                         **common_kw)  # fmt: skip
+                a_s, b_s, b = timed_pair(plain, spec, timing)
+                plain_s, spec_s = plain_s + a_s, spec_s + b_s
+                match.append(plain().tokens == b.tokens)
+                acc.append(b.stats["acceptance_rate"])
+                tpc.append(b.stats["tokens_per_target_call"])
+                ks.add(b.stats["num_draft_tokens"])
+            row = dict(workload=workload, mode=mode, kind="prompt-lookup", k=sorted(ks),
+                       speedup=plain_s / spec_s, plain_s=plain_s, spec_s=spec_s,
+                       acceptance=float(np.mean(acc)), tokens_per_call=float(np.mean(tpc)),
+                       match=float(np.mean(match)) if mode == "greedy" else None)  # fmt: skip
+            rows.append(row)
+            print(row)
+    settings = dict(model="smollm2-135m-instruct", batch=1, new_tokens=new, prompts=n_prompts,
+                    runs=timing[1], quick=args.quick, loadavg=os.getloadavg())  # fmt: skip
+    common.finish(args, "speculative_real", rows, list(rows[0]), settings=settings)
+
+
 def main() -> None:
     parser = common.parser(__doc__, runs=3, quick="one prompt, greedy, k in {2, 4}, 48 tokens")
     parser.add_argument("--kinds", nargs="+", default=None, help=f"default: {' '.join(KINDS)}")
@@ -428,7 +512,12 @@ def main() -> None:
         "--acceptance-of", nargs="+", metavar="CHECKPOINT", help="only these drafts' acceptance"
     )
     parser.add_argument("--sources", action="store_true", help="only :func:`sources`")
+    parser.add_argument(
+        "--real", action="store_true", help="only SmolLM2 (:func:`real_model`; speculative_real)"
+    )
     args = parser.parse_args()
+    if args.real:
+        return real_model(args)
     if args.sources:
         return sources()
     if args.acceptance_of:
