@@ -435,7 +435,7 @@ class Engine:
             fn, self._params, self._kernels, self._k, self._v, seq, lengths, table, seeds, index,
             SamplingParams.rows(settings),
         )  # fmt: skip
-        drafted, n, nxt = np.asarray(drafted), np.asarray(n), np.asarray(nxt)
+        drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
         self._counts["decode_steps"] += 1
         for req in rows:
             b = req.row
