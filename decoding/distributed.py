@@ -64,6 +64,7 @@ class DistributedEngine:
       model: a ``models.Transformer``, sharded over a mesh of every process's devices (or
         not sharded: then every process computes alone, which is only useful for testing).
       **engine_args: :class:`~decoding.Engine`'s keyword arguments; the same on every process.
+        A ``draft`` needs a fixed ``num_draft_tokens``.
 
     ``submit``, ``abort``, ``run_until_done`` and ``shutdown`` are the leader's (process 0);
     the followers call :meth:`serve_followers`, which makes the same broadcasts and steps as the
@@ -71,6 +72,13 @@ class DistributedEngine:
     """
 
     def __init__(self, model, **engine_args):
+        if engine_args.get("draft") is not None and engine_args.get("num_draft_tokens") is None:
+            # k chosen from step times measured on each process could differ between them,
+            # and so would the programs they run: a deadlock in the first collective.
+            raise ValueError(
+                "num_draft_tokens must be given with a draft: each process choosing its own k "
+                "from its own timings would run different steps"
+            )
         self.engine = Engine(model, **engine_args)
         self.is_leader = jax.process_index() == 0
         self._log: list[np.ndarray] = []

@@ -107,8 +107,9 @@ def test_two_processes_equal_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_speculate_and_read_one_checkpoint(tmp_path):
-    """Pure data parallel over 4 devices, speculative_generate (prompt lookup) on (2, 2), and
-    a checkpoint written by process 0 that both processes load and shard."""
+    """Pure data parallel over 4 devices, speculative_generate and the DistributedEngine with
+    prompt lookup (k = 2) on (2, 2), and a checkpoint written by process 0 that both processes
+    load and shard."""
     want, results = _launch("extra", tmp_path, meanwhile=lambda: _worker().references("extra"))
     for code, log in results:
         assert code == 0, log
@@ -117,6 +118,7 @@ def test_two_processes_speculate_and_read_one_checkpoint(tmp_path):
         for name in ("logits_(4, 1)", "checkpoint_logits"):
             np.testing.assert_allclose(arrays[name], want["logits"], atol=2e-6, rtol=1e-5)
         assert info["speculative"] == want["tokens"]
+        assert info["engine_speculative"] == want["tokens"]  # the engine with prompt lookup
 
 
 TRAIN_FLAGS = [

@@ -122,6 +122,16 @@ def main(mode: str, workdir: str) -> None:
         multihost_utils.sync_global_devices("checkpoint written")
         loaded = models.shard(models.load_hf_checkpoint(path, attn_impl="xla"), _mesh((2, 2)))
         arrays["checkpoint_logits"] = _logits(loaded, inputs)
+        eng = DistributedEngine(model, draft=decoding.PromptLookup(), num_draft_tokens=2, **ENGINE)
+        if eng.is_leader:
+            rids = [eng.submit(p, NEW) for p in PROMPTS]
+            done = eng.run_until_done()
+            out["engine_speculative"] = [done[r] for r in rids]
+            eng.shutdown()
+        else:
+            eng.serve_followers(max_steps=1000)
+            done = eng.pop_finished()
+            out["engine_speculative"] = [done[r] for r in sorted(done)]
         _save(workdir, pid, arrays, out)
         return
     # "model" over all 4 devices (tensor parallel across the processes); then "data" across
