@@ -9,6 +9,10 @@ every step drafts k tokens per row from its own prompt and output and verifies t
 step; outputs are unchanged (greedy identical, sampled exactly distributed); k is chosen from
 the model's measured step costs unless ``--num-draft-tokens`` fixes it.
 
+A request that leaves out temperature, top_p, top_k or min_p gets the checkpoint's value
+(``generation_config.json`` of a directory, ``general.sampling.*`` of a GGUF file), else
+OpenAI's (``decoding.serve.defaults``).
+
 SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish for up to
 ``--graceful-timeout`` seconds, then aborts the rest; the exit log line says how many KV pages
 were still held (0 when nothing leaked).
@@ -28,7 +32,8 @@ from decoding.drafts import MAX_K, PromptLookup
 from decoding.engine import Engine
 from decoding.paging import pages_for
 from decoding.serve.app import create_app
-from models.pretrained import DEFAULT_MODEL, model_arg
+from decoding.serve.defaults import generation_defaults
+from models.pretrained import DEFAULT_MODEL, model_arg, model_path
 
 # The draft kinds the engine runs (``Engine(draft=...)``), by command-line name.
 DRAFTS = {"prompt-lookup": PromptLookup}
@@ -81,9 +86,12 @@ def main(argv=None) -> int:
         max_prefill_tokens=args.max_prefill_tokens, max_seq_len=max_seq_len,
         draft=DRAFTS[args.draft]() if args.draft else None, num_draft_tokens=args.num_draft_tokens,
     )  # fmt: skip
+    defaults = generation_defaults(model_path(args.model))
+    logging.getLogger("decoding.serve").info("sampling defaults for omitted fields: %s", defaults)
     app = create_app(
-        engine, tokenizer, model_name=args.served_model_name or args.model, max_queue=args.max_queue
-    )
+        engine, tokenizer, model_name=args.served_model_name or args.model,
+        max_queue=args.max_queue, defaults=defaults,
+    )  # fmt: skip
     uvicorn.run(
         app, host=args.host, port=args.port, timeout_graceful_shutdown=args.graceful_timeout,
         log_level="info",

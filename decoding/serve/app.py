@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from decoding.chat import encode_prompt, turn_end_id
 from decoding.engine import Engine
 from decoding.sampling import SEED_LIMIT, SamplingConfig
+from decoding.serve.defaults import OPENAI
 from decoding.serve.metrics import CONTENT_TYPE, Metrics
 from decoding.serve.protocol import (
     ApiError,
@@ -45,15 +46,19 @@ from decoding.serve.worker import Worker
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("decoding.serve")
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; the GGUF checkpoints carry no generation config
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks for a gone client
 
 
 class Server:
     """The state behind the routes: the engine's worker, the tokenizer, the served name."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_queue: int):
+    def __init__(
+        self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_queue: int,
+        defaults: dict | None = None,
+    ):  # fmt: skip
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        # Sampling fields a request leaves out (``decoding.serve.defaults``).
+        self.defaults = {**OPENAI, **(defaults or {})}
         self.metrics = Metrics()
         self.worker = Worker(engine, max_queue=max_queue, observer=self.metrics)
         self.metrics.worker = self.worker
@@ -117,13 +122,20 @@ class Server:
             )  # fmt: skip
         return max_new
 
-    @staticmethod
-    def sampling(req) -> SamplingConfig:
-        t = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+    def sampling(self, req) -> SamplingConfig:
+        """The request's settings, each field it leaves out from ``self.defaults``."""
+        d = self.defaults
+
+        def get(name):
+            value = getattr(req, name)
+            return d[name] if value is None else value
+
         return SamplingConfig(
-            temperature=t, top_k=max(req.top_k or 0, 0),
-            top_p=1.0 if req.top_p is None else req.top_p, min_p=req.min_p or 0.0,
-        )  # fmt: skip
+            temperature=get("temperature"),
+            top_k=max(get("top_k"), 0),
+            top_p=get("top_p"),
+            min_p=get("min_p"),
+        )
 
     # ----------------------------------------------------------------------------- generation
 
@@ -314,11 +326,14 @@ async def _stream(server, head, events, first, chat, req, prompt_tokens, counts,
 
 
 def create_app(
-    engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_queue: int = 256
-) -> FastAPI:
+    engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_queue: int = 256,
+    defaults: dict | None = None,
+) -> FastAPI:  # fmt: skip
     """The FastAPI app serving ``engine``; its worker thread runs for the app's lifespan (so
     stopping uvicorn, e.g. on SIGTERM, aborts what is left and ends with no page held)."""
-    server = Server(engine, tokenizer, model_name=model_name, max_queue=max_queue)
+    server = Server(
+        engine, tokenizer, model_name=model_name, max_queue=max_queue, defaults=defaults
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

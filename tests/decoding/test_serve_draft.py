@@ -56,3 +56,33 @@ def test_command_line_draft_options(capsys):
             main(argv)
         assert e.value.code == 2
         assert "usage" in capsys.readouterr().err
+
+
+def test_generation_config_defaults(tmp_path):
+    """Fields a request leaves out come from the checkpoint's generation config, else OpenAI's."""
+    import json
+    from types import SimpleNamespace
+
+    from decoding.serve.app import Server
+    from decoding.serve.defaults import OPENAI, generation_defaults
+    from models.pretrained import model_path
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    found = generation_defaults(tmp_path)
+    assert found == {**OPENAI, "temperature": 0.6, "top_p": 0.9}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 50}))
+    assert generation_defaults(tmp_path) == {**OPENAI, "temperature": 0.0, "top_k": 50}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match="temperature must be a number"):
+        generation_defaults(tmp_path)
+    assert generation_defaults(model_path("smollm2-135m-instruct")) == OPENAI  # its GGUF has none
+
+    def request(**kw):
+        fields = dict(temperature=None, top_p=None, top_k=None, min_p=None)
+        return SimpleNamespace(**{**fields, **kw})
+
+    server = SimpleNamespace(defaults={**OPENAI, "temperature": 0.6, "top_p": 0.9})
+    got = Server.sampling(server, request())
+    assert (got.temperature, got.top_p, got.top_k) == (0.6, 0.9, 0)
+    got = Server.sampling(server, request(temperature=0.0, top_k=-1))
+    assert (got.temperature, got.top_p, got.top_k) == (0.0, 0.9, 0)
