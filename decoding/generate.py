@@ -38,6 +38,7 @@ from decoding import paging
 from decoding.checks import check_int, check_model, check_optional_int
 from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
+from models.kv_cache import ring_pages_for
 from models.shard import mesh_of, replicated, to_host
 from models.transformer import decode_kernels, decode_layout
 
@@ -252,7 +253,16 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     return rows
 
 
-def _cache_for(model, kind: str, need, n_pad: int, capacity: int, page_size: int, num_pages):
+def _cache_for(
+    model,
+    kind: str,
+    need,
+    n_pad: int,
+    capacity: int,
+    page_size: int,
+    num_pages,
+    max_call: int | None = None,
+):
     """An empty cache for ``len(need)`` real rows, row b writing ``need[b]`` positions, and
     ``n_pad`` batch-padding rows; for a paged cache also its ``BlockTables`` (else None).
 
@@ -260,6 +270,11 @@ def _cache_for(model, kind: str, need, n_pad: int, capacity: int, page_size: int
     every row of the bucketed batch, so that its shape depends on the bucket only) plus one
     scratch page past them that every padding row's block table points at: padding rows write
     there and nobody reads it, so they never take pages from the pool.
+
+    ``max_call``: the most tokens one forward call writes (the prompt bucket, a verification's
+    k + 1). Given, a paged cache's sliding-window layers keep a ring of
+    ``models.kv_cache.ring_pages_for(window, max_call, P)`` pages per row instead of every page
+    of the row, when that is fewer (:meth:`models.KVCache.paged`'s ``ring_pages``).
     """
     config, mesh = model.config, mesh_of(model)
     B = len(need)
@@ -271,7 +286,11 @@ def _cache_for(model, kind: str, need, n_pad: int, capacity: int, page_size: int
     tables = paging.BlockTables(paging.PageAllocator(pool, page_size), B, max_pages)
     tables.reserve(need)
     table = np.concatenate([tables.table(), np.full((n_pad, max_pages), pool, np.int32)])
-    cache = KVCache.paged(config, pool + 1, page_size, table, mesh=mesh)
+    ring = None
+    if max_call is not None and any(config.is_sliding(i) for i in range(config.num_layers)):
+        ring = ring_pages_for(config.sliding_window, max_call, page_size)
+        ring = ring if ring < max_pages else None
+    cache = KVCache.paged(config, pool + 1, page_size, table, mesh=mesh, ring_pages=ring)
     return cache, tables
 
 
@@ -430,7 +449,16 @@ def generate(
     batch = _bucket(rows, max_new_tokens)
     B = batch.num_rows
     n_pad = len(batch.done) - B
-    kv, tables = _cache_for(model, cache, batch.need, n_pad, batch.capacity, page_size, num_pages)
+    kv, tables = _cache_for(
+        model,
+        cache,
+        batch.need,
+        n_pad,
+        batch.capacity,
+        page_size,
+        num_pages,
+        max_call=batch.tokens.shape[1],
+    )
     try:
         graphdef, params = nnx.split(model)
         static = dict(graphdef=graphdef)

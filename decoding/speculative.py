@@ -393,7 +393,16 @@ def speculative_generate(
     sampling, rows = checked(extra)
     batch = _bucket(rows, max_new_tokens, extra=extra)
     B, n_pad = batch.num_rows, len(batch.done) - batch.num_rows
-    kv, tables = _cache_for(target, cache, batch.need, n_pad, batch.capacity, page_size, num_pages)
+    kv, tables = _cache_for(
+        target,
+        cache,
+        batch.need,
+        n_pad,
+        batch.capacity,
+        page_size,
+        num_pages,
+        max_call=max(batch.tokens.shape[1], extra + 1),
+    )
     draft_tables = None
     try:
         draft_state, draft_tables = kind.make_state(
