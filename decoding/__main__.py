@@ -9,7 +9,8 @@
 ``.gguf`` file. ``--chat`` applies the model's chat template and stops at the template's end of
 turn; ``--interactive`` keeps the conversation in the paged cache between turns, so each turn
 prefills only its own tokens. Text streams through the continuous-batching engine; with
-``--speculative`` (or ``--cache contiguous``) the continuation is printed when complete. A stats
+``--speculative``, ``--cache contiguous`` or ``--mesh`` (a model sharded over all devices, of
+every process under ``python -m decoding.launch``) the continuation is printed when complete. A stats
 line goes to stderr. Bad arguments are usage errors (exit 2) naming the flag, never a traceback;
 Ctrl-C stops quietly (exit 130) with what was generated on the screen.
 """
@@ -17,8 +18,10 @@ Ctrl-C stops quietly (exit 130) with what was generated on the screen.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
+import jax
 import jax.numpy as jnp
 
 import models
@@ -33,6 +36,7 @@ from decoding.sampling import SamplingConfig
 from decoding.speculative import speculative_generate
 from decoding.tree import TreeSpec
 from models.pretrained import DEFAULT_MODEL, NAMES, model_arg
+from models.shard import mesh_shape
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -120,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative decoding with this draft (same output distribution, fewer target calls)",
     )
     parser.add_argument(
+        "--mesh",
+        type=mesh_shape,
+        default=None,
+        metavar="DATA,MODEL",
+        help="shard the model over a (data, model) mesh of all devices (of every process under "
+        "python -m decoding.launch); one generate call, printed by process 0",
+    )
+    parser.add_argument(
         "--num-draft-tokens",
         type=cli.positive_int,
         default=None,
@@ -157,6 +169,11 @@ def _check_arguments(parser, args) -> SamplingConfig:
     for flag, text in (("prompt", args.prompt), ("--system", args.system)):
         if text is not None and not _is_utf8(text):
             parser.error(f"{flag} is not valid UTF-8 text")
+    if args.mesh is not None:
+        if math.prod(args.mesh) != jax.device_count():
+            parser.error(f"--mesh {args.mesh} must hold all {jax.device_count()} devices")
+        if args.interactive:
+            parser.error("--interactive streams through one process's engine: drop --mesh")
     if args.num_draft_tokens is not None and args.speculative is None:
         parser.error("--num-draft-tokens needs --speculative")
     if args.system is not None and not (args.chat or args.interactive):
@@ -248,6 +265,11 @@ def run(parser, args) -> int:
         model, tokenizer = models.pretrained(args.model, dtype=DTYPES[args.dtype])
     except (OSError, ValueError) as e:
         parser.error(f"--model {args.model}: {e}")
+    if args.mesh is not None:
+        try:
+            model = models.shard(model, jax.make_mesh(args.mesh, ("data", "model")))
+        except (TypeError, ValueError) as e:
+            parser.error(f"--mesh {args.mesh}: {e}")
     chat = args.chat or args.interactive
     if chat and tokenizer.chat_template is None:
         parser.error(f"--chat: the model {args.model} has no chat template")
@@ -276,9 +298,12 @@ def run(parser, args) -> int:
             eos_id = None
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}")
+    if args.mesh is not None and jax.process_index() != 0:  # every process runs the program
+        _complete(model, args, ids, eos_id, sampling)  # the output is process 0's to print
+        return 0
     if not chat:
         print(args.prompt, end="", flush=True)
-    if args.speculative is None and args.cache == "paged":
+    if args.speculative is None and args.cache == "paged" and args.mesh is None:
         engine = _engine(model, args, len(ids) + args.max_new_tokens)
         stats = {}
         for piece in stream(

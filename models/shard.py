@@ -36,6 +36,7 @@ through the unchanged model code (``jax.make_mesh`` creates ``Explicit`` axes by
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -372,3 +373,11 @@ def memory_plan(
         kv_bytes_per_token_per_process=kv_token / model_axis * local,
         host_bytes_per_process_at_load=weights,
     )
+
+
+def mesh_shape(text: str) -> tuple[int, int]:
+    """An ``argparse`` type for the command lines' ``--mesh DATA,MODEL`` -> two ints >= 1."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+        raise argparse.ArgumentTypeError(f"expected DATA,MODEL (two ints >= 1), got {text!r}")
+    return int(parts[0]), int(parts[1])

@@ -30,7 +30,7 @@ from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.pretrained import checkpoint_arg, load_model
 from models.shard import make_train_step as make_sharded_step
-from models.shard import put_global, to_host
+from models.shard import mesh_shape, put_global, to_host
 from models.shard import shard as shard_model
 from models.tokenizer import ByteTokenizer
 from models.transformer import Transformer
@@ -283,14 +283,6 @@ def output_dir(text: str) -> str:
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r} is not writable ({parent!r} is not)")
     return text
-
-
-def mesh_shape(text: str) -> tuple[int, int]:
-    """An ``argparse`` type: ``DATA,MODEL`` -> two ints >= 1."""
-    parts = text.split(",")
-    if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
-        raise argparse.ArgumentTypeError(f"expected DATA,MODEL (two ints >= 1), got {text!r}")
-    return int(parts[0]), int(parts[1])
 
 
 def main(argv=None) -> None:

@@ -174,3 +174,25 @@ def test_launcher_usage_errors_exit_2():
         assert e.value.code == 2, argv
     args, command = launch.parse(["--", "python3", "-m", "decoding", "--help"])
     assert command == ["-m", "decoding", "--help"] and args.coordinator is None
+
+
+@pytest.mark.slow
+def test_generate_command_line_on_two_processes_equals_one(tmp_path):
+    """``decoding.launch -- python -m decoding --mesh 1,4``: process 0 prints the greedy
+    continuation of one process's unsharded run; process 1 prints nothing of it."""
+    args = ["--model", "code-target", "def fib(n):", "--max-new-tokens", "16"]
+
+    def one_process():
+        out = subprocess.run(
+            [sys.executable, "-m", "decoding", *args, "--cache", "contiguous"], cwd=ROOT,
+            capture_output=True, text=True, timeout=TIMEOUT, check=True,
+        )  # fmt: skip
+        return out.stdout
+
+    command = ["python", "-m", "decoding", *args, "--mesh", "1,4"]
+    want, results = _launch("generate", tmp_path, meanwhile=one_process, command=command)
+    (code0, log0), (code1, log1) = results
+    assert code0 == 0 and code1 == 0, (log0, log1)
+    assert want.startswith("def fib(n):")
+    continuation = want[len("def fib(n):") :].strip()  # gloo's own lines may precede it
+    assert continuation and continuation in log0 and continuation not in log1
