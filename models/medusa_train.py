@@ -9,10 +9,13 @@ entropy; only the heads are trained (AdamW + warmup/cosine from ``models.train.o
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -21,9 +24,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+from decoding.generate import generate
+from decoding.sampling import SamplingConfig
 from models import data
 from models.hf import load_hf_checkpoint
 from models.medusa import MedusaHeads, save_medusa
+from models.pretrained import SHIPPED, model_arg, pretrained, shipped_path
+from models.train_step import TrainConfig, optimizer
 
 
 def head_labels(targets, weights, num_heads: int):
@@ -94,7 +101,6 @@ def train_medusa(target, corpus: data.Corpus, tc, num_heads: int, *, log=print):
     """Trains ``num_heads`` heads (sharing a tied ``target``'s LM head, else initialised from
     it: ``MedusaHeads``' default) on the frozen ``target``; ``tc`` is a
     ``models.train.TrainConfig``. Returns (heads, summary dict)."""
-    from models.train import optimizer
 
     heads = MedusaHeads(target.config, num_heads, rngs=nnx.Rngs(tc.seed)).init_from(target)
     graphdef, params = nnx.split(heads)
@@ -133,7 +139,6 @@ def train_medusa(target, corpus: data.Corpus, tc, num_heads: int, *, log=print):
 def main_medusa(args, tc, argv=None) -> None:
     """``models.train``'s ``--medusa-heads`` mode: trains, saves with :func:`save_medusa` and
     writes ``training.json`` (per-head held-out top-1 accuracy included)."""
-    from models.pretrained import SHIPPED, shipped_path
 
     if args.init is None:
         raise ValueError("--medusa-heads needs --init (the frozen target: shipped name or path)")
@@ -244,8 +249,6 @@ def self_distill_data(
     """(prompt ids, continuation ids) pairs: for each temperature (0 = greedy) the target's own
     continuation of every message (chat-formatted, ``tokenizer.apply_chat_template``), made by
     batched ``decoding.generate`` in batches of ``batch``, stopping at EOS."""
-    from decoding.generate import generate
-    from decoding.sampling import SamplingConfig
 
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
     out = []
@@ -377,7 +380,6 @@ def train_shared_heads(
     ``soft``: the target's own distribution at t + 1 + i as each label (``make_shared_step``);
     h must then be :func:`hidden_dataset`'s consecutive rows (row j + 1 + i is position
     t + 1 + i of the same sequence wherever row j has head i's label)."""
-    from models.train import optimizer
 
     labels = np.asarray(labels)[:, :num_heads]
     w_full = head_weights(target)
@@ -434,8 +436,6 @@ def train_shared_heads(
 
 
 def _cache_dir(key: dict) -> str:
-    import hashlib
-    import tempfile
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), "pallas_attn_medusa", digest)
@@ -444,10 +444,6 @@ def _cache_dir(key: dict) -> str:
 def main(argv=None) -> None:
     """``python -m models.medusa_train``: self-distilled shared-head Medusa heads (see the
     section comment above). Exit status 2 with a usage error for bad arguments."""
-    import argparse
-
-    from models.pretrained import model_arg, pretrained
-    from models.train import TrainConfig
 
     def pos(text: str) -> int:
         if not text.isdigit() or int(text) < 1:

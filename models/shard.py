@@ -48,6 +48,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models import train_step
 from models.config import TransformerConfig
 
 AXES = ("data", "model")
@@ -294,17 +295,15 @@ def make_train_step(model, tx: optax.GradientTransformation):
     ``step(params, rest, opt_state, batch) -> (params, opt_state, loss)`` with
     ``_, params, rest = nnx.split(model, nnx.Param, ...)``,
     ``opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)`` and ``batch``
-    the 4 [B, T] arrays of ``models.train.loss_fn``; B must be a multiple of the "data" axis.
+    the 4 [B, T] arrays of ``models.train_step.loss_fn``; B must be a multiple of the "data" axis.
     On a mesh that spans processes, every process passes the same global batch as NumPy arrays
     (placed with :func:`put_global`) or global ``jax.Array``s (e.g. from
     ``jax.make_array_from_process_local_data(shardings.batch, local_rows)``); the loss comes
     back replicated, readable on every process.
     """
-    from models import train  # train imports the transformer, which imports this module
-
     sh = train_shardings(model, tx)
     graphdef, _, _ = nnx.split(model, nnx.Param, ...)
-    inner = train.make_train_step(graphdef, tx)
+    inner = train_step.make_train_step(graphdef, tx)
     jitted = jax.jit(
         inner,
         in_shardings=(sh.params, sh.rest, sh.opt_state, sh.batch),
