@@ -122,7 +122,7 @@ def test_decode_loop_lowers_for_cuda_without_the_native_kernels():
     from models import KVCache, Transformer, TransformerConfig
     from models.transformer import decode_kernels, decode_layout
 
-    config = TransformerConfig.preset("tiny", attn_impl="xla", dim=256, mlp_dim=512)
+    config = TransformerConfig.preset("tiny", attn_impl="auto", dim=256, mlp_dim=512)
     model = Transformer(config, rngs=nnx.Rngs(0))
     kernels = decode_kernels(model)
     assert kernels  # the qkv, gate_up and down kernels are packed
@@ -137,3 +137,27 @@ def test_decode_loop_lowers_for_cuda_without_the_native_kernels():
     assert "pallas_attn_rows_matmul" in cpu_text and "pallas_attn_kv_attention" in cpu_text
     cuda_text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "pallas_attn_" not in cuda_text
+
+
+def test_quantized_decode_loop_lowers_for_cuda_without_the_native_kernels():
+    """The same for a block-quantized model: the CPU program runs the quantized kernel, the CUDA
+    one dequantizes in the program (convert + multiply + dot) with no CPU-only target."""
+    from flax import nnx
+
+    import models
+    from models import KVCache, Transformer, TransformerConfig
+    from models.transformer import decode_kernels, decode_layout
+
+    config = TransformerConfig.preset("tiny", attn_impl="auto", dim=256, mlp_dim=512)
+    model = models.quantize(Transformer(config, rngs=nnx.Rngs(0)), "q4_1")
+    kernels = decode_kernels(model)
+    graphdef, params = nnx.split(model)
+    cache = KVCache.contiguous(config, 2, 16)
+
+    def step(params, kernels, tokens, cache):
+        return decode_layout(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
+
+    traced = jax.jit(step).trace(params, kernels, jnp.zeros((2, 1), jnp.int32), cache)
+    assert "pallas_attn_rows_matmul_q" in traced.lower().as_text()
+    cuda_text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "pallas_attn_" not in cuda_text and "stablehlo.dot_general" in cuda_text
