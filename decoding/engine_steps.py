@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from decoding.acceptance import accept, accept_greedy
 from decoding.drafts import Context, PromptLookup
 from decoding.sampling import SamplingParams, all_greedy, argmax, branch, probabilities, sample
-from decoding.speculative import accept, accept_greedy
 from models import KVCache
 from models.transformer import decode_layout
 

@@ -6,7 +6,7 @@ gave the last, not yet fed, token x_{t+1}), head i proposes d_{i+1} for x_{t+2+i
 greedy: its argmax; sampling: a sample of its distribution q_{i+1} (shaped by the same
 ``SamplingConfig`` as the target's p). The heads do not see each other's tokens, so q_{i+1} is
 exactly the distribution d_{i+1} was drawn from and the verification rule
-(``speculative.accept``) keeps the output distributed exactly as the target's.
+(``decoding.acceptance.accept``) keeps the output distributed exactly as the target's.
 
 The verification forward (``[last, d_1 .. d_k]``, Tq = k + 1) also returns the target's hidden
 states; the one at the last accepted input (index n) is the next step's h, so a step costs one
@@ -36,8 +36,10 @@ import numpy as np
 from flax import nnx
 
 from decoding import tree
+from decoding.acceptance import verify
 from decoding.checks import check_optional_int
 from decoding.drafts import Context, Proposal, _check_vocab, default_k, lookup
+from decoding.generate import generate
 from decoding.sampling import all_greedy, argmax, branch, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
@@ -68,8 +70,6 @@ def verify_chain(target, last, prop: Proposal, sampling, key, hidden=False):
 
     Returns (n [B], nxt [B], cache, hidden states [B, k+1, dim] or None).
     """
-    from decoding.speculative import verify
-
     tokens = jnp.concatenate([last, prop.tokens], 1)
     out = target(tokens, cache=prop.cache, return_hidden=hidden)
     logits, cache = out[:2]
@@ -238,7 +238,6 @@ def rank_accuracy(
     prompt + continuation gives the hidden states; at every generated position t head d is
     scored against token t + 2 + d. Ties rank a token after every strictly larger logit.
     """
-    from decoding.generate import generate
 
     res = generate(target, prompts, max_new_tokens=max_new_tokens)
     H = heads.num_heads

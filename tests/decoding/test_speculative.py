@@ -161,8 +161,8 @@ def test_early_exit_equals_the_target_when_the_skipped_layer_is_a_no_op():
 def test_greedy_rule_is_the_limit_of_the_sampling_rule():
     """accept_greedy (argmax compare, no randomness) == accept on one-hot p and q, for random
     logits with ties and drafts that agree with the target for a random prefix."""
+    from decoding.acceptance import accept, accept_greedy, verify
     from decoding.sampling import SamplingConfig, argmax, probabilities
-    from decoding.speculative import accept, accept_greedy, verify
 
     rng = np.random.default_rng(0)
     B, k, V = 64, 4, 7
