@@ -57,9 +57,12 @@ def run_engine(model, requests, max_len: int, max_seq_len: int):
     from decoding import Engine
 
     eng = Engine(
-        model, max_batch=BATCH, num_pages=BATCH * max_len // PAGE, page_size=PAGE,
+        model,
+        max_batch=BATCH,
+        num_pages=BATCH * max_len // PAGE,
+        page_size=PAGE,
         max_seq_len=max_seq_len,
-    )  # fmt: skip
+    )
     for prompt, new in requests:
         eng.submit(prompt, new)
     series = {"paged": [], "contiguous": [], "running": []}
@@ -151,9 +154,13 @@ def spec_pass(model, requests, batch: int, draft):
     from decoding import Engine
 
     eng = Engine(
-        model, max_batch=batch, num_pages=batch * SPEC_MAX_SEQ // PAGE, page_size=PAGE,
-        max_seq_len=SPEC_MAX_SEQ, draft=draft,
-    )  # fmt: skip
+        model,
+        max_batch=batch,
+        num_pages=batch * SPEC_MAX_SEQ // PAGE,
+        page_size=PAGE,
+        max_seq_len=SPEC_MAX_SEQ,
+        draft=draft,
+    )
     ids = [eng.submit(p, n) for p, n in requests]
     t0, done, compile_before = time.perf_counter(), {}, eng.stats()["compile_s"]
     while eng.busy:
@@ -190,16 +197,30 @@ def speculation(args) -> None:
             result[name] = spec_pass(model, requests, batch, draft)
         (plain_tok, plain_s, plain_lat, _), (tok_, spec_s, spec_lat, st) = result.values()
         useful = n_req * new
-        row = dict(batch=batch, requests=n_req, plain_tok_s=useful / plain_s,
-                   spec_tok_s=useful / spec_s, throughput_x=plain_s / spec_s,
-                   plain_latency_s=plain_lat, spec_latency_s=spec_lat,
-                   latency_x=plain_lat / spec_lat, k=st["num_draft_tokens"],
-                   acceptance=st["draft_accepted"] / max(st["draft_proposed"], 1),
-                   identical=tok_ == plain_tok)  # fmt: skip
+        row = dict(
+            batch=batch,
+            requests=n_req,
+            plain_tok_s=useful / plain_s,
+            spec_tok_s=useful / spec_s,
+            throughput_x=plain_s / spec_s,
+            plain_latency_s=plain_lat,
+            spec_latency_s=spec_lat,
+            latency_x=plain_lat / spec_lat,
+            k=st["num_draft_tokens"],
+            acceptance=st["draft_accepted"] / max(st["draft_proposed"], 1),
+            identical=tok_ == plain_tok,
+        )
         print(row)
         rows.append(row)
-    settings = dict(model="smollm2-135m-instruct", new_tokens=new, greedy=True, page_size=PAGE,
-                    max_seq_len=SPEC_MAX_SEQ, quick=args.quick, loadavg=os.getloadavg())  # fmt: skip
+    settings = dict(
+        model="smollm2-135m-instruct",
+        new_tokens=new,
+        greedy=True,
+        page_size=PAGE,
+        max_seq_len=SPEC_MAX_SEQ,
+        quick=args.quick,
+        loadavg=os.getloadavg(),
+    )
     common.finish(args, "engine_speculative", rows, list(rows[0]), settings=settings)
 
 
@@ -229,16 +250,30 @@ def main() -> None:
     rows, series = engine_rows(model, requests, max_len, useful)
     run_static(model, requests)  # warm-up
     static_s, static_util = run_static(model, requests)
-    rows.append(dict(method="static generate", tokens_per_s=useful / static_s, wall_s=static_s,
-                     kv_util_mean=static_util))  # fmt: skip
+    rows.append(
+        dict(
+            method="static generate",
+            tokens_per_s=useful / static_s,
+            wall_s=static_s,
+            kv_util_mean=static_util,
+        )
+    )
     speedups = {r["method"]: r["tokens_per_s"] * static_s / useful for r in rows[:2]}
     print(f"engine speed-up over static batching: {speedups}")
     settings = dict(
-        requests=args.requests, scale=args.scale, lengths=[n // args.scale for n in LENGTHS],
-        max_len=max_len, batch=BATCH, page_size=PAGE, new_tokens=useful,
-        prompt_tokens=sum(len(p) for p, _ in requests), quick=args.quick, config="tiny",
-        greedy=True, loadavg=os.getloadavg(),
-    )  # fmt: skip
+        requests=args.requests,
+        scale=args.scale,
+        lengths=[n // args.scale for n in LENGTHS],
+        max_len=max_len,
+        batch=BATCH,
+        page_size=PAGE,
+        new_tokens=useful,
+        prompt_tokens=sum(len(p) for p, _ in requests),
+        quick=args.quick,
+        config="tiny",
+        greedy=True,
+        loadavg=os.getloadavg(),
+    )
     path = common.finish(
         args,
         "engine_cpu",

@@ -86,9 +86,17 @@ def step_costs(target, heads, max_tq: int, *, context: int = 256, runs: int = 7)
 
 
 def measure_medusa(
-    target, tokenizer, heads, messages=OPEN_CHAT, *, new_tokens: int = NEW_TOKENS,
-    ks=(1, 2, 3), tree_nodes: int | None = 8, runs: int = 3, log=print,
-) -> tuple[list[dict], dict]:  # fmt: skip
+    target,
+    tokenizer,
+    heads,
+    messages=OPEN_CHAT,
+    *,
+    new_tokens: int = NEW_TOKENS,
+    ks=(1, 2, 3),
+    tree_nodes: int | None = 8,
+    runs: int = 3,
+    log=print,
+) -> tuple[list[dict], dict]:
     """(rows, extra): one row per configuration (see the module doc) and the per-head accuracy
     table, the chosen tree and the step costs. ``messages``: user turns, chat-formatted with
     ``tokenizer``; ``tree_nodes``: the tree's size (``TreeSpec.from_accuracies`` on these
@@ -172,8 +180,11 @@ def main(argv=None) -> None:
     p.add_argument("--ks", type=common._positive, nargs="+", default=[1, 2, 3])
     p.add_argument("--tree-nodes", type=common._positive, default=8)
     p.add_argument("--no-tree", action="store_true")
-    p.add_argument("--heads", default="smollm2-135m-instruct-medusa",
-                   help="shipped heads' name or a directory saved by models.save_medusa")  # fmt: skip
+    p.add_argument(
+        "--heads",
+        default="smollm2-135m-instruct-medusa",
+        help="shipped heads' name or a directory saved by models.save_medusa",
+    )
     args = p.parse_args(argv)
     if args.prompts > len(OPEN_CHAT):
         p.error(f"--prompts must be <= {len(OPEN_CHAT)}")
@@ -194,15 +205,34 @@ def main(argv=None) -> None:
     load_before = common.load_average()
     start = time.perf_counter()
     rows, extra = measure_medusa(
-        target, tokenizer, heads, messages, new_tokens=new, ks=ks, tree_nodes=tree,
-        runs=args.runs, log=lambda s: print(s, flush=True),
-    )  # fmt: skip
-    columns = ["config", "tokens_per_s", "speedup", "tokens_per_target_call", "acceptance_rate",
-               "identical_to_plain"]  # fmt: skip
+        target,
+        tokenizer,
+        heads,
+        messages,
+        new_tokens=new,
+        ks=ks,
+        tree_nodes=tree,
+        runs=args.runs,
+        log=lambda s: print(s, flush=True),
+    )
+    columns = [
+        "config",
+        "tokens_per_s",
+        "speedup",
+        "tokens_per_target_call",
+        "acceptance_rate",
+        "identical_to_plain",
+    ]
     common.finish(
-        args, f"{NAME}_{jax.default_backend()}", rows, columns, load_average_before=load_before,
-        heads=args.heads, wall_seconds=round(time.perf_counter() - start, 1), **extra,
-    )  # fmt: skip
+        args,
+        f"{NAME}_{jax.default_backend()}",
+        rows,
+        columns,
+        load_average_before=load_before,
+        heads=args.heads,
+        wall_seconds=round(time.perf_counter() - start, 1),
+        **extra,
+    )
 
 
 if __name__ == "__main__":

@@ -110,13 +110,20 @@ def bench_python() -> Path:
 
 def time_llama_cpp(python: Path, path: Path, prompt: list[int], args) -> dict:
     req = dict(
-        path=str(path), prompt=prompt, new_tokens=NEW_TOKENS, runs=args.runs,
-        warmup=args.warmup, threads=os.cpu_count(),
-    )  # fmt: skip
+        path=str(path),
+        prompt=prompt,
+        new_tokens=NEW_TOKENS,
+        runs=args.runs,
+        warmup=args.warmup,
+        threads=os.cpu_count(),
+    )
     res = subprocess.run(
         [str(python), "-c", _LLAMA_CPP_WORKER, json.dumps(req)],
-        capture_output=True, text=True, check=True, timeout=1800,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1800,
+    )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -151,8 +158,11 @@ def time_ours(model, prompt: list[int], args, batch: int = 1) -> dict:
             stats.append(res.stats)
         tokens = res.tokens[0]
     decode_s = float(np.median([s["decode_s"] for s in stats]))
-    return dict(decode_s=decode_s, tokens=tokens, prefill_s=float(np.median(
-        [s["prefill_s"] for s in stats])))  # fmt: skip
+    return dict(
+        decode_s=decode_s,
+        tokens=tokens,
+        prefill_s=float(np.median([s["prefill_s"] for s in stats])),
+    )
 
 
 def gguf_tensor_bytes(path: Path) -> int:
@@ -192,8 +202,15 @@ def goals(rows: list[dict]) -> list[dict]:
     for ours, peer, want in GOALS:
         if ours in speed and peer in speed:
             ratio = speed[ours] / speed[peer]
-            out.append(dict(ours=" ".join(ours), peer=" ".join(peer), ratio=ratio, goal=want,
-                            met=ratio >= want))  # fmt: skip
+            out.append(
+                dict(
+                    ours=" ".join(ours),
+                    peer=" ".join(peer),
+                    ratio=ratio,
+                    goal=want,
+                    met=ratio >= want,
+                )
+            )
     return out
 
 
@@ -316,12 +333,29 @@ def main(argv=None) -> None:
             )
     goal_rows = goals(rows)
     common.finish(
-        args, "real_model_cpu", rows,
-        ["system", "weights", "batch", "decode_tok_s", "step_ms", "mb_per_step", "roofline",
-         "match", "logit_err", "matvec_gb_s"],
-        model=DEFAULT_MODEL, new_tokens=NEW_TOKENS, prompt_tokens=len(prompt), question=QUESTION,
-        threads=os.cpu_count(), llama_cpp=LLAMA_CPP, goals=goal_rows,
-    )  # fmt: skip
+        args,
+        "real_model_cpu",
+        rows,
+        [
+            "system",
+            "weights",
+            "batch",
+            "decode_tok_s",
+            "step_ms",
+            "mb_per_step",
+            "roofline",
+            "match",
+            "logit_err",
+            "matvec_gb_s",
+        ],
+        model=DEFAULT_MODEL,
+        new_tokens=NEW_TOKENS,
+        prompt_tokens=len(prompt),
+        question=QUESTION,
+        threads=os.cpu_count(),
+        llama_cpp=LLAMA_CPP,
+        goals=goal_rows,
+    )
     common.print_table(goal_rows, ["ours", "peer", "ratio", "goal", "met"])
 
 

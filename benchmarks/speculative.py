@@ -46,9 +46,15 @@ from tqdm import tqdm
 from benchmarks import common
 
 KINDS = (
-    "code-draft", "prompt-lookup", "early-exit:2", "early-exit:4", "early-exit:6", "medusa",
-    "medusa+lookup", "medusa-tree",
-)  # fmt: skip
+    "code-draft",
+    "prompt-lookup",
+    "early-exit:2",
+    "early-exit:4",
+    "early-exit:6",
+    "medusa",
+    "medusa+lookup",
+    "medusa-tree",
+)
 MEDUSA_HEADS = 4  # the shipped code-target-medusa: k <= 4
 NEW_TOKENS = 128
 
@@ -177,11 +183,15 @@ def ours(target, draft_model, ids, kind, k, sampling, new, timing, plain):
         p, s, res = timed_pair(
             lambda row=row: generate(target, [row], max_new_tokens=new, sampling=sampling),
             lambda row=row: speculative_generate(
-                target, make_draft(kind, draft_model), [row], num_draft_tokens=k,
-                max_new_tokens=new, sampling=sampling,
+                target,
+                make_draft(kind, draft_model),
+                [row],
+                num_draft_tokens=k,
+                max_new_tokens=new,
+                sampling=sampling,
             ),
             timing,
-        )  # fmt: skip
+        )
         total, plain_s = total + s, plain_s + p
         st = res.stats
         acc.append(st["acceptance_rate"] * st["num_draft_tokens"] * st["target_calls"])
@@ -355,10 +365,17 @@ def acceptance_of(checkpoints: list[str], n_prompts: int) -> None:
         draft = models.load_hf_checkpoint(path)
         for mode, temperature in (("greedy", 0.0), ("t0.8", 0.8)):
             s = SamplingConfig(temperature=temperature)
-            st = speculative_generate(target, draft, ids, num_draft_tokens=3, max_new_tokens=64,
-                                      sampling=s).stats  # fmt: skip
-            rows.append(dict(draft=path, mode=mode, acceptance=st["acceptance_rate"],
-                             tokens_per_call=st["tokens_per_target_call"]))  # fmt: skip
+            st = speculative_generate(
+                target, draft, ids, num_draft_tokens=3, max_new_tokens=64, sampling=s
+            ).stats
+            rows.append(
+                dict(
+                    draft=path,
+                    mode=mode,
+                    acceptance=st["acceptance_rate"],
+                    tokens_per_call=st["tokens_per_target_call"],
+                )
+            )
     common.print_table(rows, ["draft", "mode", "acceptance", "tokens_per_call"])
     common.write_results("speculative_acceptance", rows, loadavg=os.getloadavg(), prompts=len(ids))
 
@@ -399,9 +416,10 @@ def sources(k: int = 3, ngrams=(1, 2, 3, 4)) -> list[dict]:
             guess = np.asarray(jnp.argmax(heads(h)[0], -1))  # [T, H]: h_t's head d -> s[t+2+d]
             props = {
                 "heads": {j: guess[j - 1, :k] for j in steps},
-                "lookup": {j: np.asarray(lookup(seq, jnp.asarray([j + 1]), k, 1, 3)[0])
-                           for j in steps},
-            }  # fmt: skip
+                "lookup": {
+                    j: np.asarray(lookup(seq, jnp.asarray([j + 1]), k, 1, 3)[0]) for j in steps
+                },
+            }
             for n in ngrams:
                 mixed = {}
                 for j in steps:
@@ -411,8 +429,10 @@ def sources(k: int = 3, ngrams=(1, 2, 3, 4)) -> list[dict]:
             for src, prop in props.items():
                 made[src] = made.get(src, 0) + len(cont)
                 calls[src] = calls.get(src, 0) + _calls(prop, s, len(prompt), k)
-        rows += [dict(prompts=name, source=src, k=k, tokens_per_call=made[src] / calls[src])
-                 for src in made]  # fmt: skip
+        rows += [
+            dict(prompts=name, source=src, k=k, tokens_per_call=made[src] / calls[src])
+            for src in made
+        ]
     common.print_table(rows, ["prompts", "source", "k", "tokens_per_call"])
     common.write_results("speculative_sources", rows, new_tokens=NEW_TOKENS)
     return rows
@@ -480,22 +500,38 @@ def real_model(args) -> None:
             for ids in tqdm(real_prompt_ids(tok, workload, n_prompts), desc=f"{workload} {mode}"):
                 common_kw = dict(max_new_tokens=new, sampling=sampling, seed=0)
                 plain = functools.partial(generate, target, [ids], **common_kw)
-                spec = functools.partial(speculative_generate, target, PromptLookup(), [ids],
-                                         **common_kw)  # fmt: skip
+                spec = functools.partial(
+                    speculative_generate, target, PromptLookup(), [ids], **common_kw
+                )
                 a_s, b_s, b = timed_pair(plain, spec, timing)
                 plain_s, spec_s = plain_s + a_s, spec_s + b_s
                 match.append(plain().tokens == b.tokens)
                 acc.append(b.stats["acceptance_rate"])
                 tpc.append(b.stats["tokens_per_target_call"])
                 ks.add(b.stats["num_draft_tokens"])
-            row = dict(workload=workload, mode=mode, kind="prompt-lookup", k=sorted(ks),
-                       speedup=plain_s / spec_s, plain_s=plain_s, spec_s=spec_s,
-                       acceptance=float(np.mean(acc)), tokens_per_call=float(np.mean(tpc)),
-                       match=float(np.mean(match)) if mode == "greedy" else None)  # fmt: skip
+            row = dict(
+                workload=workload,
+                mode=mode,
+                kind="prompt-lookup",
+                k=sorted(ks),
+                speedup=plain_s / spec_s,
+                plain_s=plain_s,
+                spec_s=spec_s,
+                acceptance=float(np.mean(acc)),
+                tokens_per_call=float(np.mean(tpc)),
+                match=float(np.mean(match)) if mode == "greedy" else None,
+            )
             rows.append(row)
             print(row)
-    settings = dict(model="smollm2-135m-instruct", batch=1, new_tokens=new, prompts=n_prompts,
-                    runs=timing[1], quick=args.quick, loadavg=os.getloadavg())  # fmt: skip
+    settings = dict(
+        model="smollm2-135m-instruct",
+        batch=1,
+        new_tokens=new,
+        prompts=n_prompts,
+        runs=timing[1],
+        quick=args.quick,
+        loadavg=os.getloadavg(),
+    )
     common.finish(args, "speculative_real", rows, list(rows[0]), settings=settings)
 
 
@@ -549,15 +585,43 @@ def main() -> None:
     ks = sorted(set(ks) | set(tree_depths))  # a tree runs at its own depth
     widths = sorted({1} | {verify_width(kind, k) for kind in kinds for k in ks})
     costs = forward_costs(target, widths)
-    rows = sweep((target, draft_model, hf, hf_draft), ids, modes, kinds, ks, new,
-                 (args.runs, args.warmup), costs)  # fmt: skip
-    columns = ["mode", "kind", "k", "acceptance", "tokens_per_call", "theory", "tok_s",
-               "plain_tok_s", "speedup", "verify_cost", "bound", "match", "hf_tok_s",
-               "hf_speedup"]  # fmt: skip
-    settings = dict(prompts=texts, new_tokens=new, batch=1, dtype="float32", draft=draft_dir,
-                    torch=torch.__version__, torch_threads=torch.get_num_threads(),
-                    loadavg_start=load_start,
-                    forward_ms={T: 1e3 * c for T, c in costs.items()})  # fmt: skip
+    rows = sweep(
+        (target, draft_model, hf, hf_draft),
+        ids,
+        modes,
+        kinds,
+        ks,
+        new,
+        (args.runs, args.warmup),
+        costs,
+    )
+    columns = [
+        "mode",
+        "kind",
+        "k",
+        "acceptance",
+        "tokens_per_call",
+        "theory",
+        "tok_s",
+        "plain_tok_s",
+        "speedup",
+        "verify_cost",
+        "bound",
+        "match",
+        "hf_tok_s",
+        "hf_speedup",
+    ]
+    settings = dict(
+        prompts=texts,
+        new_tokens=new,
+        batch=1,
+        dtype="float32",
+        draft=draft_dir,
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        loadavg_start=load_start,
+        forward_ms={T: 1e3 * c for T, c in costs.items()},
+    )
     note = (
         "Shared 2-core CPU: wall times are noisy; acceptance and tokens per call are not. "
         "Speed-ups are against plain generate called alternately with each row's calls. "

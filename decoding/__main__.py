@@ -185,9 +185,12 @@ def _engine(model, args, max_seq_len: int) -> Engine:
     max_seq_len = min(max_seq_len, model.config.max_position)
     P = min(args.page_size, max_seq_len)
     return Engine(
-        model, max_batch=1, num_pages=pages_for(max_seq_len, P) + 1, page_size=P,
+        model,
+        max_batch=1,
+        num_pages=pages_for(max_seq_len, P) + 1,
+        page_size=P,
         max_seq_len=max_seq_len,
-    )  # fmt: skip
+    )
 
 
 def _print_stats(stats: dict, extra: str = "") -> None:
@@ -235,9 +238,13 @@ def _interactive(session: ChatSession, first: str | None) -> int:
 def _complete(model, args, ids, eos_id, sampling):
     """One generate / speculative_generate call -> (new tokens, stats line extra)."""
     common = dict(
-        max_new_tokens=args.max_new_tokens, sampling=sampling, eos_id=eos_id, seed=args.seed,
-        cache=args.cache, page_size=args.page_size,
-    )  # fmt: skip
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        eos_id=eos_id,
+        seed=args.seed,
+        cache=args.cache,
+        page_size=args.page_size,
+    )
     if args.speculative is None:
         res = generate(model, [ids], **common)
     else:
@@ -253,9 +260,12 @@ def _complete(model, args, ids, eos_id, sampling):
             f"{s['acceptance_rate']:.2f}, {s['tokens_per_target_call']:.2f} tokens/target call"
         )
     stats = dict(
-        new_tokens=len(res.tokens[0]), prefilled_tokens=len(ids), prompt_tokens=len(ids),
-        ttft_s=s["prefill_s"], decode_tokens_per_s=s["decode_tokens_per_s"],
-    )  # fmt: skip
+        new_tokens=len(res.tokens[0]),
+        prefilled_tokens=len(ids),
+        prompt_tokens=len(ids),
+        ttft_s=s["prefill_s"],
+        decode_tokens_per_s=s["decode_tokens_per_s"],
+    )
     return res.tokens[0], stats, extra
 
 
@@ -276,9 +286,13 @@ def run(parser, args) -> int:
     if args.interactive:
         engine = _engine(model, args, args.context)
         session = ChatSession(
-            engine, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens,
-            sampling=sampling, seed=args.seed,
-        )  # fmt: skip
+            engine,
+            tokenizer,
+            system=args.system,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            seed=args.seed,
+        )
         return _interactive(session, args.prompt)
     try:
         if chat:
@@ -307,9 +321,15 @@ def run(parser, args) -> int:
         engine = _engine(model, args, len(ids) + args.max_new_tokens)
         stats = {}
         for piece in stream(
-            engine, tokenizer, ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-            stop_id=eos_id, seed=args.seed, stats=stats,
-        ):  # fmt: skip
+            engine,
+            tokenizer,
+            ids,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            stop_id=eos_id,
+            seed=args.seed,
+            stats=stats,
+        ):
             print(piece, end="", flush=True)
         print(flush=True)
         _print_stats(stats, " | paged engine")

@@ -170,11 +170,16 @@ class ChatSession:
         out: list[int] = []
         pieces: list[str] = []
         for piece in stream(
-            self.engine, self.tokenizer, prompt, max_new_tokens=self.max_new_tokens,
-            sampling=self.sampling, stop_id=self.stop_id, seed=self.seed + len(self.messages),
+            self.engine,
+            self.tokenizer,
+            prompt,
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+            stop_id=self.stop_id,
+            seed=self.seed + len(self.messages),
             stats=self.stats,
             out_ids=out,
-        ):  # fmt: skip
+        ):
             pieces.append(piece)
             yield piece
         self.messages = [*messages, {"role": "assistant", "content": "".join(pieces)}]

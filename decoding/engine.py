@@ -155,10 +155,14 @@ class Engine:
         self._k, self._v = self._new_pool()
         self._counts = collections.Counter()
         self.scheduler = Scheduler(
-            max_batch=self.max_batch, num_pages=num_pages, page_size=page_size,
-            max_pages=self.max_pages, prefix_caching=self.prefix_caching, copy=self._apply,
+            max_batch=self.max_batch,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_pages=self.max_pages,
+            prefix_caching=self.prefix_caching,
+            copy=self._apply,
             counts=self._counts,
-        )  # fmt: skip
+        )
         self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
         self._broken: str | None = None
         self._next_rid = 0
@@ -362,9 +366,14 @@ class Engine:
         pages = pages[: pages_for(start + n, P)]
         table[0, : len(pages)] = pages
         self._k, self._v = self._call(
-            self._prefill_fn, self._params, self._k, self._v, tokens, np.array([start], np.int32),
+            self._prefill_fn,
+            self._params,
+            self._k,
+            self._v,
+            tokens,
+            np.array([start], np.int32),
             table,
-        )  # fmt: skip
+        )
         req.computed += n
         self._counts["prefill_tokens"] += n
         self.scheduler.register(req)
@@ -395,9 +404,18 @@ class Engine:
             pages = self.tables.rows[b]
             table[b, : len(pages)] = pages
         new, self._k, self._v = self._call(
-            self._decode_fn, self._params, self._kernels, self._k, self._v, last, lengths, table,
-            seeds, index, SamplingParams.rows(settings),
-        )  # fmt: skip
+            self._decode_fn,
+            self._params,
+            self._kernels,
+            self._k,
+            self._v,
+            last,
+            lengths,
+            table,
+            seeds,
+            index,
+            SamplingParams.rows(settings),
+        )
         new = to_host(new)  # whole on every process, also when rows span processes
         self._counts["decode_steps"] += 1
         for req in rows:
@@ -432,9 +450,18 @@ class Engine:
             table[b, : len(pages)] = pages
         fn = engine_steps.jitted_verify(self._graphdef, self.draft, k)
         drafted, n, nxt, self._k, self._v = self._call(
-            fn, self._params, self._kernels, self._k, self._v, seq, lengths, table, seeds, index,
+            fn,
+            self._params,
+            self._kernels,
+            self._k,
+            self._v,
+            seq,
+            lengths,
+            table,
+            seeds,
+            index,
             SamplingParams.rows(settings),
-        )  # fmt: skip
+        )
         drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
         self._counts["decode_steps"] += 1
         for req in rows:

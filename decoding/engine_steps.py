@@ -77,9 +77,20 @@ def decode_rows(
 
 
 def verify_rows(
-    graphdef, draft, num_draft, params, kernels, k, v, seq, lengths, table, seeds, index,
+    graphdef,
+    draft,
+    num_draft,
+    params,
+    kernels,
+    k,
+    v,
+    seq,
+    lengths,
+    table,
+    seeds,
+    index,
     sampling: SamplingParams,
-):  # fmt: skip
+):
     """Draft and verify for every row: seq [B, L] each row's known tokens (its last one,
     ``seq[b, lengths[b]]``, not yet cached), lengths [B] the cached positions, table [B, W].
 

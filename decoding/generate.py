@@ -295,9 +295,19 @@ def _cache_for(
 
 
 def _check_arguments(
-    model, prompts, *, max_new_tokens, sampling, eos_id, seed, cache, page_size, num_pages,
-    extra: int = 0, name: str = "model",
-) -> tuple[SamplingConfig, list[list[int]]]:  # fmt: skip
+    model,
+    prompts,
+    *,
+    max_new_tokens,
+    sampling,
+    eos_id,
+    seed,
+    cache,
+    page_size,
+    num_pages,
+    extra: int = 0,
+    name: str = "model",
+) -> tuple[SamplingConfig, list[list[int]]]:
     """Validates what ``generate`` and ``speculative_generate`` share -> (sampling, rows).
 
     ``extra``: positions a row may write past its last token (speculative: the draft length);

@@ -53,8 +53,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--coordinator", type=_address, default=None, help="HOST:PORT of process 0")
     p.add_argument("--num-processes", type=_positive, default=None, metavar="N")
     p.add_argument("--process-id", type=int, default=None, metavar="I", help="0 <= I < N")
-    p.add_argument("--local-devices", type=_positive, default=None, metavar="K",
-                   help="CPU: K host devices for this process, gloo collectives")  # fmt: skip
+    p.add_argument(
+        "--local-devices",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="CPU: K host devices for this process, gloo collectives",
+    )
     p.add_argument("--heartbeat-timeout", type=_positive, default=30, metavar="S")
     p.add_argument("--init-timeout", type=_positive, default=300, metavar="S")
     if "--" not in argv:

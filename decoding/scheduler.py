@@ -58,9 +58,16 @@ class Scheduler:
     """
 
     def __init__(
-        self, *, max_batch: int, num_pages: int, page_size: int, max_pages: int,
-        prefix_caching: bool, copy: Callable, counts: collections.Counter,
-    ):  # fmt: skip
+        self,
+        *,
+        max_batch: int,
+        num_pages: int,
+        page_size: int,
+        max_pages: int,
+        prefix_caching: bool,
+        copy: Callable,
+        counts: collections.Counter,
+    ):
         self.max_batch, self.num_pages, self.page_size = max_batch, num_pages, page_size
         self.max_pages, self.prefix_caching = max_pages, prefix_caching
         self.copy, self.counts = copy, counts

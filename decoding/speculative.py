@@ -149,25 +149,50 @@ def speculative_decode(
 
     def body(s):
         return speculative_step(
-            target, draft, params, s, k=k, eos_id=eos_id, max_new_tokens=max_new_tokens,
+            target,
+            draft,
+            params,
+            s,
+            k=k,
+            eos_id=eos_id,
+            max_new_tokens=max_new_tokens,
             sampling=sampling,
-        )  # fmt: skip
+        )
 
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
 def speculative_prefill(
-    target, draft, params, draft_state, tokens, prompt_lengths, cache, *, key, done, eos_id,
-    max_new_tokens, seq_len, sampling,
-) -> SpecState:  # fmt: skip
+    target,
+    draft,
+    params,
+    draft_state,
+    tokens,
+    prompt_lengths,
+    cache,
+    *,
+    key,
+    done,
+    eos_id,
+    max_new_tokens,
+    seq_len,
+    sampling,
+) -> SpecState:
     """The target's ``generate.prefill`` (first new token), then the draft's prefill. Traceable.
 
     tokens [B, Tp] right-padded; ``seq_len`` (static) L >= Tp, the token buffer's width.
     """
     st = prefill(
-        target, tokens, prompt_lengths, cache, key=key, done=done, eos_id=eos_id,
-        num_new_max=1, sampling=sampling,
-    )  # fmt: skip
+        target,
+        tokens,
+        prompt_lengths,
+        cache,
+        key=key,
+        done=done,
+        eos_id=eos_id,
+        num_new_max=1,
+        sampling=sampling,
+    )
     B, Tp = tokens.shape
     seq = jnp.zeros((B, seq_len), jnp.int32).at[:, :Tp].set(tokens)
     seq = seq.at[jnp.arange(B), prompt_lengths].set(st.tokens[:, 0])
@@ -197,14 +222,37 @@ def speculative_prefill(
     donate_argnames=("cache", "draft_state"),
 )
 def _prefill_jit(
-    target_params, params, tokens, prompt_lengths, cache, draft_state, key, done, eos_id,
-    max_new, sampling, *, graphdef, draft, seq_len,
-):  # fmt: skip
+    target_params,
+    params,
+    tokens,
+    prompt_lengths,
+    cache,
+    draft_state,
+    key,
+    done,
+    eos_id,
+    max_new,
+    sampling,
+    *,
+    graphdef,
+    draft,
+    seq_len,
+):
     return speculative_prefill(
-        nnx.merge(graphdef, target_params), draft, params, draft_state, tokens, prompt_lengths,
-        cache, key=key, done=done, eos_id=eos_id, max_new_tokens=max_new, seq_len=seq_len,
+        nnx.merge(graphdef, target_params),
+        draft,
+        params,
+        draft_state,
+        tokens,
+        prompt_lengths,
+        cache,
+        key=key,
+        done=done,
+        eos_id=eos_id,
+        max_new_tokens=max_new,
+        seq_len=seq_len,
         sampling=sampling,
-    )  # fmt: skip
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "draft", "k"), donate_argnames=("state",))
@@ -213,9 +261,15 @@ def _decode_jit(
 ):
     target = decode_layout(nnx.merge(graphdef, target_params), kernels)
     return speculative_decode(
-        target, draft, params, state, k=k, eos_id=eos_id, max_new_tokens=max_new,
+        target,
+        draft,
+        params,
+        state,
+        k=k,
+        eos_id=eos_id,
+        max_new_tokens=max_new,
         sampling=sampling,
-    )  # fmt: skip
+    )
 
 
 def draft_kind(draft):
@@ -332,10 +386,18 @@ def speculative_generate(
 
     def checked(extra):  # extra: slots a step writes past the last token
         return _check_arguments(
-            target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-            seed=seed, cache=cache, page_size=page_size, num_pages=num_pages, extra=extra,
+            target,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            eos_id=eos_id,
+            seed=seed,
+            cache=cache,
+            page_size=page_size,
+            num_pages=num_pages,
+            extra=extra,
             name="target",
-        )  # fmt: skip
+        )
 
     if k is None:  # chosen for the padded batch's rows (the prompts checked first)
         batch_rows = _next_pow2(len(checked(0)[1]))
@@ -383,14 +445,28 @@ def speculative_generate(
             lambda: _run(_prefill_jit, args, seq_len=seq_len, **static),
             lambda s: _run(
                 _decode_jit,
-                (target_params, decode_kernels(target, target_params), params, s, max_new, eos,
-                 settings),
+                (
+                    target_params,
+                    decode_kernels(target, target_params),
+                    params,
+                    s,
+                    max_new,
+                    eos,
+                    settings,
+                ),
                 k=k,
                 **static,
             ),
-            lambda s: (s.seq, s.num_new, s.step, s.accepted, s.proposed, s.live_steps,
-                       s.draft_calls),
-        )  # fmt: skip
+            lambda s: (
+                s.seq,
+                s.num_new,
+                s.step,
+                s.accepted,
+                s.proposed,
+                s.live_steps,
+                s.draft_calls,
+            ),
+        )
     finally:
         for t in (tables, draft_tables):
             if t is not None:

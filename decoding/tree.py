@@ -137,9 +137,14 @@ class TreeSpec:
         for i, k in enumerate(kids):
             children[i, : len(k)] = k
         return dict(
-            parent=parent, depth=depth, head=head, choice=choice, mask=mask, path=path,
+            parent=parent,
+            depth=depth,
+            head=head,
+            choice=choice,
+            mask=mask,
+            path=path,
             children=children,
-        )  # fmt: skip
+        )
 
 
 def node_tokens(spec: TreeSpec, head_logits, last):

@@ -49,10 +49,23 @@ _Q = gguf.GGMLQuantizationType
 TENSOR_TYPES = tuple(
     _Q[name]
     for name in (
-        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+        "F32",
+        "F16",
+        "BF16",
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ4_NL",
+        "IQ4_XS",
     )
-)  # fmt: skip
+)
 ARCHITECTURES = {f.gguf: f.architecture for f in FAMILIES.values() if f.gguf is not None}
 _FAMILY = {f.gguf: f for f in FAMILIES.values() if f.gguf is not None}
 
@@ -189,9 +202,16 @@ def _hf_config(meta: _Metadata, tensors: dict, vocab_rows: int) -> dict:
         "context_length": 2048,
         "vocab_size": len(tokens) if tokens else max(vocab_rows, 1),
     }
-    counts = {"embedding_length", "block_count", "feed_forward_length", "attention.head_count",
-              "attention.head_count_kv", "attention.key_length", "vocab_size",
-              "attention.sliding_window"}  # fmt: skip
+    counts = {
+        "embedding_length",
+        "block_count",
+        "feed_forward_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.key_length",
+        "vocab_size",
+        "attention.sliding_window",
+    }
     hf = {"architectures": [family.architecture], "model_type": family.model_type}
     for key, hf_key in _KEYS.items():
         if key in counts:
@@ -272,12 +292,20 @@ def _llama3_scaling(divisors: np.ndarray, hf: dict, original: int, path: str) ->
         "original_max_position_embeddings": original,
     }
     config = TransformerConfig(
-        vocab_size=1, dim=D, num_layers=1, num_heads=1, num_kv_heads=1, mlp_dim=1,
-        rope_theta=theta, rope_scaling=RopeScaling(
-            factor=factor, low_freq_factor=scaling["low_freq_factor"],
-            high_freq_factor=scaling["high_freq_factor"], original_max_position=original,
+        vocab_size=1,
+        dim=D,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        mlp_dim=1,
+        rope_theta=theta,
+        rope_scaling=RopeScaling(
+            factor=factor,
+            low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+            original_max_position=original,
         ),
-    )  # fmt: skip
+    )
     expected = inv_freq / divisors
     if not np.allclose(np.asarray(rope_frequencies(config)), expected, rtol=1e-4):
         raise ValueError(f"{path}: rope_freqs is not a Llama-3 RoPE scaling this model supports")
@@ -417,8 +445,10 @@ def _gguf_family(c: TransformerConfig) -> Family:
         hf = config_to_hf(c)
         assumed = _gemma3_defaults(hf, family, _Metadata({}, "<model>"))
         pattern = family.gguf_defaults["sliding_window_pattern"]
-        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                 for i in range(c.num_layers)]  # fmt: skip
+        kinds = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(c.num_layers)
+        ]
         if (
             hf["layer_types"] != kinds
             or c.local_rope_theta != assumed["rope_local_base_freq"]

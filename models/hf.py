@@ -79,18 +79,35 @@ FAMILIES: dict[str, Family] = {
         Family("LlamaForCausalLM", "llama", "llama", permute_qk=True),
         Family("MistralForCausalLM", "mistral", None),
         Family("Qwen2ForCausalLM", "qwen2", "qwen2", features=dict(qkv_bias=True)),
-        Family("Qwen3ForCausalLM", "qwen3", "qwen3", features=dict(qk_norm=True),
-               defaults=dict(head_dim=128)),
+        Family(
+            "Qwen3ForCausalLM",
+            "qwen3",
+            "qwen3",
+            features=dict(qk_norm=True),
+            defaults=dict(head_dim=128),
+        ),
         Family(
             "Gemma3ForCausalLM",
             "gemma3_text",
             "gemma3",
-            features=dict(qk_norm=True, norm_plus_one=True, sandwich_norm=True,
-                          embed_scale=True, mlp_act="gelu_tanh"),
+            features=dict(
+                qk_norm=True,
+                norm_plus_one=True,
+                sandwich_norm=True,
+                embed_scale=True,
+                mlp_act="gelu_tanh",
+            ),
             act=("hidden_activation", "gelu_pytorch_tanh"),
-            defaults=dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
-                          sliding_window_pattern=6, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                          rope_theta=1e6, rope_local_base_freq=_GEMMA3_LOCAL_THETA),
+            defaults=dict(
+                head_dim=256,
+                query_pre_attn_scalar=256,
+                sliding_window=4096,
+                sliding_window_pattern=6,
+                rms_norm_eps=1e-6,
+                tie_word_embeddings=True,
+                rope_theta=1e6,
+                rope_local_base_freq=_GEMMA3_LOCAL_THETA,
+            ),
             # llama.cpp's src/llama-model.cpp, LLM_ARCH_GEMMA3 hparams: set_swa_pattern(6)
             # (every 6th layer global), rope_freq_base_train_swa = 10000, no scaling of the
             # local RoPE, and f_attention_scale = 1 / sqrt(n_embd_head_k) except for the 62-layer
@@ -104,7 +121,7 @@ FAMILIES: dict[str, Family] = {
             },
         ),
     )
-}  # fmt: skip
+}
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 
@@ -260,8 +277,10 @@ def _rope_params(hf: dict, family: Family) -> tuple[float, RopeScaling | None, f
     legacy = {"rope_theta": hf.get("rope_theta", default_theta), **(hf.get("rope_scaling") or {})}
     if "full_attention" in params or "sliding_attention" in params:  # one dict per layer kind
         theta, scaling = _rope({**legacy, **(params.get("full_attention") or {})}, default_theta)
-        local = {"rope_theta": hf.get("rope_local_base_freq", _GEMMA3_LOCAL_THETA),
-                 **(params.get("sliding_attention") or {})}  # fmt: skip
+        local = {
+            "rope_theta": hf.get("rope_local_base_freq", _GEMMA3_LOCAL_THETA),
+            **(params.get("sliding_attention") or {}),
+        }
         local_theta, local_scaling = _rope(local, _GEMMA3_LOCAL_THETA)
         if local_scaling is not None:
             raise ValueError("unsupported RoPE scaling of the sliding_attention layers")
@@ -497,13 +516,19 @@ def _entries(model: Transformer) -> list[_Entry]:
                 _Entry(layer.attn.k_norm.weight, (p + "self_attn.k_norm.weight",)),
             ]
         entries += [
-            *_linear_entries(p + "self_attn.", layer.attn.qkv_proj, ["q_proj", "k_proj", "v_proj"],
-                             **qkv),
+            *_linear_entries(
+                p + "self_attn.", layer.attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], **qkv
+            ),
             *_linear_entries(p + "self_attn.", layer.attn.o_proj, ["o_proj"], **one),
-            *_linear_entries(p + "mlp.", layer.mlp.gate_up_proj, ["gate_proj", "up_proj"],
-                             fuse_gate_up, split_gate_up),
+            *_linear_entries(
+                p + "mlp.",
+                layer.mlp.gate_up_proj,
+                ["gate_proj", "up_proj"],
+                fuse_gate_up,
+                split_gate_up,
+            ),
             *_linear_entries(p + "mlp.", layer.mlp.down_proj, ["down_proj"], **one),
-        ]  # fmt: skip
+        ]
     if model.lm_head is not None:
         entries += _linear_entries("", model.lm_head, ["lm_head"], **one)
     return entries
@@ -582,8 +607,11 @@ def build_model(config: TransformerConfig, tensors: Mapping[str, np.ndarray], so
     """A :class:`Transformer` for ``config`` from tensors named and laid out as in Hugging Face
     checkpoints (``[out, in]`` linear weights, separate q/k/v and gate/up), cast to the config's
     dtype. ValueError naming ``source`` when tensors are missing, unexpected or misshapen."""
-    layers = {int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.") and
-              n.split(".")[2].isdigit()}  # fmt: skip
+    layers = {
+        int(n.split(".")[2])
+        for n in tensors
+        if n.startswith("model.layers.") and n.split(".")[2].isdigit()
+    }
     if layers != set(range(config.num_layers)):
         raise ValueError(  # before building: a config can claim any number of layers
             f"{source}: the config has {config.num_layers} layers, the tensors "

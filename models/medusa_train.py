@@ -243,9 +243,16 @@ def distill_prompts(num_prompts: int, seed: int = 0) -> list[str]:
 
 
 def self_distill_data(
-    target, tokenizer, messages, *, max_new_tokens: int, temperatures=(0.0, 0.7),
-    batch: int = 16, seed: int = 0, log=print,
-) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+    target,
+    tokenizer,
+    messages,
+    *,
+    max_new_tokens: int,
+    temperatures=(0.0, 0.7),
+    batch: int = 16,
+    seed: int = 0,
+    log=print,
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, continuation ids) pairs: for each temperature (0 = greedy) the target's own
     continuation of every message (chat-formatted, ``tokenizer.apply_chat_template``), made by
     batched ``decoding.generate`` in batches of ``batch``, stopping at EOS."""
@@ -259,14 +266,20 @@ def self_distill_data(
             chunk = chunk + [chunk[-1]] * (batch - len(chunk))  # one shape: no recompiles
             start = time.perf_counter()
             res = generate(
-                target, chunk, max_new_tokens=max_new_tokens, sampling=sampling,
-                eos_id=tokenizer.eos_id, seed=seed + 1000 * ti + b,
-            )  # fmt: skip
+                target,
+                chunk,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                eos_id=tokenizer.eos_id,
+                seed=seed + 1000 * ti + b,
+            )
             n = min(batch, len(prompts) - b)
             out += list(zip(chunk[:n], res.tokens[:n], strict=True))
             new = sum(len(t) for t in res.tokens[:n])
-            log(f"T={temp}: prompts {b + n}/{len(prompts)}, {new} tokens in "
-                f"{time.perf_counter() - start:.0f}s")  # fmt: skip
+            log(
+                f"T={temp}: prompts {b + n}/{len(prompts)}, {new} tokens in "
+                f"{time.perf_counter() - start:.0f}s"
+            )
     return out
 
 
@@ -365,9 +378,17 @@ def hidden_accuracy(heads: MedusaHeads, target, h, labels, *, chunk: int = 256) 
 
 
 def train_shared_heads(
-    target, h, labels, num_heads: int, tc, *, heldout=None, vocab: str = "data",
-    soft: bool = False, log=print,
-):  # fmt: skip
+    target,
+    h,
+    labels,
+    num_heads: int,
+    tc,
+    *,
+    heldout=None,
+    vocab: str = "data",
+    soft: bool = False,
+    log=print,
+):
     """Trains ``num_heads`` shared-head heads on cached hidden states h [M, dim] and labels
     [M, >= num_heads] of the frozen ``target``; ``tc`` a ``models.train.TrainConfig`` (steps,
     batch = rows per step, lr, warmup, seed, eval_every). Returns (heads, summary dict).
@@ -416,8 +437,9 @@ def train_shared_heads(
                 entry["head_top1"] = hidden_accuracy(heads, target, *heldout)
             history.append(entry)
             acc = " ".join(f"{a:.3f}" for a in entry.get("head_top1", []))
-            log(f"step {i}: loss {float(loss):.4f}, held-out top-1 [{acc}], "
-                f"{entry['seconds']:.0f}s")  # fmt: skip
+            log(
+                f"step {i}: loss {float(loss):.4f}, held-out top-1 [{acc}], {entry['seconds']:.0f}s"
+            )
     nnx.update(heads, params)
     summary = dict(
         num_heads=num_heads,
@@ -462,8 +484,11 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=pos, default=256, help="hidden-state rows per step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--vocab", choices=("data", "full"), default="data")
-    p.add_argument("--hard-labels", action="store_true",
-                   help="train on the sampled tokens, not the target's distributions")  # fmt: skip
+    p.add_argument(
+        "--hard-labels",
+        action="store_true",
+        help="train on the sampled tokens, not the target's distributions",
+    )
     p.add_argument("--heldout", type=float, default=0.1, help="fraction of pairs held out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-dtype", choices=("float16", "float32"), default="float16")
@@ -477,8 +502,14 @@ def main(argv=None) -> None:
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     target, tokenizer = pretrained(args.target)
-    key = dict(target=args.target, prompts=args.prompts, max_new=args.max_new_tokens,
-               temps=args.temperatures, seed=args.seed, heads=args.num_heads)  # fmt: skip
+    key = dict(
+        target=args.target,
+        prompts=args.prompts,
+        max_new=args.max_new_tokens,
+        temps=args.temperatures,
+        seed=args.seed,
+        heads=args.num_heads,
+    )
     cache = _cache_dir(key)
     if os.path.isfile(os.path.join(cache, "labels.npy")):
         log(f"hidden states from the cache {cache}")
@@ -487,48 +518,75 @@ def main(argv=None) -> None:
     else:
         messages = distill_prompts(args.prompts, args.seed)
         pairs = self_distill_data(
-            target, tokenizer, messages, max_new_tokens=args.max_new_tokens,
-            temperatures=args.temperatures, batch=args.gen_batch, seed=args.seed, log=log,
-        )  # fmt: skip
+            target,
+            tokenizer,
+            messages,
+            max_new_tokens=args.max_new_tokens,
+            temperatures=args.temperatures,
+            batch=args.gen_batch,
+            seed=args.seed,
+            log=log,
+        )
         gen_s = time.perf_counter() - t0
         h, labels = hidden_dataset(target, pairs, args.num_heads)
         # Held-out split by prompt (both temperatures of a prompt on the same side).
         n_held = int(round(args.heldout * args.prompts))
         held_ids = set(range(args.prompts - n_held, args.prompts))
-        split = np.concatenate([
-            np.full(len(c) + 1, (i % args.prompts) in held_ids) for i, (_, c) in enumerate(pairs)
-        ])  # fmt: skip
+        split = np.concatenate(
+            [np.full(len(c) + 1, (i % args.prompts) in held_ids) for i, (_, c) in enumerate(pairs)]
+        )
         os.makedirs(cache, exist_ok=True)
         np.save(os.path.join(cache, "hidden.npy"), h)
         np.save(os.path.join(cache, "labels.npy"), labels)
         np.save(os.path.join(cache, "heldout.npy"), split)
         data_meta = dict(
-            pairs=len(pairs), new_tokens=int(sum(len(c) for _, c in pairs)), rows=int(len(h)),
+            pairs=len(pairs),
+            new_tokens=int(sum(len(c) for _, c in pairs)),
+            rows=int(len(h)),
             generate_seconds=round(gen_s, 1),
             hidden_seconds=round(time.perf_counter() - t0 - gen_s, 1),
-        )  # fmt: skip
+        )
         with open(os.path.join(cache, "data.json"), "w") as f:
             json.dump(data_meta, f)
         log(f"data: {data_meta} cached in {cache}")
     h = np.load(os.path.join(cache, "hidden.npy"))
     labels = np.load(os.path.join(cache, "labels.npy"))
     split = np.load(os.path.join(cache, "heldout.npy"))
-    tc = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=min(50, args.steps),
-                     eval_every=max(args.steps // 4, 1), seed=args.seed)  # fmt: skip
+    tc = TrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        warmup=min(50, args.steps),
+        eval_every=max(args.steps // 4, 1),
+        seed=args.seed,
+    )
     heldout = (h[split], labels[split]) if split.any() else None
     heads, summary = train_shared_heads(
-        target, h[~split], labels[~split], args.num_heads, tc, heldout=heldout,
-        vocab=args.vocab, soft=not args.hard_labels, log=log,
-    )  # fmt: skip
+        target,
+        h[~split],
+        labels[~split],
+        args.num_heads,
+        tc,
+        heldout=heldout,
+        vocab=args.vocab,
+        soft=not args.hard_labels,
+        log=log,
+    )
     command = " ".join(["python -m models.medusa_train", *(sys.argv[1:] if argv is None else argv)])
-    summary.update(command=command, base_model=args.target, data=data_meta,
-                   total_seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
+    summary.update(
+        command=command,
+        base_model=args.target,
+        data=data_meta,
+        total_seconds=round(time.perf_counter() - t0, 1),
+    )
     save_medusa(heads, args.out, extra=dict(base_model=args.target), dtype=args.save_dtype)
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
-    log(f"saved {args.out}: held-out top-1 per head {summary['heldout_head_top1']}, "
-        f"{summary['total_seconds']:.0f}s in all")  # fmt: skip
+    log(
+        f"saved {args.out}: held-out top-1 per head {summary['heldout_head_top1']}, "
+        f"{summary['total_seconds']:.0f}s in all"
+    )
 
 
 if __name__ == "__main__":

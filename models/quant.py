@@ -49,10 +49,21 @@ BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0}  # stored bits per weight
 # type's bits and whether it has a minimum): requantized from its dequantized weights.
 GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _NEAREST = {
-    "F32": "q8_0", "F16": "q8_0", "BF16": "q8_0", "Q8_1": "q8_0", "Q8_K": "q8_0",
-    "Q6_K": "q8_0", "Q5_0": "q8_0", "Q5_1": "q8_0", "Q5_K": "q8_0",
-    "Q4_K": "q4_1", "Q2_K": "q4_1", "Q3_K": "q4_0", "IQ4_NL": "q4_0", "IQ4_XS": "q4_0",
-}  # fmt: skip
+    "F32": "q8_0",
+    "F16": "q8_0",
+    "BF16": "q8_0",
+    "Q8_1": "q8_0",
+    "Q8_K": "q8_0",
+    "Q6_K": "q8_0",
+    "Q5_0": "q8_0",
+    "Q5_1": "q8_0",
+    "Q5_K": "q8_0",
+    "Q4_K": "q4_1",
+    "Q2_K": "q4_1",
+    "Q3_K": "q4_0",
+    "IQ4_NL": "q4_0",
+    "IQ4_XS": "q4_0",
+}
 
 
 def check_format(fmt) -> str:
@@ -242,8 +253,11 @@ def quantize(model, fmt, *, dtype=None):
     embed = getattr(model, "embed", None)
     tied = embed is not None and hasattr(model, "lm_head") and model.lm_head is None
     want = lambda path: fmt if formats is None else formats.get(path)  # noqa: E731
-    bad = [f"{p} ({m.in_features} input features)" for p, _, _, m in layers
-           if want(p) and isinstance(m, Linear) and m.in_features % BLOCK]  # fmt: skip
+    bad = [
+        f"{p} ({m.in_features} input features)"
+        for p, _, _, m in layers
+        if want(p) and isinstance(m, Linear) and m.in_features % BLOCK
+    ]
     if tied and want("lm_head") and embed.features % BLOCK:
         bad.append(f"lm_head (the tied embedding, {embed.features} features)")
     if bad:
@@ -252,8 +266,9 @@ def quantize(model, fmt, *, dtype=None):
         )
     if tied and want("lm_head"):
         w = np.asarray(embed.embedding[...], np.float32).T
-        head = QuantLinear(want("lm_head"), quantize_array(w, want("lm_head"), "lm_head"),
-                           dtype=embed.dtype)  # fmt: skip
+        head = QuantLinear(
+            want("lm_head"), quantize_array(w, want("lm_head"), "lm_head"), dtype=embed.dtype
+        )
         model.lm_head = nnx.data(head)  # None (static) before
     for path, parent, attr, m in layers:
         f = want(path)
@@ -294,8 +309,14 @@ def dequantize(model):
     for _, parent, attr, m in _linears(model):
         if not isinstance(m, QuantLinear):
             continue
-        lin = Linear(m.in_features, m.out_features, use_bias=m.bias is not None, dtype=m.dtype,
-                     param_dtype=m.dtype, rngs=nnx.Rngs(0))  # fmt: skip
+        lin = Linear(
+            m.in_features,
+            m.out_features,
+            use_bias=m.bias is not None,
+            dtype=m.dtype,
+            param_dtype=m.dtype,
+            rngs=nnx.Rngs(0),
+        )
         lin.kernel[...] = m.weight(m.dtype)
         if m.bias is not None:
             lin.bias[...] = m.bias[...]
@@ -308,9 +329,15 @@ def formats_from_gguf(tensor_types: Mapping[str, str], *, tied: bool) -> dict[st
     types (``{"blk.0.attn_q.weight": "Q4_1", ...}``): the file's own where it is one of
     :data:`GGUF_FORMATS`, else the nearest one (a warning names every conversion). A fused
     layer (qkv, gate/up) whose parts differ takes the most precise of their formats."""
-    parts = {"attn_q": "attn/qkv_proj", "attn_k": "attn/qkv_proj", "attn_v": "attn/qkv_proj",
-             "attn_output": "attn/o_proj", "ffn_gate": "mlp/gate_up_proj",
-             "ffn_up": "mlp/gate_up_proj", "ffn_down": "mlp/down_proj"}  # fmt: skip
+    parts = {
+        "attn_q": "attn/qkv_proj",
+        "attn_k": "attn/qkv_proj",
+        "attn_v": "attn/qkv_proj",
+        "attn_output": "attn/o_proj",
+        "ffn_gate": "mlp/gate_up_proj",
+        "ffn_up": "mlp/gate_up_proj",
+        "ffn_down": "mlp/down_proj",
+    }
     rank = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
     out, converted = {}, {}
     for name, ttype in tensor_types.items():

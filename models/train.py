@@ -265,9 +265,14 @@ def main(argv=None) -> None:
     init, teacher = _starting_models(args, config)
     mesh = None if args.mesh is None else jax.make_mesh(args.mesh, ("data", "model"))
     model, summary = train(
-        config, corpus, tc, log=lambda s: print(s, flush=True), init=init, teacher=teacher,
+        config,
+        corpus,
+        tc,
+        log=lambda s: print(s, flush=True),
+        init=init,
+        teacher=teacher,
         mesh=mesh,
-    )  # fmt: skip
+    )
     if mesh is not None:
         nnx.update(model, to_host(nnx.state(model)))  # whole, on every process
         if jax.process_index() != 0:

@@ -44,9 +44,11 @@ def attention(static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, 
         table = table[:, None]
     ones = jnp.ones((B, k_cache.shape[2]), jnp.float32)
     descale = jnp.stack(
-        [ones if args.k_descale is None else args.k_descale.astype(jnp.float32),
-         ones if args.v_descale is None else args.v_descale.astype(jnp.float32)]
-    )  # fmt: skip
+        [
+            ones if args.k_descale is None else args.k_descale.astype(jnp.float32),
+            ones if args.v_descale is None else args.v_descale.astype(jnp.float32),
+        ]
+    )
     tree = jnp.zeros((0,), jnp.int32) if args.tree_mask is None else args.tree_mask
     left, right = static.window
     i32 = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B,))  # noqa: E731
@@ -58,10 +60,18 @@ def attention(static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, 
         ),
         vmap_method="sequential",
     )(
-        q.astype(jnp.float32), k_cache, v_cache, table.astype(jnp.int32),
-        i32(ranges.q_offset), i32(ranges.kv_start), i32(ranges.kv_len), descale,
+        q.astype(jnp.float32),
+        k_cache,
+        v_cache,
+        table.astype(jnp.int32),
+        i32(ranges.q_offset),
+        i32(ranges.kv_start),
+        i32(ranges.kv_len),
+        descale,
         tree.astype(jnp.int32),
-        scale=np.float32(static.softmax_scale), softcap=np.float32(static.softcap),
-        left=np.int64(left), right=np.int64(right),
-    )  # fmt: skip
+        scale=np.float32(static.softmax_scale),
+        softcap=np.float32(static.softcap),
+        left=np.int64(left),
+        right=np.int64(right),
+    )
     return out.astype(q.dtype), lse

@@ -35,8 +35,12 @@ class ApiError(Exception):
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type,
-        )  # fmt: skip
+            status,
+            message,
+            param,
+            code,
+            type,
+        )
 
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)

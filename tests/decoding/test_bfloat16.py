@@ -19,9 +19,16 @@ NEW = 10
 
 def model(tied: bool) -> Transformer:
     config = TransformerConfig(
-        vocab_size=1024, dim=128, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=512,
-        tie_embeddings=tied, max_position=256, dtype="bfloat16",
-    )  # fmt: skip
+        vocab_size=1024,
+        dim=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=512,
+        tie_embeddings=tied,
+        max_position=256,
+        dtype="bfloat16",
+    )
     m = Transformer(config, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(m)
     keys = iter(jax.random.split(jax.random.key(1), 64))
@@ -55,8 +62,9 @@ def test_generate_both_caches(bf16_model, greedy):
 
 
 def test_speculative(bf16_model, greedy):
-    res = speculative_generate(bf16_model, PromptLookup(), PROMPTS, num_draft_tokens=3,
-                               max_new_tokens=NEW)  # fmt: skip
+    res = speculative_generate(
+        bf16_model, PromptLookup(), PROMPTS, num_draft_tokens=3, max_new_tokens=NEW
+    )
     assert res.tokens == greedy
 
 

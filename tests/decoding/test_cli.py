@@ -116,8 +116,10 @@ def test_ctrl_c_stops_quietly(tmp_path):
     argv = [sys.executable, "-m", "decoding", "def f(x):", "--model", "code-target"]
     proc = subprocess.Popen(
         [*argv, "--max-new-tokens", "1500", "--temperature", "1.0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.read(len("def f(x):") + 8)  # the prompt and the first streamed text
         proc.send_signal(signal.SIGINT)

@@ -46,9 +46,14 @@ TOP_P = SamplingConfig(temperature=1.0, top_p=0.9)
 
 def make_engine(model, num_pages=BIG_POOL, **kwargs) -> Engine:
     return Engine(
-        model, max_batch=4, num_pages=num_pages, page_size=PAGE, max_prefill_tokens=32,
-        max_seq_len=MAX_SEQ, **kwargs,
-    )  # fmt: skip
+        model,
+        max_batch=4,
+        num_pages=num_pages,
+        page_size=PAGE,
+        max_prefill_tokens=32,
+        max_seq_len=MAX_SEQ,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -480,9 +485,14 @@ def test_exceptions_at_random_points_rebuild_the_engine(tiny_model, greedy_refs)
 
 def test_numpy_scalars_accepted_bools_rejected(tiny_model, greedy_refs):
     eng = Engine(
-        tiny_model, max_batch=np.int64(4), num_pages=np.int32(BIG_POOL), page_size=np.int64(PAGE),
-        max_prefill_tokens=np.int64(32), max_seq_len=np.int64(MAX_SEQ), prefix_caching=np.bool_(1),
-    )  # fmt: skip
+        tiny_model,
+        max_batch=np.int64(4),
+        num_pages=np.int32(BIG_POOL),
+        page_size=np.int64(PAGE),
+        max_prefill_tokens=np.int64(32),
+        max_seq_len=np.int64(MAX_SEQ),
+        prefix_caching=np.bool_(1),
+    )
     rid = eng.submit(np.array(PROMPTS[0]), np.int64(MAX_NEW), eos_id=np.int32(0), seed=np.uint32(1))
     rid2 = eng.submit(PROMPTS[4], MAX_NEW)
     assert eng.abort(np.int64(rid2)) == []

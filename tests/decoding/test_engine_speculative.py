@@ -26,9 +26,15 @@ K = 3
 def make_engine(model, num_pages=64, **kwargs) -> Engine:
     kwargs.setdefault("num_draft_tokens", K)
     return Engine(
-        model, max_batch=4, num_pages=num_pages, page_size=PAGE, max_prefill_tokens=32,
-        max_seq_len=128, draft=PromptLookup(), **kwargs,
-    )  # fmt: skip
+        model,
+        max_batch=4,
+        num_pages=num_pages,
+        page_size=PAGE,
+        max_prefill_tokens=32,
+        max_seq_len=128,
+        draft=PromptLookup(),
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +131,17 @@ def test_sampled_distribution_exact(sampling):
     accepted drafts, residual samples and bonus tokens; joints of (t1, t2) and (t2, t3)."""
     n = 6000
     target = random_transformer(10, num_layers=2, **SMALL)
+    # pages of 4: every request but the first takes the prompt from the cache
     eng = Engine(
-        target, max_batch=n, num_pages=n + 8, page_size=4, max_prefill_tokens=64,
-        max_seq_len=16, draft=PromptLookup(), num_draft_tokens=2,
-    )  # fmt: skip  # pages of 4: every request but the first takes the prompt from the cache
+        target,
+        max_batch=n,
+        num_pages=n + 8,
+        page_size=4,
+        max_prefill_tokens=64,
+        max_seq_len=16,
+        draft=PromptLookup(),
+        num_draft_tokens=2,
+    )
     ids = [eng.submit(PROMPT, 3, sampling=sampling, seed=s) for s in range(n)]
     out = eng.run_until_done()
     tokens = np.array([out[r] for r in ids])

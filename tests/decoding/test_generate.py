@@ -189,8 +189,17 @@ def test_prefill_and_decode_step_compose_and_roll_back(tiny_model, greedy_paged)
     def run(params, tokens, lengths, cache):
         model = nnx.merge(graphdef, params)
         done = jnp.zeros((1,), bool)
-        s = prefill(model, tokens, lengths, cache, key=jax.random.key(0), done=done,
-                    eos_id=eos, num_new_max=8, sampling=greedy)  # fmt: skip
+        s = prefill(
+            model,
+            tokens,
+            lengths,
+            cache,
+            key=jax.random.key(0),
+            done=done,
+            eos_id=eos,
+            num_new_max=8,
+            sampling=greedy,
+        )
         for _ in range(3):
             s = decode_step(model, s, eos_id=eos, sampling=greedy)
         # Roll back the last two fed tokens and feed them again: same tokens come out.
@@ -261,9 +270,14 @@ def test_padding_rows_take_no_pages(tiny_model):
 
 def test_numpy_scalars_accepted(tiny_model, greedy_paged):
     res = generate(
-        tiny_model, PROMPTS, max_new_tokens=np.int64(NEW), eos_id=np.int32(0),
-        seed=np.uint32(3), page_size=np.int64(16), num_pages=np.int64(8),
-    )  # fmt: skip
+        tiny_model,
+        PROMPTS,
+        max_new_tokens=np.int64(NEW),
+        eos_id=np.int32(0),
+        seed=np.uint32(3),
+        page_size=np.int64(16),
+        num_pages=np.int64(8),
+    )
     assert res.tokens == generate(tiny_model, PROMPTS, max_new_tokens=NEW, eos_id=0).tokens
 
 

@@ -40,9 +40,14 @@ def test_chain_greedy_equals_generate(tiny_model, reference, k, cache, shared): 
     eos, want = reference
     draft = Medusa(random_heads(tiny_model, shared_head=shared))
     res = speculative_generate(
-        tiny_model, draft, PROMPTS, num_draft_tokens=k, max_new_tokens=NEW, eos_id=eos,
+        tiny_model,
+        draft,
+        PROMPTS,
+        num_draft_tokens=k,
+        max_new_tokens=NEW,
+        eos_id=eos,
         cache=cache,
-    )  # fmt: skip
+    )
     assert res.tokens == want
     assert res.stats["num_draft_tokens"] == k
     assert 0 <= res.stats["acceptance_rate"] <= 1
@@ -80,8 +85,9 @@ def test_chain_sampling_is_exact_t07_top_k(small_target):
 def test_bad_arguments(tiny_model):
     heads = random_heads(tiny_model, 2)
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        speculative_generate(tiny_model, Medusa(heads), PROMPTS, num_draft_tokens=3,
-                             max_new_tokens=2)  # fmt: skip
+        speculative_generate(
+            tiny_model, Medusa(heads), PROMPTS, num_draft_tokens=3, max_new_tokens=2
+        )
     with pytest.raises(TypeError, match="heads"):
         Medusa(tiny_model)
     with pytest.raises(ValueError, match="num_heads"):
@@ -93,8 +99,9 @@ def test_tree_greedy_equals_generate(tiny_model, reference, cache):  # noqa: F81
     eos, want = reference
     heads = random_heads(tiny_model, 3, scale=0.05)
     draft = Medusa(heads, tree=TreeSpec.default(3))
-    res = speculative_generate(tiny_model, draft, PROMPTS, max_new_tokens=NEW, eos_id=eos,
-                               cache=cache)  # fmt: skip
+    res = speculative_generate(
+        tiny_model, draft, PROMPTS, max_new_tokens=NEW, eos_id=eos, cache=cache
+    )
     assert res.tokens == want
     assert res.stats["num_draft_tokens"] == 3
     assert res.stats["tokens_per_target_call"] > 1.0, res.stats  # some nodes were accepted
@@ -102,9 +109,14 @@ def test_tree_greedy_equals_generate(tiny_model, reference, cache):  # noqa: F81
 
 @pytest.mark.parametrize(
     "paths, needle",
-    [((), "non-empty"), (((0, 0),), "no parent"), (((0,), (0,)), "duplicates"),
-     (((0,), (-1,)), "ints >= 0"), (((),), "non-empty tuple of ints")],
-)  # fmt: skip
+    [
+        ((), "non-empty"),
+        (((0, 0),), "no parent"),
+        (((0,), (0,)), "duplicates"),
+        (((0,), (-1,)), "ints >= 0"),
+        (((),), "non-empty tuple of ints"),
+    ],
+)
 def test_bad_tree_spec(paths, needle):
     with pytest.raises(ValueError, match=needle):
         TreeSpec(paths)
@@ -124,11 +136,17 @@ def test_tree_spec_tables():
 def test_tree_usage_errors(tiny_model):
     heads = random_heads(tiny_model, 2)
     with pytest.raises(ValueError, match="tree of depth 3"):
-        speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(3)), PROMPTS,
-                             max_new_tokens=2)  # fmt: skip
+        speculative_generate(
+            tiny_model, Medusa(heads, tree=TreeSpec.default(3)), PROMPTS, max_new_tokens=2
+        )
     with pytest.raises(ValueError, match="tree's depth 2"):
-        speculative_generate(tiny_model, Medusa(heads, tree=TreeSpec.default(2)), PROMPTS,
-                             num_draft_tokens=1, max_new_tokens=2)  # fmt: skip
+        speculative_generate(
+            tiny_model,
+            Medusa(heads, tree=TreeSpec.default(2)),
+            PROMPTS,
+            num_draft_tokens=1,
+            max_new_tokens=2,
+        )
     with pytest.raises(TypeError, match="tree"):
         Medusa(heads, tree=((0,),))
 
@@ -266,9 +284,12 @@ def test_chain_with_lookup_sampling_is_exact_t1(small_target):
 
 @pytest.mark.parametrize(
     "kw, needle",
-    [(dict(lookup_ngram=0), "lookup_ngram"), (dict(lookup_ngram=True), "lookup_ngram"),
-     (dict(lookup_ngram=2, tree=TreeSpec.default(2)), "tree")],
-)  # fmt: skip
+    [
+        (dict(lookup_ngram=0), "lookup_ngram"),
+        (dict(lookup_ngram=True), "lookup_ngram"),
+        (dict(lookup_ngram=2, tree=TreeSpec.default(2)), "tree"),
+    ],
+)
 def test_lookup_bad_arguments(tiny_model, kw, needle):
     with pytest.raises(ValueError, match=needle):
         Medusa(random_heads(tiny_model, 2), **kw)
@@ -340,6 +361,5 @@ def test_shipped_smollm2_heads_load_and_keep_greedy_output(smollm2_gguf):
     assert size < 4 << 20, size
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
     want = generate(target, [ids], max_new_tokens=8).tokens
-    res = speculative_generate(target, Medusa(heads), [ids], num_draft_tokens=2,
-                               max_new_tokens=8)  # fmt: skip
+    res = speculative_generate(target, Medusa(heads), [ids], num_draft_tokens=2, max_new_tokens=8)
     assert res.tokens == want, (tokenizer.decode(res.tokens[0]), tokenizer.decode(want[0]))

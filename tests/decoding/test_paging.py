@@ -172,8 +172,12 @@ def test_make_writable_is_all_or_nothing():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("grow share write free"), st.integers(0, 2),
-                          st.integers(1, 20)), max_size=40))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("grow share write free"), st.integers(0, 2), st.integers(1, 20)),
+        max_size=40,
+    )
+)
 def test_random_operations_keep_the_books(ops):
     """Whatever rows do, each page's count equals the rows holding it, every page is exactly one
     of free / cached / held, and freeing every row leaves no page held."""

@@ -101,10 +101,14 @@ def test_completion_streamed_equals_unstreamed_equals_generate(client, code_mode
     assert out.usage.total_tokens == len(ids) + n
     chunks = list(
         client.completions.create(
-            model=CODE, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+            model=CODE,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert len(chunks) > 5  # streamed in pieces
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -207,11 +211,17 @@ def test_models_health_and_metrics(client, code_server):
     client.completions.create(model=CODE, prompt="x = ", max_tokens=3, temperature=0)
     text = httpx.get(f"{url}/metrics").text
     for name in (
-        "requests_running", "requests_waiting", "kv_pages_used", "kv_pages_free",
-        "prefix_cache_hit_pages", "preemptions", "prompt_tokens_total",
-        "generation_tokens_total", "time_to_first_token_seconds_count",
+        "requests_running",
+        "requests_waiting",
+        "kv_pages_used",
+        "kv_pages_free",
+        "prefix_cache_hit_pages",
+        "preemptions",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
         "inter_token_latency_seconds_count",
-    ):  # fmt: skip
+    ):
         assert f"decoding_serve_{name}" in text, name
     assert _metric(url, "time_to_first_token_seconds_count") >= 1
     assert _metric(url, "inter_token_latency_seconds_count") >= 2
@@ -336,10 +346,14 @@ def test_chat_streamed_equals_unstreamed(chat_client, smollm2):
     assert out.usage.completion_tokens == len(tok.encode(text)) + 1  # + <|im_end|>
     chunks = list(
         chat_client.chat.completions.create(
-            model=CHAT, messages=QUESTION, max_tokens=40, temperature=0, stream=True,
+            model=CHAT,
+            messages=QUESTION,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -358,9 +372,12 @@ def test_chat_streamed_equals_unstreamed(chat_client, smollm2):
     assert out.choices[0].finish_reason == "stop"
     # ignore_eos (vLLM's extra) runs past <|im_end|> to max_tokens.
     out = chat_client.chat.completions.create(
-        model=CHAT, messages=QUESTION, max_tokens=out.usage.completion_tokens + 20, temperature=0,
+        model=CHAT,
+        messages=QUESTION,
+        max_tokens=out.usage.completion_tokens + 20,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert out.choices[0].finish_reason == "length"
     assert out.choices[0].message.content.startswith(text)
 

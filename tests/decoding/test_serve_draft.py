@@ -24,9 +24,14 @@ PROMPTS = [
 def drafted():
     model, tok = models.pretrained(CODE)
     engine = Engine(
-        model, max_batch=4, num_pages=64, page_size=16, max_seq_len=256, draft=PromptLookup(),
+        model,
+        max_batch=4,
+        num_pages=64,
+        page_size=16,
+        max_seq_len=256,
+        draft=PromptLookup(),
         num_draft_tokens=3,
-    )  # fmt: skip
+    )
     with running_server(engine, tok, model_name=CODE, max_queue=16) as (url, _):
         yield (
             model,
@@ -50,8 +55,11 @@ def test_completions_equal_generate(drafted):
 def test_command_line_draft_options(capsys):
     args = build_parser().parse_args(["--draft", "prompt-lookup", "--num-draft-tokens", "4"])
     assert (args.draft, args.num_draft_tokens) == ("prompt-lookup", 4)
-    for argv in (["--draft", "medusa-x"], ["--num-draft-tokens", "2"],
-                 ["--draft", "prompt-lookup", "--num-draft-tokens", "99"]):  # fmt: skip
+    for argv in (
+        ["--draft", "medusa-x"],
+        ["--num-draft-tokens", "2"],
+        ["--draft", "prompt-lookup", "--num-draft-tokens", "99"],
+    ):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

@@ -221,7 +221,8 @@ def test_numpy_scalars_accepted_bools_rejected(tiny_model):
         with pytest.raises(TypeError):
             bad()
     with pytest.raises(TypeError, match="num_draft_tokens"):
-        speculative_generate(tiny_model, PromptLookup(), PROMPTS, max_new_tokens=2,
-                             num_draft_tokens=True)  # fmt: skip
+        speculative_generate(
+            tiny_model, PromptLookup(), PROMPTS, max_new_tokens=2, num_draft_tokens=True
+        )
     with pytest.raises(TypeError, match="target"):
         speculative_generate("code-target", PromptLookup(), PROMPTS, max_new_tokens=2)

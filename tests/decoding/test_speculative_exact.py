@@ -54,10 +54,18 @@ def sample_new_tokens(target, draft, *, k, sampling, seed=0):
             draft_cache = KVCache.contiguous(kind.config, N, cap)
         common = dict(eos_id=-1, max_new_tokens=NEW, sampling=sampling)
         state = speculative_prefill(
-            model, kind, params, draft_cache, tokens, jnp.full((N,), Tp, jnp.int32),
-            KVCache.contiguous(target.config, N, cap), key=key, done=jnp.zeros((N,), bool),
-            seq_len=cap + 1, **common,
-        )  # fmt: skip
+            model,
+            kind,
+            params,
+            draft_cache,
+            tokens,
+            jnp.full((N,), Tp, jnp.int32),
+            KVCache.contiguous(target.config, N, cap),
+            key=key,
+            done=jnp.zeros((N,), bool),
+            seq_len=cap + 1,
+            **common,
+        )
         state = speculative_decode(model, kind, params, state, k=k, **common)
         return state.seq[:, Tp : Tp + NEW], state.num_new
 

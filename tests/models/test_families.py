@@ -111,8 +111,9 @@ def _tokens():
 def _hf_logits(hf, tokens):
     """transformers' logits of each row on its own (its valid length only)."""
     with torch.no_grad():
-        return [hf(torch.tensor(tokens[b : b + 1, :n])).logits[0].numpy() for b, n in
-                enumerate(LENGTHS)]  # fmt: skip
+        return [
+            hf(torch.tensor(tokens[b : b + 1, :n])).logits[0].numpy() for b, n in enumerate(LENGTHS)
+        ]
 
 
 def _parity(model, hf) -> float:
@@ -253,8 +254,16 @@ def gemma_vocab(tmp_path_factory):
     tokens = [*specials, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
     types = [3, 3, 3, 2, 3, 3, *[6] * 256, *[1] * len(pieces)]
     scores = [0.0] * (len(tokens) - len(pieces)) + [-float(r) for r in range(len(pieces))]
-    keys = dict(model="llama", tokens=tokens, scores=scores, token_type=types, bos_token_id=2,
-                eos_token_id=1, unknown_token_id=3, padding_token_id=0)  # fmt: skip
+    keys = dict(
+        model="llama",
+        tokens=tokens,
+        scores=scores,
+        token_type=types,
+        bos_token_id=2,
+        eos_token_id=1,
+        unknown_token_id=3,
+        padding_token_id=0,
+    )
     d = tmp_path_factory.mktemp("gemma_vocab")
     return (
         write_vocab_gguf(d / "gemma.gguf", add_space_prefix=False, **keys),
@@ -405,8 +414,15 @@ def test_configs_no_family_has_are_refused():
     ):
         with pytest.raises(ValueError, match="no supported Hugging Face architecture"):
             config_to_hf(base.replace(**bad))
-    gemma = config_to_hf(base.replace(qk_norm=True, norm_plus_one=True, sandwich_norm=True,
-                                      embed_scale=True, mlp_act="gelu_tanh"))  # fmt: skip
+    gemma = config_to_hf(
+        base.replace(
+            qk_norm=True,
+            norm_plus_one=True,
+            sandwich_norm=True,
+            embed_scale=True,
+            mlp_act="gelu_tanh",
+        )
+    )
     assert gemma["architectures"] == ["Gemma3ForCausalLM"]
     for key, value, match in [
         ("hidden_activation", "silu", "hidden_activation"),
@@ -457,16 +473,19 @@ def test_tensor_parallel_qwen3_and_gemma3():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT], capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _SHARD_SCRIPT], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
 def test_gemma3_linear_rope_scaling_matches_transformers(tmp_path):
     """Gemma 3 4B and larger scale their global layers' RoPE linearly (factor 8)."""
     config_cls, model_cls, extra = FAMILIES["gemma3"]
-    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
     config = getattr(transformers, config_cls)(**_SMALL, **{**extra, "rope_parameters": rope})
     config._attn_implementation = "eager"
     torch.manual_seed(1)

@@ -21,9 +21,18 @@ Q = gguf.GGMLQuantizationType
 
 # Rows of 256 (a K-quant block) in every matrix, so that every type can hold every matrix.
 CONFIG = TransformerConfig(
-    vocab_size=320, dim=256, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=512,
-    rope_theta=10000.0, norm_eps=float(np.float32(1e-5)), max_position=256, bos_id=1, eos_id=2,
-)  # fmt: skip
+    vocab_size=320,
+    dim=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_dim=512,
+    rope_theta=10000.0,
+    norm_eps=float(np.float32(1e-5)),
+    max_position=256,
+    bos_id=1,
+    eos_id=2,
+)
 TOKENS = np.array([[1, 17, 250, 3, 99, 42, 7, 300, 5, 64, 11]], np.int32)
 
 
@@ -40,9 +49,14 @@ def random_model(config=CONFIG, seed=0) -> Transformer:
 # Where each block keeps its float16 scales (byte offsets): random bytes there are set to small
 # finite values so that a random block dequantizes to weights of a sane size.
 _F16_FIELDS = {
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
-}  # fmt: skip
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+}
 
 
 def random_blocks(shape, qtype, rng) -> np.ndarray:
@@ -136,8 +150,9 @@ def test_f32_round_trip_is_exact(tmp_path):
 
 
 def test_llama3_rope_scaling_round_trips(tmp_path):
-    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position=64)  # fmt: skip
+    scaling = RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=64
+    )
     config = CONFIG.replace(rope_scaling=scaling, rope_theta=500000.0)
     save_gguf(random_model(config), tmp_path / "m.gguf")
     got = read_config(tmp_path / "m.gguf")
@@ -150,8 +165,12 @@ def test_unpermute_inverts_llama_cpp_order():
     D, H = 8, 2
     w = np.arange(H * D * 3).reshape(H * D, 3)
     # llama.cpp's order: per head, rows (0, D/2, 1, D/2 + 1, ...).
-    permuted = np.concatenate([w[h * D : (h + 1) * D].reshape(2, D // 2, 3).swapaxes(0, 1)
-                               .reshape(D, 3) for h in range(H)])  # fmt: skip
+    permuted = np.concatenate(
+        [
+            w[h * D : (h + 1) * D].reshape(2, D // 2, 3).swapaxes(0, 1).reshape(D, 3)
+            for h in range(H)
+        ]
+    )
     np.testing.assert_array_equal(unpermute(permuted, H), w)
 
 
@@ -173,7 +192,9 @@ def _write(path, arch="llama", fields=(), tensors=None):
             writer.add_float32(key, value)
         else:
             writer.add_uint32(key, value)
-    for name, (array, qtype) in (tensors or {"token_embd.weight": (np.zeros((4, 32), np.float32), Q.F32)}).items():  # fmt: skip
+    for name, (array, qtype) in (
+        tensors or {"token_embd.weight": (np.zeros((4, 32), np.float32), Q.F32)}
+    ).items():
         writer.add_tensor(name, array, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -183,9 +204,12 @@ def _write(path, arch="llama", fields=(), tensors=None):
 
 
 LLAMA_FIELDS = (
-    ("llama.block_count", 1), ("llama.embedding_length", 32), ("llama.attention.head_count", 2),
-    ("llama.feed_forward_length", 64), ("llama.context_length", 128),
-)  # fmt: skip
+    ("llama.block_count", 1),
+    ("llama.embedding_length", 32),
+    ("llama.attention.head_count", 2),
+    ("llama.feed_forward_length", 64),
+    ("llama.context_length", 128),
+)
 
 
 def test_missing_file():
@@ -277,8 +301,15 @@ def chat_prompts(smollm2_gguf):
     tok = transformers.AutoTokenizer.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
     )
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False) for q in QUESTIONS]  # fmt: skip
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for q in QUESTIONS
+    ]
 
 
 def test_smollm2_config(smollm2_gguf):
@@ -311,6 +342,12 @@ def test_smollm2_greedy_chat_matches_transformers(smollm2, chat_prompts):
         with (
             torch.no_grad()
         ):  # an explicit mask: transformers would mask the prompt's pad (= EOS) ids
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64,
-                              do_sample=False, eos_token_id=None, pad_token_id=2)  # fmt: skip
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )
         assert got == out[0, len(prompt) :].tolist()

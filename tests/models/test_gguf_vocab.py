@@ -47,10 +47,16 @@ def test_smollm2_splits_digits_individually(smollm2):
 
 def test_metadata_reader_matches_gguf_reader(smollm2_gguf, tmp_path):
     path = write_vocab_gguf(
-        tmp_path / "small.gguf", model="gpt2", pre="smollm", tokens=["a", "b", "ab", "é"],
-        token_type=[1, 1, 1, 4], merges=["a b"], bos_token_id=0, add_bos_token=False,
+        tmp_path / "small.gguf",
+        model="gpt2",
+        pre="smollm",
+        tokens=["a", "b", "ab", "é"],
+        token_type=[1, 1, 1, 4],
+        merges=["a b"],
+        bos_token_id=0,
+        add_bos_token=False,
         chat_template="{{ x }}",
-    )  # fmt: skip
+    )
     ours = read_gguf_metadata(path)
     fields = gguf.GGUFReader(path).fields
     keys = [k for k in fields if not k.startswith("GGUF.")]
@@ -74,10 +80,15 @@ def test_pre_tokenizers_match_transformers(pre, smollm2_metadata, tmp_path):
     """SmolLM2's vocabulary and merges under another pre-tokenizer's splits."""
     m = smollm2_metadata
     path = write_vocab_gguf(
-        tmp_path / f"{pre}.gguf", model="gpt2", pre=pre, tokens=m[K + "tokens"],
-        token_type=m[K + "token_type"].tolist(), merges=m[K + "merges"], bos_token_id=1,
+        tmp_path / f"{pre}.gguf",
+        model="gpt2",
+        pre=pre,
+        tokens=m[K + "tokens"],
+        token_type=m[K + "token_type"].tolist(),
+        merges=m[K + "merges"],
+        bos_token_id=1,
         eos_token_id=2,
-    )  # fmt: skip
+    )
     tok, hf = load_tokenizer(path), hf_gguf_tokenizer(str(path))
     for text in [*TEXTS, "x = 1234567\n\n  y", "it'S\r\n\r\nok"]:
         assert tok.encode(text) == hf.encode(text, add_special_tokens=False), (pre, text)
@@ -87,9 +98,12 @@ def test_pre_tokenizers_match_transformers(pre, smollm2_metadata, tmp_path):
 def _tiny_byte_level(tmp_path, pre):
     alphabet = [chr(c) for c in range(ord("0"), ord("9") + 1)] + ["Ġ"]
     return write_vocab_gguf(
-        tmp_path / f"{pre}.gguf", model="gpt2", pre=pre, tokens=[*alphabet, "12", "Ġ1"],
+        tmp_path / f"{pre}.gguf",
+        model="gpt2",
+        pre=pre,
+        tokens=[*alphabet, "12", "Ġ1"],
         merges=["1 2", "Ġ 1"],
-    )  # fmt: skip
+    )
 
 
 def test_smollm_and_gpt2_pre_tokenizers_differ_on_digits(tmp_path):
@@ -117,12 +131,18 @@ def sentencepiece_gguf(tmp_path_factory):
         types.append(1)
         scores.append(-float(rank))
     path = write_vocab_gguf(
-        tmp_path_factory.mktemp("spm") / "spm.gguf", model="llama", tokens=tokens,
-        scores=scores, token_type=types, bos_token_id=1, eos_token_id=2, unknown_token_id=0,
+        tmp_path_factory.mktemp("spm") / "spm.gguf",
+        model="llama",
+        tokens=tokens,
+        scores=scores,
+        token_type=types,
+        bos_token_id=1,
+        eos_token_id=2,
+        unknown_token_id=0,
         add_space_prefix=True,
         chat_template="{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
         "{{ eos_token }}{% endfor %}",
-    )  # fmt: skip
+    )
     return path
 
 

@@ -133,8 +133,9 @@ def test_training_improves_head_accuracy():
     target = _tiny(num_layers=1)
     stream = np.tile(np.arange(40, dtype=np.uint16), 100)  # periodic: heads can learn it
     corpus = data.Corpus(train=stream, heldout=stream[:1000])
-    tc = train.TrainConfig(steps=30, batch=4, seq_len=32, lr=1e-2, warmup=2, eval_every=30,
-                           eval_batches=1)  # fmt: skip
+    tc = train.TrainConfig(
+        steps=30, batch=4, seq_len=32, lr=1e-2, warmup=2, eval_every=30, eval_batches=1
+    )
     held = data.heldout_batches(corpus.heldout, 4, 32, 1)
     heads = MedusaHeads(target.config, 2, rngs=nnx.Rngs(0)).init_from(target)
     before = head_accuracy(heads, target, held)
@@ -150,11 +151,30 @@ def test_cli_trains_heads_on_a_checkpoint(tmp_path):
 
     save_hf_checkpoint(_tiny(num_layers=1), str(tmp_path / "target"))
     out = tmp_path / "heads"
-    train.main([
-        "--medusa-heads", "2", "--init", str(tmp_path / "target"), "--steps", "2", "--batch", "2",
-        "--seq-len", "32", "--eval-every", "1", "--eval-batches", "1",
-        "--max-corpus-bytes", "40000", "--attn-impl", "xla", "--out", str(out),
-    ])  # fmt: skip
+    train.main(
+        [
+            "--medusa-heads",
+            "2",
+            "--init",
+            str(tmp_path / "target"),
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--eval-every",
+            "1",
+            "--eval-batches",
+            "1",
+            "--max-corpus-bytes",
+            "40000",
+            "--attn-impl",
+            "xla",
+            "--out",
+            str(out),
+        ]
+    )
     summary = json.loads((out / "training.json").read_text())
     assert len(summary["heldout_head_top1"]) == 2
     assert load_medusa(str(out), _tiny(num_layers=1).config).num_heads == 2
@@ -164,6 +184,5 @@ def test_shipped_heads_load():
     heads, _ = pretrained("code-target-medusa")
     target, _ = pretrained("code-target", attn_impl="xla")
     assert isinstance(heads, MedusaHeads) and heads.config.dim == target.config.dim
-    summary = json.loads((shipped_path("code-target-medusa") /
-                          "training.json").read_text())  # fmt: skip
+    summary = json.loads((shipped_path("code-target-medusa") / "training.json").read_text())
     assert len(summary["heldout_head_top1"]) == heads.num_heads

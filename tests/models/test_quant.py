@@ -16,8 +16,11 @@ from decoding import Engine, PromptLookup, generate, speculative_generate
 from models import Transformer, TransformerConfig, quant, rows_matmul
 
 native = pytest.mark.skipif(not rows_matmul.available(), reason="native kernels not built")
-GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-        "q4_1": gguf.GGMLQuantizationType.Q4_1}  # fmt: skip
+GGML = {
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+}
 
 
 def _weights(K, N, seed=0):
@@ -122,9 +125,16 @@ def test_bad_formats_and_shapes_are_value_errors():
 
 def _model(tied: bool, dim: int = 64, dtype: str = "float32") -> Transformer:
     config = TransformerConfig(
-        vocab_size=256, dim=dim, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
-        tie_embeddings=tied, max_position=128, dtype=dtype,
-    )  # fmt: skip
+        vocab_size=256,
+        dim=dim,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=128,
+        tie_embeddings=tied,
+        max_position=128,
+        dtype=dtype,
+    )
     m = Transformer(config, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(m)
     keys = iter(jax.random.split(jax.random.key(1), 64))
@@ -141,8 +151,11 @@ PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 3], [7, 8, 2]]
 NEW = 10
 
 
-@pytest.fixture(scope="module", params=[("q8_0", True), ("q4_0", False), ("q4_1", True)],
-                ids=["q8_0-tied", "q4_0-untied", "q4_1-tied"])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[("q8_0", True), ("q4_0", False), ("q4_1", True)],
+    ids=["q8_0-tied", "q4_0-untied", "q4_1-tied"],
+)
 def pair(request):
     """(quantized model, its dequantized float twin, the twin's greedy tokens)."""
     fmt, tied = request.param
@@ -154,8 +167,9 @@ def pair(request):
 
 def test_quantized_generate_equals_dequantized_model(pair):
     q, f, greedy = pair
-    np.testing.assert_array_equal(np.asarray(q(jnp.asarray(PROMPTS[:1]))),
-                                  np.asarray(f(jnp.asarray(PROMPTS[:1]))))  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(q(jnp.asarray(PROMPTS[:1]))), np.asarray(f(jnp.asarray(PROMPTS[:1])))
+    )
     assert generate(q, PROMPTS, max_new_tokens=NEW).tokens == greedy
     assert generate(q, PROMPTS, max_new_tokens=NEW, cache="contiguous").tokens == greedy
 
@@ -186,8 +200,10 @@ def test_quantize_casts_to_bfloat16():
 def smollm2(smollm2_gguf):
     """(float32 SmolLM2, its tokenizer's chat prompts)."""
     tok = models.load_tokenizer(smollm2_gguf)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": c}])
-               for c in ("What is the capital of France?", "Write a haiku about rain.")]  # fmt: skip
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": c}])
+        for c in ("What is the capital of France?", "Write a haiku about rain.")
+    ]
     return models.load_gguf(smollm2_gguf), prompts
 
 
@@ -241,12 +257,22 @@ def test_real_model_quantized_load_keeps_the_files_blocks(smollm2, smollm2_gguf)
 
 
 def test_gguf_types_map_to_formats_and_warn_on_conversions():
-    types = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1",
-             "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q4_0",
-             "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q4_K",
-             "blk.0.attn_norm.weight": "F32", "token_embd.weight": "Q8_0"}  # fmt: skip
+    types = {
+        "blk.0.attn_q.weight": "Q4_1",
+        "blk.0.attn_k.weight": "Q4_1",
+        "blk.0.attn_v.weight": "Q6_K",
+        "blk.0.ffn_down.weight": "Q4_0",
+        "blk.0.ffn_gate.weight": "Q4_K",
+        "blk.0.ffn_up.weight": "Q4_K",
+        "blk.0.attn_norm.weight": "F32",
+        "token_embd.weight": "Q8_0",
+    }
     with pytest.warns(UserWarning, match=r"Q6_K -> q8_0.*Q4_K -> q4_1"):
         got = quant.formats_from_gguf(types, tied=True)
-    assert got == {"layers/0/attn/qkv_proj": "q8_0", "layers/0/mlp/down_proj": "q4_0",
-                   "layers/0/mlp/gate_up_proj": "q4_1", "lm_head": "q8_0"}  # fmt: skip
+    assert got == {
+        "layers/0/attn/qkv_proj": "q8_0",
+        "layers/0/mlp/down_proj": "q4_0",
+        "layers/0/mlp/gate_up_proj": "q4_1",
+        "lm_head": "q8_0",
+    }
     assert "lm_head" not in quant.formats_from_gguf({"token_embd.weight": "Q8_0"}, tied=False)

@@ -124,11 +124,15 @@ def test_sentencepiece_stream_keeps_inner_spaces(tmp_path):
     pieces = learn_sentencepiece_bpe(["hello world and the other world"] * 3, n_merges=20)
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
     path = write_vocab_gguf(
-        tmp_path / "spm.gguf", model="llama", tokens=tokens,
+        tmp_path / "spm.gguf",
+        model="llama",
+        tokens=tokens,
         scores=[0.0] * 259 + [-float(r) for r in range(len(pieces))],
-        token_type=[2, 3, 3, *[6] * 256, *[1] * len(pieces)], bos_token_id=1, eos_token_id=2,
+        token_type=[2, 3, 3, *[6] * 256, *[1] * len(pieces)],
+        bos_token_id=1,
+        eos_token_id=2,
         unknown_token_id=0,
-    )  # fmt: skip
+    )
     tok = load_tokenizer(path)
     for text in ["hello world and the other world", "  two  spaces 😀 ünï", "a </s> b"]:
         ids = tok.encode(text, add_bos=True)

@@ -66,9 +66,21 @@ def test_schedule_warms_up_then_decays():
 @pytest.mark.slow
 def test_cli_writes_a_loadable_checkpoint_and_resumes_from_it(tmp_path):
     args = [
-        "--preset", "tiny", "--batch", "2", "--seq-len", "32", "--eval-every", "1",
-        "--eval-batches", "1", "--max-corpus-bytes", "40000", "--attn-impl", "xla",
-    ]  # fmt: skip
+        "--preset",
+        "tiny",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "1",
+        "--eval-batches",
+        "1",
+        "--max-corpus-bytes",
+        "40000",
+        "--attn-impl",
+        "xla",
+    ]
     out = tmp_path / "ckpt"
     train.main([*args, "--steps", "2", "--out", str(out)])
     summary = json.loads((out / "training.json").read_text())
@@ -80,8 +92,19 @@ def test_cli_writes_a_loadable_checkpoint_and_resumes_from_it(tmp_path):
     summary2 = json.loads((resumed / "training.json").read_text())
     assert summary2["init"] == str(out)
     with pytest.raises(ValueError, match="does not match"):
-        train.main([*args, "--preset", "code-draft", "--steps", "1", "--init", str(out),
-                    "--out", str(tmp_path / "bad")])  # fmt: skip
+        train.main(
+            [
+                *args,
+                "--preset",
+                "code-draft",
+                "--steps",
+                "1",
+                "--init",
+                str(out),
+                "--out",
+                str(tmp_path / "bad"),
+            ]
+        )
 
 
 def _no_work(*args, **kwargs):

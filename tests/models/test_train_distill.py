@@ -59,9 +59,21 @@ def test_distill_steps_move_the_student_towards_the_teacher():
 @pytest.mark.slow
 def test_cli_distill_from_a_checkpoint(tmp_path):
     args = [
-        "--preset", "tiny", "--batch", "2", "--seq-len", "32", "--eval-every", "1",
-        "--eval-batches", "1", "--max-corpus-bytes", "40000", "--attn-impl", "xla",
-    ]  # fmt: skip
+        "--preset",
+        "tiny",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "1",
+        "--eval-batches",
+        "1",
+        "--max-corpus-bytes",
+        "40000",
+        "--attn-impl",
+        "xla",
+    ]
     teacher = tmp_path / "teacher"
     train.main([*args, "--steps", "1", "--out", str(teacher)])
     student = tmp_path / "student"
@@ -98,8 +110,15 @@ def test_self_distilled_shared_heads_end_to_end_lower_the_loss():
     target = nnx.merge(graphdef, params)
     messages = distill_prompts(4, seed=1)
     assert messages == distill_prompts(4, seed=1) and len(set(messages)) == 4
-    pairs = self_distill_data(target, _ChatTokens(), messages, max_new_tokens=20,
-                              temperatures=(0.0, 1.0), batch=4, log=lambda s: None)  # fmt: skip
+    pairs = self_distill_data(
+        target,
+        _ChatTokens(),
+        messages,
+        max_new_tokens=20,
+        temperatures=(0.0, 1.0),
+        batch=4,
+        log=lambda s: None,
+    )
     assert len(pairs) == 8 and all(len(c) == 20 for _, c in pairs)
     assert pairs[0][1] != pairs[4][1]  # the sampled continuation differs from the greedy one
     h, labels = hidden_dataset(target, pairs, 2, batch=8, bucket=16)
@@ -117,8 +136,7 @@ def test_self_distilled_shared_heads_end_to_end_lower_the_loss():
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
     # soft labels: the target's own distribution at t + 1 + i
     tc = train.TrainConfig(steps=30, batch=64, lr=1e-2, warmup=2, eval_every=30)
-    soft_heads, soft = train_shared_heads(target, h, labels, 2, tc, soft=True,
-                                          log=lambda s: None)  # fmt: skip
+    soft_heads, soft = train_shared_heads(target, h, labels, 2, tc, soft=True, log=lambda s: None)
     assert soft["soft_labels"]
     # the cross entropy to a distribution has the target's entropy as its floor
     assert soft["history"][-1]["train_loss"] < soft["first_loss"] - 0.3, soft

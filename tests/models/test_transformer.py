@@ -196,9 +196,12 @@ def test_decode_layout_same_logits_and_only_for_big_kernels():
     # the LM head (192 x 259) have under 2^16 weights.
     assert DECODE_MIN_WEIGHTS == 1 << 16
     assert made == {
-        "attn/qkv_proj": True, "attn/o_proj": False, "mlp/gate_up_proj": True,
-        "mlp/down_proj": True, "lm_head": False,
-    }  # fmt: skip
+        "attn/qkv_proj": True,
+        "attn/o_proj": False,
+        "mlp/gate_up_proj": True,
+        "mlp/down_proj": True,
+        "lm_head": False,
+    }
     for _, m in nnx.iter_modules(fast):
         if isinstance(m, Linear) and m.decode_kernel is not None:
             assert isinstance(m.decode_kernel, DecodeKernel)

@@ -29,9 +29,14 @@ from models.shard import mesh_of, to_host
 
 # Hkv = 4 and mlp_dim, V multiples of 4: every mesh of the 4 devices divides them.
 CONFIG = TransformerConfig.preset(
-    "tiny", num_layers=1, num_heads=8, num_kv_heads=4, head_dim=8, tie_embeddings=False,
+    "tiny",
+    num_layers=1,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    tie_embeddings=False,
     attn_impl="xla",
-)  # fmt: skip
+)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3] * 9, [40, 41, 42]]
 NEW = 6
 # Momentum SGD after clipping: updates linear in the gradients (see tests/models/test_shard.py).
