@@ -96,7 +96,7 @@ def generate(
         key=key,
         step=scalar,
     )
-    # {}: no packed weights (decode_kernels packs for CPU programs only)
+    # {}: no packed weights (pack_decode_weights packs for CPU programs only)
     return functools.partial(gen._decode_jit, **static), (
         params,
         {},

@@ -55,7 +55,7 @@ from decoding.checks import check_int
 from decoding.generate import _cache_for
 from decoding.sampling import probabilities, sample
 from models import KVCache
-from models.transformer import decode_kernels, decode_layout, rope_tables
+from models.transformer import attach_decode_weights, pack_decode_weights, rope_tables
 
 # The k a kind's ``default_num_draft_tokens`` gives without a target to measure (kinds that are
 # asked for it outside ``speculative_generate``, and a fallback); ``speculative_generate`` and
@@ -156,11 +156,11 @@ def measure_step_costs(model, max_tq: int, *, batch: int = 1, context: int = 128
     if key in _COSTS:
         return _COSTS[key]
     graphdef, params = nnx.split(model)
-    kernels = decode_kernels(model, params)
+    kernels = pack_decode_weights(model, params)
 
     @jax.jit
     def run(params, kernels, tokens, cache):
-        return decode_layout(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
+        return attach_decode_weights(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
 
     cache = KVCache.contiguous(model.config, batch, context + max_tq)
     cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))

@@ -64,7 +64,7 @@ from decoding.scheduler import Request, Scheduler
 from decoding.speculative import chosen_num_draft_tokens
 from models import KVCache
 from models.shard import to_host
-from models.transformer import decode_kernels
+from models.transformer import pack_decode_weights
 
 _GREEDY = SamplingConfig()
 MIN_CHUNK = 16  # the smallest prefill chunk bucket
@@ -142,7 +142,9 @@ class Engine:
         self.max_pages = min(num_pages, pages_for(self.max_seq_len - 1, page_size))
         self._scratch = num_pages
         graphdef, self._params = nnx.split(model)
-        self._kernels = decode_kernels(model, self._params)  # packed weights, few-row steps (CPU)
+        self._kernels = pack_decode_weights(
+            model, self._params
+        )  # packed weights, few-row steps (CPU)
         self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef)
         self._model, self._graphdef, self.draft = model, graphdef, draft
         self._fixed_k, self.num_draft_tokens = k, k

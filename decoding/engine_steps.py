@@ -35,7 +35,7 @@ from decoding.acceptance import accept, accept_greedy
 from decoding.drafts import Context, PromptLookup
 from decoding.sampling import SamplingParams, all_greedy, argmax, branch, probabilities, sample
 from models import KVCache
-from models.transformer import decode_layout
+from models.transformer import attach_decode_weights
 
 TRACES: collections.Counter = collections.Counter()
 
@@ -62,14 +62,14 @@ def decode_rows(
     graphdef, params, kernels, k, v, last, lengths, table, seeds, index, sampling: SamplingParams
 ):
     """One token per row: last [B] fed at position lengths [B] through table [B, max_pages];
-    ``kernels`` from ``models.transformer.decode_kernels`` (few-row products on CPU).
+    ``kernels`` from ``models.transformer.pack_decode_weights`` (few-row products on CPU).
 
     Returns ``(next tokens [B] int32, k, v)``; seeds [B] uint32 and index [B] int32 give each
     row's key (``row_keys``), ``sampling`` [B] its settings: row ``b`` draws alone (as at batch
     1), a greedy row (temperature 0) takes the argmax.
     """
     TRACES["decode"] += 1
-    model = decode_layout(nnx.merge(graphdef, params), kernels)
+    model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
     cache = KVCache(k=k, v=v, lengths=lengths, block_table=table)
     logits, cache = model(last[:, None], cache=cache)
     tokens = sample(logits[:, -1], row_keys(seeds, index), sampling)
@@ -102,7 +102,7 @@ def verify_rows(
     tokens generated so far), so a row's draws do not depend on the batch.
     """
     TRACES["verify"] += 1
-    model = decode_layout(nnx.merge(graphdef, params), kernels)
+    model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
     cache = KVCache(k=k, v=v, lengths=lengths, block_table=table)
     keys = row_keys(seeds, index)
     prop = draft.propose(Context(model, cache, seq, None, None), num_draft, sampling, keys[0])

@@ -40,7 +40,7 @@ from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
 from models.kv_cache import ring_pages_for
 from models.shard import mesh_of, replicated, to_host
-from models.transformer import decode_kernels, decode_layout
+from models.transformer import attach_decode_weights, pack_decode_weights
 
 PROMPT_BUCKET = 16
 NEW_TOKENS_BUCKET = 64
@@ -176,7 +176,7 @@ def _prefill_jit(
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
 def _decode_jit(params, kernels, state, max_new_tokens, eos_id, sampling, *, graphdef):
-    model = decode_layout(nnx.merge(graphdef, params), kernels)
+    model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
     return decode(model, state, max_new_tokens=max_new_tokens, eos_id=eos_id, sampling=sampling)
 
 
@@ -481,7 +481,7 @@ def generate(
         args = (params, put(batch.tokens), put(batch.prompt_lengths), kv)
         args += (jax.random.key(put(np.uint32(seed))), put(batch.done), eos, settings)
         del kv  # donated
-        kernels = decode_kernels(model, params)
+        kernels = pack_decode_weights(model, params)
         (out, num_new, steps), prefill_s, decode_s, compile_s = _timed_phases(
             lambda: _run(_prefill_jit, args, num_new_max=batch.num_new_max, **static),
             lambda state: _run(

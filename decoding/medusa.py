@@ -44,7 +44,7 @@ from decoding.sampling import all_greedy, argmax, branch, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
 from models.shard import mesh_of
-from models.transformer import decode_kernels, decode_layout
+from models.transformer import attach_decode_weights, pack_decode_weights
 
 # The n of ``Medusa(heads, lookup_ngram=n)`` the benchmark and the CLI use: the best on the
 # target's greedy continuations of the 4 calibration prompts (``python -m benchmarks.speculative
@@ -99,13 +99,13 @@ class Medusa:
 
     def split(self) -> tuple[MedusaDraft, Any]:
         """(the static draft kind, params: the heads' and their packed copies for few-row
-        products, ``models.transformer.decode_kernels``)."""
+        products, ``models.transformer.pack_decode_weights``)."""
         graphdef, params = nnx.split(self.heads)
         c = self.heads.config
         kind = MedusaDraft(
             graphdef, self.heads.num_heads, c.dim, c.vocab_size, self.tree, self.lookup_ngram
         )
-        return kind, (params, decode_kernels(self.heads, params))
+        return kind, (params, pack_decode_weights(self.heads, params))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,7 @@ class MedusaDraft:
     def head_logits(self, params, h, k: int, target=None):
         """h [B, dim] -> the first k heads' logits [B, k, V] float32 (shared-head heads take
         them from ``target``'s LM head, in one k-row product per row)."""
-        heads = decode_layout(nnx.merge(self.graphdef, params[0]), params[1])
+        heads = attach_decode_weights(nnx.merge(self.graphdef, params[0]), params[1])
         return heads(h[:, None], num=k, target=target)[:, 0]
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:

@@ -52,7 +52,7 @@ from decoding.medusa import Medusa, MedusaDraft
 from decoding.sampling import SamplingConfig
 from models import KVCache, Transformer
 from models.shard import mesh_of, replicated
-from models.transformer import decode_kernels, decode_layout
+from models.transformer import attach_decode_weights, pack_decode_weights
 
 
 @struct.dataclass
@@ -259,7 +259,7 @@ def _prefill_jit(
 def _decode_jit(
     target_params, kernels, params, state, max_new, eos_id, sampling, *, graphdef, draft, k
 ):
-    target = decode_layout(nnx.merge(graphdef, target_params), kernels)
+    target = attach_decode_weights(nnx.merge(graphdef, target_params), kernels)
     return speculative_decode(
         target,
         draft,
@@ -447,7 +447,7 @@ def speculative_generate(
                 _decode_jit,
                 (
                     target_params,
-                    decode_kernels(target, target_params),
+                    pack_decode_weights(target, target_params),
                     params,
                     s,
                     max_new,

@@ -11,7 +11,7 @@ zero, so an untrained head predicts what the target predicts one step earlier), 
 * shared (``shared_head=True``, the default for a target with a tied embedding): the frozen
   target's own LM head, ``target.logits(r_i)``. A head is then only ``dim * dim + dim``
   parameters, and a drafting step computes every head's logits in one few-row product with the
-  target's (packed, ``models.transformer.decode_kernels``) head weights: k rows of [dim, V].
+  target's (packed, ``models.transformer.pack_decode_weights``) head weights: k rows of [dim, V].
   Calls then need the target: ``heads(h, target=target)``.
 * own (``shared_head=False``): a ``[dim, V]`` Linear per head; :meth:`MedusaHeads.init_from`
   copies the target's LM head (its tied embedding when ``tie_embeddings``) into each.

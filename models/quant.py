@@ -19,7 +19,7 @@ head, as a separate quantized copy of the embedding: the embedding gather and th
 float) with :class:`QuantLinear`. Its products:
 
 * few rows on CPU (decode steps, speculative verification; after
-  :func:`models.transformer.decode_layout`): ``rows_matmul.cc``'s quantized kernel, which
+  :func:`models.transformer.attach_decode_weights`): ``rows_matmul.cc``'s quantized kernel, which
   dequantizes each weight in registers to exactly the float32 value above and accumulates in
   float32 in the same order as the float kernel: the result equals the float kernel on the
   dequantized weights bit for bit. Activations stay float32 (no 8-bit activation blocks);
@@ -155,11 +155,11 @@ class QuantLinear(nnx.Module):
     """``y = x @ W (+ bias)`` with ``W [in_features, out_features]`` block-quantized (``fmt``).
 
     ``dtype``: the activation dtype (inputs are cast to it, outputs are in it). Few-row calls on
-    CPU after :func:`models.transformer.decode_layout` use the quantized kernel; the others
+    CPU after :func:`models.transformer.attach_decode_weights` use the quantized kernel; the others
     dequantize ``W`` to ``dtype`` and multiply (as :class:`~models.transformer.Linear` would the
     dequantized weights)."""
 
-    decode_kernel = None  # models.transformer.DecodeKernel: panels of rows_matmul.pack_quantized
+    packed_kernel = None  # models.transformer.PackedWeights: panels of rows_matmul.pack_quantized
 
     def __init__(self, fmt: str, arrays: Mapping, *, bias=None, dtype=jnp.float32):
         self.fmt = check_format(fmt)
@@ -184,9 +184,9 @@ class QuantLinear(nnx.Module):
         return w if dtype is None else w.astype(dtype)
 
     def __call__(self, x):
-        from models.transformer import decode_rows
+        from models.transformer import few_rows
 
-        if self.decode_kernel is None or not decode_rows(x):
+        if self.packed_kernel is None or not few_rows(x):
             return self._plain(x)
         return native.on_cpu(self._packed, self._plain, x)
 
@@ -197,7 +197,7 @@ class QuantLinear(nnx.Module):
 
     def _packed(self, x):
         y = rows_matmul.matmul_quantized(
-            x.astype(self.dtype), self.decode_kernel[...], self.out_features, self.fmt
+            x.astype(self.dtype), self.packed_kernel[...], self.out_features, self.fmt
         ).astype(self.dtype)
         return y if self.bias is None else y + self.bias[...]
 

@@ -160,37 +160,37 @@ def split_gate_up(w):
 
 # Few-row products (decode steps of a batch, speculative verification) on CPU: XLA:CPU reads the
 # weights of [M, K] @ [K, N] for 2 <= M <= 16 at about half the rate of the packed-panel kernel
-# in models/rows_matmul.py (1.6-2.4x at M = 4..8, 1.0-1.5x at M = 1). :func:`decode_layout`
+# in models/rows_matmul.py (1.6-2.4x at M = 4..8, 1.0-1.5x at M = 1). :func:`attach_decode_weights`
 # gives each large enough Linear a packed copy, used for calls of at most DECODE_MAX_ROWS rows;
 # benchmarks/generate.py and benchmarks/speculative.py measure it on the models.
 DECODE_MAX_ROWS = rows_matmul.MAX_ROWS
 DECODE_MIN_WEIGHTS = 1 << 16  # kernel elements (256 x 256); smaller ones gain nothing
 
 
-class DecodeKernel(nnx.Variable):
-    """A kernel packed by :func:`models.rows_matmul.pack` (made by :func:`decode_kernels`,
-    attached by :func:`decode_layout`; not a parameter)."""
+class PackedWeights(nnx.Variable):
+    """A kernel packed by :func:`models.rows_matmul.pack` (made by :func:`pack_decode_weights`,
+    attached by :func:`attach_decode_weights`; not a parameter)."""
 
 
-def decode_rows(x) -> bool:
+def few_rows(x) -> bool:
     """Whether ``x [..., K]`` has the few rows that :func:`models.rows_matmul.matmul` is for."""
     return x.size // x.shape[-1] <= DECODE_MAX_ROWS
 
 
 class Linear(nnx.Linear):
-    """``nnx.Linear`` (the same parameters and results); after :func:`decode_layout`, inputs of
+    """``nnx.Linear`` (the same parameters and results); after :func:`attach_decode_weights`, inputs of
     few rows multiply a packed copy of the kernel (:func:`models.rows_matmul.matmul`)."""
 
-    decode_kernel: DecodeKernel | None = None
+    packed_kernel: PackedWeights | None = None
 
     def __call__(self, x, out_sharding=None):
-        if self.decode_kernel is None or not decode_rows(x) or out_sharding is not None:
+        if self.packed_kernel is None or not few_rows(x) or out_sharding is not None:
             return super().__call__(x, out_sharding)
         return native.on_cpu(self._packed, super().__call__, x)  # plain where lowered for GPU
 
     def _packed(self, x):
         dt = self.dtype or x.dtype
-        y = rows_matmul.matmul(x.astype(dt), self.decode_kernel[...], self.out_features)
+        y = rows_matmul.matmul(x.astype(dt), self.packed_kernel[...], self.out_features)
         y = y.astype(dt)
         return y if self.bias is None else y + self.bias[...]
 
@@ -199,14 +199,14 @@ def _packable(w) -> bool:
     return w.size >= DECODE_MIN_WEIGHTS and w.dtype in (jnp.float32, jnp.bfloat16)
 
 
-def decode_kernels(model: nnx.Module, params=None) -> dict[str, jax.Array]:
+def pack_decode_weights(model: nnx.Module, params=None) -> dict[str, jax.Array]:
     """Packed copies of ``model``'s weights for few-row products, by module path: each
     :class:`Linear` kernel of at least DECODE_MIN_WEIGHTS float32/bfloat16 weights, each
     :class:`models.quant.QuantLinear`'s blocks (:func:`models.rows_matmul.pack_quantized`), and a
     tied LM head's embedding (transposed) under ``"embed.T"``. Eager (outside jit), on CPU when
     :func:`models.rows_matmul.available`, else ``{}``. Cached per weight array
     (:func:`models.rows_matmul.packed`), so a model decoded again is not packed again. Pass the
-    result into the jitted decode loop and attach it there with :func:`decode_layout`.
+    result into the jitted decode loop and attach it there with :func:`attach_decode_weights`.
 
     ``params``: ``nnx.split(model)[1]`` when the caller has it. The walk is over that state's
     flat paths (about 0.06 ms for the shipped target, where walking the modules takes 2.5 ms and
@@ -234,18 +234,18 @@ def decode_kernels(model: nnx.Module, params=None) -> dict[str, jax.Array]:
     return out
 
 
-def decode_layout(model: nnx.Module, kernels: dict[str, jax.Array]) -> nnx.Module:
-    """Attaches :func:`decode_kernels`' copies to ``model``'s modules (inside the jitted decode
+def attach_decode_weights(model: nnx.Module, kernels: dict[str, jax.Array]) -> nnx.Module:
+    """Attaches :func:`pack_decode_weights`' copies to ``model``'s modules (inside the jitted decode
     loop, where ``kernels`` is an argument); few-row calls then use them."""
     for path, m in nnx.iter_modules(model):
         key = "/".join(map(str, path))
         if isinstance(m, (Linear, quant.QuantLinear)) and key in kernels:
-            m.decode_kernel = DecodeKernel(kernels[key])
+            m.packed_kernel = PackedWeights(kernels[key])
         elif (
             isinstance(m, Transformer)
             and (head := "/".join(map(str, (*path, "embed.T")))) in kernels
         ):
-            m.decode_head = DecodeKernel(kernels[head])
+            m.packed_head = PackedWeights(kernels[head])
     return model
 
 
@@ -407,7 +407,7 @@ def _rows_at(x, index):
 class Transformer(nnx.Module):
     """The decoder. ``model.config`` is its :class:`~models.config.TransformerConfig`."""
 
-    decode_head: DecodeKernel | None = None  # tied LM head packed by decode_layout
+    packed_head: PackedWeights | None = None  # tied LM head packed by attach_decode_weights
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -503,9 +503,9 @@ class Transformer(nnx.Module):
 
     def logits(self, h):
         """LM head on final hidden states h [B, T, dim] -> [B, T, V] float32 (with softcap)."""
-        if self.decode_head is not None and decode_rows(h):
+        if self.packed_head is not None and few_rows(h):
             packed = lambda h: rows_matmul.matmul(  # noqa: E731
-                h.astype(self.embed.dtype), self.decode_head[...], self.config.vocab_size
+                h.astype(self.embed.dtype), self.packed_head[...], self.config.vocab_size
             )
             plain = lambda h: self.embed.attend(h).astype(jnp.float32)  # noqa: E731
             logits = native.on_cpu(packed, plain, h)  # both branches float32 (packed sums so)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from decoding import Engine, PromptLookup, generate, speculative_generate
 from models import Transformer, TransformerConfig
-from models.transformer import DECODE_MIN_WEIGHTS, decode_kernels
+from models.transformer import DECODE_MIN_WEIGHTS, pack_decode_weights
 
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 3], [7, 8, 2]]
 NEW = 10
@@ -45,7 +45,7 @@ def model(tied: bool) -> Transformer:
 def bf16_model(request):
     m = model(request.param)
     assert m.config.vocab_size * m.config.dim >= DECODE_MIN_WEIGHTS
-    kernels = decode_kernels(m)
+    kernels = pack_decode_weights(m)
     if kernels:  # the native kernels are built here: the packed head is among them
         assert ("embed.T" in kernels) == request.param
     return m

@@ -99,7 +99,7 @@ def test_greedy_equals_generate_alone(tiny_model, greedy_refs):
 
 def test_packed_weights_greedy_equals_generate():
     """A model wide enough that its decode steps multiply packed weights on CPU
-    (``models.transformer.decode_kernels``): the engine's batched steps equal ``generate``."""
+    (``models.transformer.pack_decode_weights``): the engine's batched steps equal ``generate``."""
     from conftest import random_transformer
 
     model = random_transformer(seed=3, scale=0.1, dim=256, mlp_dim=512)

@@ -221,7 +221,7 @@ def test_prefill_and_decode_step_compose_and_roll_back(tiny_model, greedy_paged)
 
 
 def test_decode_layout_model_greedy_equals_full_forward_argmax():
-    """A model wide enough for ``decode_layout`` (dim 512): the decode loop's transposed-kernel
+    """A model wide enough for ``attach_decode_weights`` (dim 512): the decode loop's transposed-kernel
     products give the full forward's greedy tokens, batched (few-row products)."""
     from models import Transformer, TransformerConfig
 

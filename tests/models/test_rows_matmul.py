@@ -120,17 +120,17 @@ def test_decode_loop_lowers_for_cuda_without_the_native_kernels():
     from flax import nnx
 
     from models import KVCache, Transformer, TransformerConfig
-    from models.transformer import decode_kernels, decode_layout
+    from models.transformer import attach_decode_weights, pack_decode_weights
 
     config = TransformerConfig.preset("tiny", attn_impl="auto", dim=256, mlp_dim=512)
     model = Transformer(config, rngs=nnx.Rngs(0))
-    kernels = decode_kernels(model)
+    kernels = pack_decode_weights(model)
     assert kernels  # the qkv, gate_up and down kernels are packed
     graphdef, params = nnx.split(model)
     cache = KVCache.contiguous(config, 2, 16)
 
     def step(params, kernels, tokens, cache):
-        return decode_layout(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
+        return attach_decode_weights(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
 
     traced = jax.jit(step).trace(params, kernels, jnp.zeros((2, 1), jnp.int32), cache)
     cpu_text = traced.lower().as_text()
@@ -146,16 +146,16 @@ def test_quantized_decode_loop_lowers_for_cuda_without_the_native_kernels():
 
     import models
     from models import KVCache, Transformer, TransformerConfig
-    from models.transformer import decode_kernels, decode_layout
+    from models.transformer import attach_decode_weights, pack_decode_weights
 
     config = TransformerConfig.preset("tiny", attn_impl="auto", dim=256, mlp_dim=512)
     model = models.quantize(Transformer(config, rngs=nnx.Rngs(0)), "q4_1")
-    kernels = decode_kernels(model)
+    kernels = pack_decode_weights(model)
     graphdef, params = nnx.split(model)
     cache = KVCache.contiguous(config, 2, 16)
 
     def step(params, kernels, tokens, cache):
-        return decode_layout(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
+        return attach_decode_weights(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
 
     traced = jax.jit(step).trace(params, kernels, jnp.zeros((2, 1), jnp.int32), cache)
     assert "pallas_attn_rows_matmul_q" in traced.lower().as_text()

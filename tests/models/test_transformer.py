@@ -165,30 +165,30 @@ def test_cached_forward_through_interpreted_pallas_kernels(paged):
 
 
 def test_decode_layout_same_logits_and_only_for_big_kernels():
-    """``decode_layout`` (CPU): few-row calls multiply packed kernel copies, with the logits of
+    """``attach_decode_weights`` (CPU): few-row calls multiply packed kernel copies, with the logits of
     the plain path; calls of more rows and small kernels keep the plain path; a tied LM head
     gets a packed copy of the embedding's transpose."""
     from models import rows_matmul
     from models.transformer import (
         DECODE_MIN_WEIGHTS,
-        DecodeKernel,
         Linear,
-        decode_kernels,
-        decode_layout,
+        PackedWeights,
+        attach_decode_weights,
+        pack_decode_weights,
     )
 
     def laid_out(model):
-        return decode_layout(model, decode_kernels(model))
+        return attach_decode_weights(model, pack_decode_weights(model))
 
     if not rows_matmul.available():
-        pytest.skip("no C++ compiler: decode_layout is a no-op")
+        pytest.skip("no C++ compiler: attach_decode_weights is a no-op")
     config = TransformerConfig.preset(
         "tiny", attn_impl="xla", dim=192, mlp_dim=768, num_layers=2, tie_embeddings=False
     )
     plain = Transformer(config, rngs=nnx.Rngs(0))
     fast = laid_out(Transformer(config, rngs=nnx.Rngs(0)))
     made = {
-        "/".join(map(str, path[-2:])): m.decode_kernel is not None
+        "/".join(map(str, path[-2:])): m.packed_kernel is not None
         for path, m in nnx.iter_modules(fast)
         if isinstance(m, Linear) and path[:2] in (("layers", 0), ("lm_head",))
     }
@@ -203,18 +203,18 @@ def test_decode_layout_same_logits_and_only_for_big_kernels():
         "lm_head": False,
     }
     for _, m in nnx.iter_modules(fast):
-        if isinstance(m, Linear) and m.decode_kernel is not None:
-            assert isinstance(m.decode_kernel, DecodeKernel)
-            np.testing.assert_array_equal(m.decode_kernel[...], rows_matmul.pack(m.kernel[...]))
-    assert fast.decode_head is None  # untied
+        if isinstance(m, Linear) and m.packed_kernel is not None:
+            assert isinstance(m.packed_kernel, PackedWeights)
+            np.testing.assert_array_equal(m.packed_kernel[...], rows_matmul.pack(m.kernel[...]))
+    assert fast.packed_head is None  # untied
     narrow = laid_out(Transformer(TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0)))
-    assert narrow.decode_head is None and all(
-        m.decode_kernel is None for _, m in nnx.iter_modules(narrow) if isinstance(m, Linear)
+    assert narrow.packed_head is None and all(
+        m.packed_kernel is None for _, m in nnx.iter_modules(narrow) if isinstance(m, Linear)
     )
     tied_config = config.replace(tie_embeddings=True, vocab_size=512)
     tied = laid_out(Transformer(tied_config, rngs=nnx.Rngs(0)))
     np.testing.assert_array_equal(
-        tied.decode_head[...], rows_matmul.pack(tied.embed.embedding[...].T)
+        tied.packed_head[...], rows_matmul.pack(tied.embed.embedding[...].T)
     )
     x = _tokens(4, 2, seed=4)
     np.testing.assert_allclose(
@@ -240,18 +240,18 @@ def test_decode_layout_bfloat16_weights():
     """A bfloat16 model's packed products (bfloat16 panels, float32 accumulation) give the plain
     path's logits within bfloat16 rounding of the outputs."""
     from models import rows_matmul
-    from models.transformer import decode_kernels, decode_layout
+    from models.transformer import attach_decode_weights, pack_decode_weights
 
     if not rows_matmul.available():
-        pytest.skip("no C++ compiler: decode_layout is a no-op")
+        pytest.skip("no C++ compiler: attach_decode_weights is a no-op")
     config = TransformerConfig.preset(
         "tiny", attn_impl="xla", dim=256, mlp_dim=512, num_layers=2, dtype="bfloat16"
     )
     plain = Transformer(config, rngs=nnx.Rngs(1))
     fast = Transformer(config, rngs=nnx.Rngs(1))
-    kernels = decode_kernels(fast)
+    kernels = pack_decode_weights(fast)
     assert kernels and all(k.dtype == jnp.bfloat16 for k in kernels.values())
-    fast = decode_layout(fast, kernels)
+    fast = attach_decode_weights(fast, kernels)
     cache = KVCache.contiguous(config, 2, 16)
     _, cache = plain(_tokens(2, 5), cache=cache)
     a, _ = plain(_tokens(2, 2, seed=2), cache=cache)
