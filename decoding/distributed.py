@@ -113,9 +113,17 @@ class DistributedEngine:
         s = req.sampling
         rec = np.zeros(self._width, np.int32)
         rec[:RECORD] = [
-            _SUBMIT, rid, len(req.tokens), req.max_new, -1 if req.eos_id is None else req.eos_id,
-            req.seed, s.top_k, _bits(s.temperature), _bits(s.top_p), _bits(s.min_p),
-        ]  # fmt: skip
+            _SUBMIT,
+            rid,
+            len(req.tokens),
+            req.max_new,
+            -1 if req.eos_id is None else req.eos_id,
+            np.uint32(req.seed).view(np.int32),  # seeds span [0, 2**32)
+            s.top_k,
+            _bits(s.temperature),
+            _bits(s.top_p),
+            _bits(s.min_p),
+        ]
         rec[RECORD : RECORD + len(req.tokens)] = req.tokens
         self._log.append(rec)
         return rid
@@ -163,13 +171,17 @@ class DistributedEngine:
             self.engine.abort(int(rec[1]))
             return
         rid, n, max_new, eos, seed, top_k = (int(x) for x in rec[1:7])
+        seed = int(np.int32(seed).view(np.uint32))
         sampling = SamplingConfig(
             temperature=_float(rec[7]), top_k=top_k, top_p=_float(rec[8]), min_p=_float(rec[9])
         )
         got = self.engine.submit(
-            rec[RECORD : RECORD + n].tolist(), max_new, sampling=sampling,
-            eos_id=None if eos < 0 else eos, seed=seed,
-        )  # fmt: skip
+            rec[RECORD : RECORD + n].tolist(),
+            max_new,
+            sampling=sampling,
+            eos_id=None if eos < 0 else eos,
+            seed=seed,
+        )
         if got != rid:
             raise RuntimeError(f"request ids diverged: leader {rid}, process got {got}")
 
@@ -192,6 +204,16 @@ class DistributedEngine:
     def pop_finished(self) -> dict[int, list[int]]:
         """:meth:`Engine.pop_finished` (every process holds the same results)."""
         return self.engine.pop_finished()
+
+    def stats(self) -> dict:
+        """:meth:`Engine.stats` of this process's engine."""
+        return self.engine.stats()
+
+    # What a front end (the server) reads of the engine, the same on every process.
+    config = property(lambda self: self.engine.config)
+    allocator = property(lambda self: self.engine.allocator)
+    max_seq_len = property(lambda self: self.engine.max_seq_len)
+    page_size = property(lambda self: self.engine.page_size)
 
     def run_until_done(self) -> dict[int, list[int]]:
         """The leader: steps until no request is waiting or running -> ``pop_finished()``

@@ -22,18 +22,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
+import jax
 import uvicorn
 
 import models
 from decoding.cli import persistent_compilation_cache, positive_int
+from decoding.distributed import DistributedEngine
 from decoding.drafts import MAX_K, PromptLookup
 from decoding.engine import Engine
 from decoding.paging import pages_for
 from decoding.serve.app import create_app
 from decoding.serve.defaults import generation_defaults
 from models.pretrained import DEFAULT_MODEL, model_arg, model_path
+from models.shard import mesh_shape
 
 # The draft kinds the engine runs (``Engine(draft=...)``), by command-line name.
 DRAFTS = {"prompt-lookup": PromptLookup}
@@ -51,21 +55,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=positive_int, default=2048, help="prompt + completion")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument(
-        "--num-pages", type=positive_int, default=None,
+        "--num-pages",
+        type=positive_int,
+        default=None,
         help="KV pool pages (default: max-batch requests of max-seq-len / 4 tokens)",
-    )  # fmt: skip
+    )
     p.add_argument("--max-prefill-tokens", type=positive_int, default=512)
     p.add_argument("--max-queue", type=positive_int, default=256, help="choices in flight")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
     p.add_argument(
-        "--draft", choices=sorted(DRAFTS), default=None,
+        "--draft",
+        choices=sorted(DRAFTS),
+        default=None,
         help="speculation inside the engine (default: none)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--num-draft-tokens", type=positive_int, default=None,
+        "--num-draft-tokens",
+        type=positive_int,
+        default=None,
         help=f"k, at most {MAX_K} (default: chosen from measured step costs)",
-    )  # fmt: skip
+    )
+    p.add_argument(
+        "--mesh",
+        type=mesh_shape,
+        default=None,
+        metavar="DATA,MODEL",
+        help="shard the model over a (data, model) mesh of all devices: of every process under "
+        "python -m decoding.launch, process 0 serving, the others stepping with it",
+    )
     return p
+
+
+# A distributed server's idle worker steps this often: the other processes wait in its steps.
+IDLE_STEP_S = 0.5
 
 
 def main(argv=None) -> int:
@@ -75,27 +97,49 @@ def main(argv=None) -> int:
         parser.error("--num-draft-tokens needs --draft")
     if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_K:
         parser.error(f"--num-draft-tokens must be at most {MAX_K}, got {args.num_draft_tokens}")
+    if args.mesh is not None:
+        if math.prod(args.mesh) != jax.device_count():
+            parser.error(f"--mesh {args.mesh} must hold all {jax.device_count()} devices")
+        if args.draft is not None and args.num_draft_tokens is None:
+            parser.error("--mesh with --draft needs --num-draft-tokens (the same k everywhere)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model, tokenizer = models.pretrained(args.model)
+    if args.mesh is not None:
+        model = models.shard(model, jax.make_mesh(args.mesh, ("data", "model")))
     max_seq_len = min(args.max_seq_len, model.config.max_position)
     num_pages = args.num_pages or args.max_batch * pages_for(
         max(max_seq_len // 4, 1), args.page_size
     )
-    engine = Engine(
-        model, max_batch=args.max_batch, num_pages=num_pages, page_size=args.page_size,
-        max_prefill_tokens=args.max_prefill_tokens, max_seq_len=max_seq_len,
-        draft=DRAFTS[args.draft]() if args.draft else None, num_draft_tokens=args.num_draft_tokens,
-    )  # fmt: skip
+    engine = (Engine if args.mesh is None else DistributedEngine)(
+        model,
+        max_batch=args.max_batch,
+        num_pages=num_pages,
+        page_size=args.page_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_seq_len=max_seq_len,
+        draft=DRAFTS[args.draft]() if args.draft else None,
+        num_draft_tokens=args.num_draft_tokens,
+    )
+    if args.mesh is not None and not engine.is_leader:
+        engine.serve_followers()  # until process 0's server stops
+        return 0
     defaults = generation_defaults(model_path(args.model))
     logging.getLogger("decoding.serve").info("sampling defaults for omitted fields: %s", defaults)
     app = create_app(
-        engine, tokenizer, model_name=args.served_model_name or args.model,
-        max_queue=args.max_queue, defaults=defaults,
-    )  # fmt: skip
+        engine,
+        tokenizer,
+        model_name=args.served_model_name or args.model,
+        max_queue=args.max_queue,
+        defaults=defaults,
+        idle_step_s=None if args.mesh is None else IDLE_STEP_S,
+    )
     uvicorn.run(
-        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.graceful_timeout,
+        app,
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=args.graceful_timeout,
         log_level="info",
-    )  # fmt: skip
+    )
     return 0
 
 

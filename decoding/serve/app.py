@@ -53,14 +53,22 @@ class Server:
     """The state behind the routes: the engine's worker, the tokenizer, the served name."""
 
     def __init__(
-        self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_queue: int,
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str,
+        max_queue: int,
         defaults: dict | None = None,
-    ):  # fmt: skip
+        idle_step_s: float | None = None,
+    ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         # Sampling fields a request leaves out (``decoding.serve.defaults``).
         self.defaults = {**OPENAI, **(defaults or {})}
         self.metrics = Metrics()
-        self.worker = Worker(engine, max_queue=max_queue, observer=self.metrics)
+        self.worker = Worker(
+            engine, max_queue=max_queue, observer=self.metrics, idle_step_s=idle_step_s
+        )
         self.metrics.worker = self.worker
         self.created = int(time.time())
         P = engine.page_size
@@ -73,9 +81,11 @@ class Server:
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise ApiError(
-                400, f"model {name!r} is not served here; this server serves {self.model_name!r}",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+                400,
+                f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], int | None]:
         if self.chat_eos is None:
@@ -98,9 +108,10 @@ class Server:
         bad = [t for t in prompt if not 0 <= t < config.vocab_size]
         if bad:
             raise ApiError(
-                400, f"prompt has token ids outside [0, {config.vocab_size}): {bad[:5]}",
+                400,
+                f"prompt has token ids outside [0, {config.vocab_size}): {bad[:5]}",
                 param="prompt",
-            )  # fmt: skip
+            )
         _, eos_id = encode_prompt("", self.tokenizer, config)
         return list(prompt), eos_id
 
@@ -108,18 +119,22 @@ class Server:
         """``max_new`` checked against the context, or (None) all the context leaves."""
         if len(prompt) >= self.context:
             raise ApiError(
-                400, f"the prompt is {len(prompt)} tokens; this server's context is "
+                400,
+                f"the prompt is {len(prompt)} tokens; this server's context is "
                 f"{self.context} tokens (prompt + completion)",
-                param=param, code="context_length_exceeded",
-            )  # fmt: skip
+                param=param,
+                code="context_length_exceeded",
+            )
         if max_new is None:
             return self.context - len(prompt)
         if len(prompt) + max_new > self.context:
             raise ApiError(
-                400, f"{field} {max_new} + the prompt's {len(prompt)} tokens exceeds this "
+                400,
+                f"{field} {max_new} + the prompt's {len(prompt)} tokens exceeds this "
                 f"server's context of {self.context} tokens",
-                param=field, code="context_length_exceeded",
-            )  # fmt: skip
+                param=field,
+                code="context_length_exceeded",
+            )
         return max_new
 
     def sampling(self, req) -> SamplingConfig:
@@ -150,19 +165,26 @@ class Server:
         k = len(prompts) * n
         if self.worker.full(k):
             raise ApiError(
-                429, f"the server's queue is full ({self.worker.max_queue} choices); retry later",
-                type="requests", code="rate_limit_exceeded",
-            )  # fmt: skip
+                429,
+                f"the server's queue is full ({self.worker.max_queue} choices); retry later",
+                type="requests",
+                code="rate_limit_exceeded",
+            )
         if not self.worker.alive:
             raise ApiError(503, "the engine is not running", type="server_error")
         queue: asyncio.Queue = asyncio.Queue()
         handles = [
             self.worker.submit(
-                queue, i, prompts[i // n], max_new[i // n], sampling=sampling, eos_id=eos_id,
+                queue,
+                i,
+                prompts[i // n],
+                max_new[i // n],
+                sampling=sampling,
+                eos_id=eos_id,
                 seed=(seed + i) % SEED_LIMIT,
             )
             for i in range(k)
-        ]  # fmt: skip
+        ]
         texts = [ChoiceText(self.tokenizer, stops) for _ in range(k)]
         last = [None] * k
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts) * n)
@@ -202,9 +224,10 @@ class Server:
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return dict(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-    )  # fmt: skip
+    )
 
 
 def _sse(obj) -> str:
@@ -268,10 +291,14 @@ async def _respond(server: Server, request: Request, req, chat: bool):
     texts, reasons = await _until_disconnected(request, collect())
     if chat:
         choices = [
-            dict(index=i, message=dict(role="assistant", content=texts[i]), logprobs=None,
-                 finish_reason=reasons[i])
+            dict(
+                index=i,
+                message=dict(role="assistant", content=texts[i]),
+                logprobs=None,
+                finish_reason=reasons[i],
+            )
             for i in range(k)
-        ]  # fmt: skip
+        ]
     else:
         choices = [
             dict(index=i, text=texts[i], logprobs=None, finish_reason=reasons[i]) for i in range(k)
@@ -326,13 +353,26 @@ async def _stream(server, head, events, first, chat, req, prompt_tokens, counts,
 
 
 def create_app(
-    engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_queue: int = 256,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    *,
+    model_name: str,
+    max_queue: int = 256,
     defaults: dict | None = None,
-) -> FastAPI:  # fmt: skip
+    idle_step_s: float | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``engine``; its worker thread runs for the app's lifespan (so
-    stopping uvicorn, e.g. on SIGTERM, aborts what is left and ends with no page held)."""
+    stopping uvicorn, e.g. on SIGTERM, aborts what is left and ends with no page held).
+    ``idle_step_s``: for a ``decoding.distributed.DistributedEngine`` (the server on process
+    0), step it at least this often while idle, so the other processes are not left waiting in
+    its broadcast (see :class:`~decoding.serve.worker.Worker`)."""
     server = Server(
-        engine, tokenizer, model_name=model_name, max_queue=max_queue, defaults=defaults
+        engine,
+        tokenizer,
+        model_name=model_name,
+        max_queue=max_queue,
+        defaults=defaults,
+        idle_step_s=idle_step_s,
     )
 
     @contextlib.asynccontextmanager
@@ -344,8 +384,10 @@ def create_app(
             stats = server.worker.close()
             log.info(
                 "engine stopped: %d pages held, %d running, %d waiting",
-                stats["pages_used"], stats["running"], stats["waiting"],
-            )  # fmt: skip
+                stats["pages_used"],
+                stats["running"],
+                stats["waiting"],
+            )
 
     app = FastAPI(title="pallas-attn OpenAI-compatible server", lifespan=lifespan)
     app.state.server = server
@@ -390,9 +432,12 @@ def create_app(
     @app.get("/v1/models")
     async def list_models():
         card = dict(
-            id=server.model_name, object="model", created=server.created,
-            owned_by="pallas-attn", max_model_len=server.context,
-        )  # fmt: skip
+            id=server.model_name,
+            object="model",
+            created=server.created,
+            owned_by="pallas-attn",
+            max_model_len=server.context,
+        )
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

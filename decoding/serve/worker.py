@@ -72,8 +72,19 @@ class Worker:
     :meth:`full` says when a new request of ``n`` choices would pass it.
     """
 
-    def __init__(self, engine: Engine, *, max_queue: int = 256, observer: Observer | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_queue: int = 256,
+        observer: Observer | None = None,
+        idle_step_s: float | None = None,
+    ):
         self.engine = engine
+        # A decoding.distributed.DistributedEngine: the other processes wait inside its step's
+        # broadcast, so an idle worker still steps every idle_step_s (their heartbeat) and
+        # shuts the engine down when it stops (they return from serve_followers).
+        self.idle_step_s = idle_step_s
         self.max_queue = max_queue
         self.observer = observer or Observer()
         self._cv = threading.Condition()
@@ -167,8 +178,9 @@ class Worker:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._commands or self._stopping or self.engine.busy):
-                    self._cv.wait()
+                idle = False
+                while not (self._commands or self._stopping or self.engine.busy or idle):
+                    idle = not self._cv.wait(self.idle_step_s) and self.idle_step_s is not None
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
             for command in commands:
@@ -179,8 +191,10 @@ class Worker:
             if stopping:
                 self._abort_all(RuntimeError("the server is shutting down"))
                 self.stats = self.engine.stats()
+                if self.idle_step_s is not None:
+                    self.engine.shutdown()
                 return
-            if self.engine.busy:
+            if self.engine.busy or self.idle_step_s is not None:
                 self._step()
             self.stats = self.engine.stats()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,9 +34,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(mode: str, workdir: Path, heartbeat: int = 10, meanwhile=lambda: None, command=None):
-    """Starts both processes, calls ``meanwhile()`` while they run -> (its result,
-    [(exit status or None if killed at the timeout, log tail) per process])."""
+def _launch(
+    mode: str,
+    workdir: Path,
+    heartbeat: int = 10,
+    meanwhile=lambda: None,
+    command=None,
+    signal_leader=None,
+):
+    """Starts both processes, calls ``meanwhile()`` while they run (then sends process 0
+    ``signal_leader``, if given) -> (its result, [(exit status or None if killed at the
+    timeout, log tail) per process])."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs, logs = [], []
@@ -43,17 +52,32 @@ def _launch(mode: str, workdir: Path, heartbeat: int = 10, meanwhile=lambda: Non
         for i in range(2):
             log = open(workdir / f"log{i}.txt", "w+")
             cmd = [
-                sys.executable, "-m", "decoding.launch", "--coordinator", f"127.0.0.1:{port}",
-                "--num-processes", "2", "--process-id", str(i), "--local-devices", "2",
-                "--heartbeat-timeout", str(heartbeat), "--init-timeout", "60",
-                "--", *(command or [str(WORKER), mode, str(workdir)]),
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "decoding.launch",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--local-devices",
+                "2",
+                "--heartbeat-timeout",
+                str(heartbeat),
+                "--init-timeout",
+                "60",
+                "--",
+                *(command or [str(WORKER), mode, str(workdir)]),
+            ]
             procs.append(
                 subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             )
             logs.append(log)
         deadline = time.monotonic() + TIMEOUT
         result = meanwhile()
+        if signal_leader is not None:
+            procs[0].send_signal(signal_leader)
         codes = []
         for p in procs:
             try:
@@ -122,10 +146,25 @@ def test_two_processes_speculate_and_read_one_checkpoint(tmp_path):
 
 
 TRAIN_FLAGS = [
-    "--preset", "tiny", "--steps", "2", "--batch", "4", "--seq-len", "16", "--eval-every", "1",
-    "--eval-batches", "1", "--max-corpus-bytes", "20000", "--attn-impl", "xla",
-    "--save-dtype", "float32",
-]  # fmt: skip
+    "--preset",
+    "tiny",
+    "--steps",
+    "2",
+    "--batch",
+    "4",
+    "--seq-len",
+    "16",
+    "--eval-every",
+    "1",
+    "--eval-batches",
+    "1",
+    "--max-corpus-bytes",
+    "20000",
+    "--attn-impl",
+    "xla",
+    "--save-dtype",
+    "float32",
+]
 
 
 @pytest.mark.slow
@@ -184,9 +223,13 @@ def test_generate_command_line_on_two_processes_equals_one(tmp_path):
 
     def one_process():
         out = subprocess.run(
-            [sys.executable, "-m", "decoding", *args, "--cache", "contiguous"], cwd=ROOT,
-            capture_output=True, text=True, timeout=TIMEOUT, check=True,
-        )  # fmt: skip
+            [sys.executable, "-m", "decoding", *args, "--cache", "contiguous"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            check=True,
+        )
         return out.stdout
 
     command = ["python", "-m", "decoding", *args, "--mesh", "1,4"]
@@ -196,3 +239,55 @@ def test_generate_command_line_on_two_processes_equals_one(tmp_path):
     assert want.startswith("def fib(n):")
     continuation = want[len("def fib(n):") :].strip()  # gloo's own lines may precede it
     assert continuation and continuation in log0 and continuation not in log1
+
+
+@pytest.mark.slow
+def test_server_on_two_processes_equals_generate(tmp_path):
+    """``decoding.launch -- python -m decoding.serve --mesh 1,4``: process 0 serves, process 1
+    steps with it (a DistributedEngine, idle steps included); a greedy completion equals
+    ``generate`` on one process, and SIGTERM to the server stops both."""
+    import httpx
+
+    import models
+    from decoding import generate
+    from decoding.chat import encode_prompt
+
+    port, prompt, n = _free_port(), "def fib(n):", 12
+    model, tok = models.pretrained("code-target")
+    ids, eos = encode_prompt(prompt, tok, model.config)
+    want = tok.decode(generate(model, [ids], max_new_tokens=n, eos_id=eos).tokens[0])
+
+    def client():
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + TIMEOUT / 2
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        time.sleep(2)  # idle: the follower waits in the leader's idle steps meanwhile
+        body = dict(model="code-target", prompt=prompt, max_tokens=n, temperature=0)
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+
+    command = [
+        "python",
+        "-m",
+        "decoding.serve",
+        "--model",
+        "code-target",
+        "--mesh",
+        "1,4",
+        "--port",
+        str(port),
+        "--max-batch",
+        "2",
+        "--max-seq-len",
+        "128",
+    ]
+    out, results = _launch(
+        "serve", tmp_path, meanwhile=client, command=command, signal_leader=signal.SIGTERM
+    )
+    assert "choices" in out, (out, [log[-1500:] for _, log in results])
+    assert out["choices"][0]["text"] == want, (out, results)
+    for code, log in results:
+        assert code is not None, log  # both exited, none killed at the timeout
