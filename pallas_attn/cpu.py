@@ -1,5 +1,5 @@
-"""The attention step of :func:`pallas_attn.attention_with_kvcache`'s "xla" path on the CPU
-backend, as one native kernel (``pallas_attn/native/kv_attention.cc``).
+"""``impl="native"``: the attention step of :func:`pallas_attn.attention_with_kvcache` on the
+CPU backend as one C++ kernel (what ``"auto"`` runs there where it applies) (``pallas_attn/native/kv_attention.cc``).
 
 The blockwise jnp path gathers each row's pages into a contiguous copy, transposes it for the
 products and runs an online softmax as a loop of small XLA ops: on a decode step of the
@@ -8,7 +8,8 @@ kernel reads each key and value row once, in place through the block table (or t
 row), for all ``Tq x G`` queries of a KV head, in any cache dtype (FP8 descaled on the fly),
 with every mask of the API (window, causal, leftpad, tree). Used when the kernels are built
 (:func:`pallas_attn.native.available`) and ``Tq x G <= MAX_ROWS``; the cache write stays the
-jnp scatter. Set ``ENABLED = False`` (or ``PALLAS_ATTN_NATIVE=0``) for the blockwise path.
+jnp scatter. ``ENABLED = False`` (or ``PALLAS_ATTN_NATIVE=0``) makes ``"auto"`` take the
+blockwise ``"xla"`` path instead.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 XLA:CPU runs a decode step as hundreds of small ops, each a few microseconds, and its products
 of a few rows read weights at about half the memory's rate. Two kernels take that work where it
 dominates: ``kv_attention.cc`` (attention of a few queries over a KV cache, one pass, in place;
-used by :func:`pallas_attn.attention_with_kvcache`'s "xla" path on CPU, see
+``impl="native"`` of :func:`pallas_attn.attention_with_kvcache` on CPU, see
 :mod:`pallas_attn.cpu`) and ``rows_matmul.cc`` (few-row products over packed float or
 block-quantized weights, see :mod:`models.rows_matmul` and :mod:`models.quant`).
 
