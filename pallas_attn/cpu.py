@@ -1,5 +1,6 @@
 """``impl="native"``: the attention step of :func:`pallas_attn.attention_with_kvcache` on the
-CPU backend as one C++ kernel (what ``"auto"`` runs there where it applies) (``pallas_attn/native/kv_attention.cc``).
+CPU backend as one C++ kernel, ``pallas_attn/native/kv_attention.cc`` (what ``"auto"`` runs
+there where it applies).
 
 The blockwise jnp path gathers each row's pages into a contiguous copy, transposes it for the
 products and runs an online softmax as a loop of small XLA ops: on a decode step of the
