@@ -119,6 +119,9 @@ def test_ctrl_c_stops_quietly(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A terminal's Ctrl-C: SIGINT at its default, whatever this (test worker) process has
+        # made of it (a child inherits an ignored SIGINT, and Python then never raises it).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout.read(len("def f(x):") + 8)  # the prompt and the first streamed text

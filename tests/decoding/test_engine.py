@@ -397,7 +397,18 @@ def _timed_run(eng, prompts) -> float:
     return time.perf_counter() - t0
 
 
-def test_sigint_at_random_times_loses_nothing(tiny_model, greedy_refs):
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test, whatever the test worker
+    process had installed before (an ignored SIGINT would make the test vacuous)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_sigint_at_random_times_loses_nothing(tiny_model, greedy_refs, ctrl_c_raises):
     """Real SIGINTs (os.kill from timer threads) at random times while the engine steps: each
     interrupt that lands in step() is raised when the step is consistent; stepping on, every
     request finishes with its uninterrupted tokens, each token streamed exactly once, and every
