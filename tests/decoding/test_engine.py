@@ -491,7 +491,10 @@ def test_exceptions_at_random_points_rebuild_the_engine(tiny_model, greedy_refs)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    assert raised > 0 and eng.stats()["rebuilds"] == raised
+    # An alarm that lands before step()'s try block (its usability check) or after it (handing
+    # the events out) changed nothing, so it needs no rebuild: every rebuild is one alarm, not
+    # every alarm a rebuild.
+    assert raised > 0 and 0 < eng.stats()["rebuilds"] <= raised
 
 
 def test_numpy_scalars_accepted_bools_rejected(tiny_model, greedy_refs):
