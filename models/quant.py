@@ -14,15 +14,17 @@ the same float32 values, so the blocks of a GGUF file survive dequantization and
 unchanged (tests/models/test_quant.py checks both against ``gguf.quants`` on random data and on
 the shipped file).
 
-:func:`quantize` replaces a model's :class:`~models.transformer.Linear` layers (and a tied LM
+:func:`quantize` replaces a model's :class:`~models.linear.Linear` layers (and a tied LM
 head, as a separate quantized copy of the embedding: the embedding gather and the norms stay in
 float) with :class:`QuantLinear`. Its products:
 
 * few rows on CPU (decode steps, speculative verification; after
   :func:`models.transformer.attach_decode_weights`): ``rows_matmul.cc``'s quantized kernel, which
-  dequantizes each weight in registers to exactly the float32 value above and accumulates in
-  float32 in the same order as the float kernel: the result equals the float kernel on the
-  dequantized weights bit for bit. Activations stay float32 (no 8-bit activation blocks);
+  by default quantizes the activations to 8-bit blocks of 32 (a float32 scale each) and takes
+  each block's dot product in int32 (VNNI): ``activations="q8"``. With ``"f32"``
+  (:func:`set_activations`) it dequantizes each weight in registers to exactly the float32 value
+  above and accumulates in float32 in the same order as the float kernel: the result equals the
+  float kernel on the dequantized weights bit for bit;
 * everything else (prefill, GPU): the weights are dequantized to the activation dtype in the
   program (``convert`` + multiply, fused by XLA into the product's operand) and multiplied.
 """
@@ -39,6 +41,7 @@ from flax import nnx
 from jax import lax
 
 from models import rows_matmul
+from models.linear import Linear, few_rows
 from pallas_attn import native
 
 FORMATS = rows_matmul.FORMATS  # ("q8_0", "q4_0", "q4_1")
@@ -156,10 +159,13 @@ class QuantLinear(nnx.Module):
 
     ``dtype``: the activation dtype (inputs are cast to it, outputs are in it). Few-row calls on
     CPU after :func:`models.transformer.attach_decode_weights` use the quantized kernel; the others
-    dequantize ``W`` to ``dtype`` and multiply (as :class:`~models.transformer.Linear` would the
+    dequantize ``W`` to ``dtype`` and multiply (as :class:`~models.linear.Linear` would the
     dequantized weights)."""
 
-    packed_kernel = None  # models.transformer.PackedWeights: panels of rows_matmul.pack_quantized
+    packed_kernel = None  # models.linear.PackedWeights: panels of rows_matmul.pack_quantized
+    # The few-row kernel's activations: "q8" | "f32" | None (rows_matmul.DEFAULT_ACTIVATIONS);
+    # set_activations sets it on a model's layers.
+    activations = None
 
     def __init__(self, fmt: str, arrays: Mapping, *, bias=None, dtype=jnp.float32):
         self.fmt = check_format(fmt)
@@ -184,8 +190,6 @@ class QuantLinear(nnx.Module):
         return w if dtype is None else w.astype(dtype)
 
     def __call__(self, x):
-        from models.transformer import few_rows
-
         if self.packed_kernel is None or not few_rows(x):
             return self._plain(x)
         return native.on_cpu(self._packed, self._plain, x)
@@ -197,15 +201,30 @@ class QuantLinear(nnx.Module):
 
     def _packed(self, x):
         y = rows_matmul.matmul_quantized(
-            x.astype(self.dtype), self.packed_kernel[...], self.out_features, self.fmt
+            x.astype(self.dtype),
+            self.packed_kernel[...],
+            self.out_features,
+            self.fmt,
+            self.activations,
         ).astype(self.dtype)
         return y if self.bias is None else y + self.bias[...]
 
 
+def set_activations(model, activations):
+    """Sets the few-row kernel's activations of every :class:`QuantLinear` of ``model`` (in
+    place; returns ``model``): ``"q8"`` (8-bit activation blocks, integer dot products), ``"f32"``
+    (float32 activations: the dequantized float model's results bit for bit) or None (the
+    default, :data:`models.rows_matmul.DEFAULT_ACTIVATIONS`). ValueError for another value."""
+    if activations is not None:
+        rows_matmul.check_activations(activations)
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, QuantLinear):
+            m.activations = activations
+    return model
+
+
 def _linears(model):
     """(path, parent, attribute, module) of every Linear / QuantLinear of ``model``."""
-    from models.transformer import Linear
-
     out = []
     for path, m in nnx.iter_modules(model):
         if isinstance(m, (Linear, QuantLinear)) and path:
@@ -225,7 +244,7 @@ def _set(parent, attr, value):
 
 def quantize(model, fmt, *, dtype=None):
     """A copy of ``model`` (a :class:`~models.transformer.Transformer`, or any module with
-    :class:`~models.transformer.Linear` layers) with its linear layers block-quantized.
+    :class:`~models.linear.Linear` layers) with its linear layers block-quantized.
 
     Args:
       fmt: ``"q8_0"``, ``"q4_0"`` or ``"q4_1"`` for every layer, or a mapping from module path
@@ -244,8 +263,6 @@ def quantize(model, fmt, *, dtype=None):
         formats = None
     else:
         formats = {k: check_format(v) for k, v in dict(fmt).items()}
-    from models.transformer import Linear
-
     if getattr(model, "mesh", None) is not None:
         raise ValueError("quantize: a sharded model (mesh) is not supported; quantize before")
     model = nnx.merge(*nnx.split(model))  # a new module tree over the same arrays
@@ -300,11 +317,9 @@ def _cast(model, dtype):
 
 def dequantize(model):
     """A copy of ``model`` with every :class:`QuantLinear` replaced by a float
-    :class:`~models.transformer.Linear` holding the dequantized weights (in the layer's
+    :class:`~models.linear.Linear` holding the dequantized weights (in the layer's
     activation dtype: exactly the quantized values in float32). A tied model's quantized head
     stays a separate ``lm_head``."""
-    from models.transformer import Linear
-
     model = nnx.merge(*nnx.split(model))
     for _, parent, attr, m in _linears(model):
         if not isinstance(m, QuantLinear):

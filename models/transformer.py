@@ -39,9 +39,16 @@ from flax import nnx
 from jax import lax
 
 import pallas_attn
+from models import fused_decode as fused
 from models import quant, rows_matmul
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
+from models.linear import (  # also importable from here
+    DECODE_MIN_WEIGHTS,
+    Linear,
+    PackedWeights,
+    few_rows,
+)
 from models.shard import constrain_batch, local_heads
 from pallas_attn import native
 
@@ -156,43 +163,6 @@ def split_gate_up(w):
     """Inverse of :func:`fuse_gate_up`: fused [..., mlp_dim * 2] -> (gate, up)."""
     g = w.reshape(*w.shape[:-1], -1, 2)
     return g[..., 0], g[..., 1]
-
-
-# Few-row products (decode steps of a batch, speculative verification) on CPU: XLA:CPU reads the
-# weights of [M, K] @ [K, N] for 2 <= M <= 16 at about half the rate of the packed-panel kernel
-# in models/rows_matmul.py (1.6-2.4x at M = 4..8, 1.0-1.5x at M = 1). :func:`attach_decode_weights`
-# gives each large enough Linear a packed copy, used for calls of at most DECODE_MAX_ROWS rows;
-# benchmarks/generate.py and benchmarks/speculative.py measure it on the models.
-DECODE_MAX_ROWS = rows_matmul.MAX_ROWS
-DECODE_MIN_WEIGHTS = 1 << 16  # kernel elements (256 x 256); smaller ones gain nothing
-
-
-class PackedWeights(nnx.Variable):
-    """A kernel packed by :func:`models.rows_matmul.pack` (made by :func:`pack_decode_weights`,
-    attached by :func:`attach_decode_weights`; not a parameter)."""
-
-
-def few_rows(x) -> bool:
-    """Whether ``x [..., K]`` has the few rows that :func:`models.rows_matmul.matmul` is for."""
-    return x.size // x.shape[-1] <= DECODE_MAX_ROWS
-
-
-class Linear(nnx.Linear):
-    """``nnx.Linear`` (the same parameters and results); after :func:`attach_decode_weights`, inputs of
-    few rows multiply a packed copy of the kernel (:func:`models.rows_matmul.matmul`)."""
-
-    packed_kernel: PackedWeights | None = None
-
-    def __call__(self, x, out_sharding=None):
-        if self.packed_kernel is None or not few_rows(x) or out_sharding is not None:
-            return super().__call__(x, out_sharding)
-        return native.on_cpu(self._packed, super().__call__, x)  # plain where lowered for GPU
-
-    def _packed(self, x):
-        dt = self.dtype or x.dtype
-        y = rows_matmul.matmul(x.astype(dt), self.packed_kernel[...], self.out_features)
-        y = y.astype(dt)
-        return y if self.bias is None else y + self.bias[...]
 
 
 def _packable(w) -> bool:
@@ -408,6 +378,7 @@ class Transformer(nnx.Module):
     """The decoder. ``model.config`` is its :class:`~models.config.TransformerConfig`."""
 
     packed_head: PackedWeights | None = None  # tied LM head packed by attach_decode_weights
+    fused_decode: bool = True  # False: cached calls never take models.fused_decode's layer
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -487,7 +458,14 @@ class Transformer(nnx.Module):
                 if cache.ring_pages is not None:  # trace time: only ring caches pay for it
                     table = cache.layer_table(self.config, i, T)
                 kv = (cache.k[i], cache.v[i], cache.lengths, table)
-            x, layer_kv = layer(x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask)
+            if self.fused_decode and fused.applies(
+                layer, x, kv, tree_mask=tree_mask, segment_ids=segment_ids, mesh=self.mesh
+            ):  # a decode step's layer as one native call on CPU (models/fused_decode.py)
+                x, layer_kv = fused.layer(layer, x, cos, sin, kv)
+            else:
+                x, layer_kv = layer(
+                    x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask
+                )
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
