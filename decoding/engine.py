@@ -25,6 +25,11 @@ write to one goes to a private copy.
 
 Results are handed out once: ``step()`` returns each new token once (for streaming),
 ``pop_finished()`` each finished request's tokens once (``run_until_done()`` steps, then pops).
+A request submitted with ``logprobs=n`` also gets a ``sampling.TokenLogprob`` per generated
+token (its log-probability and the ``n`` most likely alternatives, under ``logprobs_mode``:
+see ``sampling.token_logprobs``); ``pop_logprobs()`` hands out those of the tokens ``step()``
+has returned, each once. Speculative rows report them too: each accepted token's under the
+target's distribution at its position. Only steps where some row asks compute them.
 ``abort(rid)`` cancels a waiting or running request and frees its pages at once.
 
 Failure: Ctrl-C (SIGINT, main thread) during ``step()`` is held until the step is complete and
@@ -59,11 +64,18 @@ from decoding.checks import check_bool, check_int, check_model, check_optional_i
 from decoding.drafts import MAX_K, PRIOR_ACCEPTANCE, AcceptanceEstimate, PromptLookup
 from decoding.interrupts import deferred_interrupts
 from decoding.paging import pages_for
-from decoding.sampling import SamplingConfig, SamplingParams
+from decoding.sampling import (
+    MAX_LOGPROBS,
+    SamplingConfig,
+    SamplingParams,
+    TokenLogprob,
+    check_logprobs_mode,
+    logprob_records,
+)
 from decoding.scheduler import Request, Scheduler
 from decoding.speculative import chosen_num_draft_tokens
 from models import KVCache
-from models.shard import to_host
+from models.sharding import to_host
 from models.transformer import pack_decode_weights
 
 _GREEDY = SamplingConfig()
@@ -104,6 +116,9 @@ class Engine:
         ``max_batch`` rows and the batch's running acceptance rate
         (``speculative.chosen_num_draft_tokens``), re-chosen every ``RECHOOSE_STEPS``
         verification steps (each k in use compiles its step once).
+      logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
+        distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
+        filtered distribution the token was drawn from); ``sampling.token_logprobs``.
     """
 
     def __init__(
@@ -119,8 +134,10 @@ class Engine:
         max_seq_len: int | None = None,
         draft=None,
         num_draft_tokens: int | None = None,
+        logprobs_mode: str = "raw",
     ):
         check_model("model", model)
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
         if draft is not None and not isinstance(draft, PromptLookup):
             raise TypeError(
                 "draft must be None or a decoding.PromptLookup (the engine does not yet run "
@@ -145,7 +162,7 @@ class Engine:
         self._kernels = pack_decode_weights(
             model, self._params
         )  # packed weights, few-row steps (CPU)
-        self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef)
+        self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef, self.logprobs_mode)
         self._model, self._graphdef, self.draft = model, graphdef, draft
         self._fixed_k, self.num_draft_tokens = k, k
         # A verification writes up to k positions past a row's last needed one (dropped later),
@@ -166,6 +183,9 @@ class Engine:
             counts=self._counts,
         )
         self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
+        self._num_logprobs: dict[int, int] = {}  # live requests that asked: rid -> n
+        self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # of self._events' tokens
+        self._logprobs: dict[int, list[TokenLogprob]] = {}  # of returned tokens, not popped
         self._broken: str | None = None
         self._next_rid = 0
         self._busy_s = self._compile_s = 0.0
@@ -196,8 +216,12 @@ class Engine:
         sampling: SamplingConfig | None = None,
         eos_id: int | None = None,
         seed: int | None = None,
+        logprobs: int | None = None,
     ) -> int:
         """Queues a request; returns its id. ``seed`` defaults to the id.
+
+        ``logprobs``: None (default) or n in [0, ``MAX_LOGPROBS``]: record each generated
+        token's log-probability and its n most likely alternatives (``pop_logprobs``).
 
         Raises ``ValueError`` (``TypeError`` for ``sampling``) before queueing anything when the
         request is malformed or can never fit: an empty prompt, a token outside the vocabulary,
@@ -210,6 +234,9 @@ class Engine:
         V = self.config.vocab_size
         eos = check_optional_int("eos_id", eos_id, 0, V)
         seed = check_optional_int("seed", seed, 0, 2**32)
+        num_logprobs = check_optional_int("logprobs", logprobs, 0, MAX_LOGPROBS + 1)
+        if num_logprobs is not None and num_logprobs > V:
+            raise ValueError(f"logprobs={num_logprobs} exceeds the vocabulary's size {V}")
         total = len(prompt) + max_new
         need = pages_for(total - 1, self.page_size)  # the last new token is never cached
         if need > self.allocator.num_pages:
@@ -226,6 +253,8 @@ class Engine:
             rid = self._next_rid
             self._next_rid += 1
             seed = rid if seed is None else seed
+            if num_logprobs is not None:
+                self._num_logprobs[rid] = num_logprobs
             self.scheduler.add(Request(rid, len(prompt), max_new, sampling, eos, seed, prompt))
         return rid
 
@@ -244,6 +273,8 @@ class Engine:
                 raise KeyError(f"no request with id {rid!r}: request ids are ints")
             out = self.scheduler.abort(int(rid))
             self._events.pop(rid, None)
+            for d in (self._num_logprobs, self._step_logprobs, self._logprobs):
+                d.pop(rid, None)
         return out
 
     def _check_prompt(self, prompt_tokens) -> list[int]:
@@ -293,7 +324,28 @@ class Engine:
             finally:
                 self._busy_s += time.perf_counter() - t0
         events, self._events = self._events, {}
+        for rid, records in self._step_logprobs.items():
+            self._logprobs.setdefault(rid, []).extend(records)
+        self._step_logprobs = {}
         return events
+
+    def pop_logprobs(self) -> dict[int, list[TokenLogprob]]:
+        """``{request id: [TokenLogprob per token]}`` of the tokens ``step()`` returned since
+        the last call, for the requests submitted with ``logprobs``; each handed out once, in
+        token order (after ``run_until_done()``: every token of those requests)."""
+        out, self._logprobs = self._logprobs, {}
+        return out
+
+    def _record_logprobs(self, req: Request, tokens: list[int], lp, rows) -> None:
+        """Keeps the ``TokenLogprob`` of ``tokens`` (emitted by ``req`` this step) when it
+        asked; ``lp`` host ``Logprobs`` indexed by ``rows`` (one index per token)."""
+        n = self._num_logprobs.get(req.rid)
+        if n is None or not tokens:
+            return
+        part = jax.tree.map(lambda x: x[rows], lp)
+        self._step_logprobs.setdefault(req.rid, []).extend(logprob_records(tokens, part, n))
+        if req.done:
+            del self._num_logprobs[req.rid]
 
     @property
     def busy(self) -> bool:
@@ -398,14 +450,16 @@ class Engine:
         seeds = np.zeros(B, np.uint32)
         table = np.full((B, self.max_pages), self._scratch, np.int32)
         settings = [_GREEDY] * B  # padding rows: greedy, the cheapest
+        wanted = np.zeros(B, bool)
         for req in rows:
             b = req.row
+            wanted[b] = req.rid in self._num_logprobs
             last[b], lengths[b], seeds[b] = req.tokens[-1], req.computed, req.seed
             index[b] = len(req.tokens) - req.prompt_len
             settings[b] = req.sampling
             pages = self.tables.rows[b]
             table[b, : len(pages)] = pages
-        new, self._k, self._v = self._call(
+        new, lp, self._k, self._v = self._call(
             self._decode_fn,
             self._params,
             self._kernels,
@@ -417,8 +471,10 @@ class Engine:
             seeds,
             index,
             SamplingParams.rows(settings),
+            wanted,
         )
         new = to_host(new)  # whole on every process, also when rows span processes
+        lp = to_host(lp) if wanted.any() else None  # zeros otherwise: not worth a transfer
         self._counts["decode_steps"] += 1
         for req in rows:
             token = int(new[req.row])
@@ -426,6 +482,8 @@ class Engine:
             req.tokens.append(token)
             req.computed += 1
             self._counts["generated_tokens"] += 1
+            if lp is not None:
+                self._record_logprobs(req, [token], lp, [req.row])
             self.scheduler.register(req)
             if req.done:
                 self.scheduler.retire(req)
@@ -442,16 +500,18 @@ class Engine:
         seeds = np.zeros(B, np.uint32)
         table = np.full((B, self._table_width), self._scratch, np.int32)
         settings = [_GREEDY] * B
+        wanted = np.zeros(B, bool)
         for req in rows:
             b = req.row
+            wanted[b] = req.rid in self._num_logprobs
             seq[b, : len(req.tokens)] = req.tokens
             lengths[b], seeds[b] = req.computed, req.seed
             index[b] = len(req.tokens) - req.prompt_len
             settings[b] = req.sampling
             pages = self.tables.rows[b]
             table[b, : len(pages)] = pages
-        fn = engine_steps.jitted_verify(self._graphdef, self.draft, k)
-        drafted, n, nxt, self._k, self._v = self._call(
+        fn = engine_steps.jitted_verify(self._graphdef, self.draft, k, self.logprobs_mode)
+        drafted, n, nxt, lp, self._k, self._v = self._call(
             fn,
             self._params,
             self._kernels,
@@ -463,21 +523,27 @@ class Engine:
             seeds,
             index,
             SamplingParams.rows(settings),
+            wanted,
         )
         drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
+        lp = to_host(lp) if wanted.any() else None
         self._counts["decode_steps"] += 1
         for req in rows:
             b = req.row
             self._counts["draft_accepted"] += int(n[b])
             self._counts["draft_proposed"] += k
             self.acceptance.update(int(n[b]), k)
+            emitted = []
             for token in [*drafted[b, : n[b]].tolist(), int(nxt[b])]:
                 self._events.setdefault(req.rid, []).append(token)
                 req.tokens.append(token)
+                emitted.append(token)
                 req.computed += 1
                 self._counts["generated_tokens"] += 1
                 if req.done:
                     break
+            if lp is not None:  # emitted token j sits at verified position j of row b
+                self._record_logprobs(req, emitted, lp, (b, np.arange(len(emitted))))
             self.scheduler.register(req)
             if req.done:
                 self.scheduler.retire(req)

@@ -33,7 +33,15 @@ from flax import nnx
 
 from decoding.acceptance import accept, accept_greedy
 from decoding.drafts import Context, PromptLookup
-from decoding.sampling import SamplingParams, all_greedy, argmax, branch, probabilities, sample
+from decoding.sampling import (
+    SamplingParams,
+    all_greedy,
+    argmax,
+    branch,
+    probabilities,
+    sample,
+    token_logprobs,
+)
 from models import KVCache
 from models.transformer import attach_decode_weights
 
@@ -59,27 +67,43 @@ def prefill_chunk(graphdef, params, k, v, tokens, start, table):
 
 
 def decode_rows(
-    graphdef, params, kernels, k, v, last, lengths, table, seeds, index, sampling: SamplingParams
+    graphdef,
+    logprobs_mode,
+    params,
+    kernels,
+    k,
+    v,
+    last,
+    lengths,
+    table,
+    seeds,
+    index,
+    sampling: SamplingParams,
+    wanted,
 ):
     """One token per row: last [B] fed at position lengths [B] through table [B, max_pages];
     ``kernels`` from ``models.transformer.pack_decode_weights`` (few-row products on CPU).
 
-    Returns ``(next tokens [B] int32, k, v)``; seeds [B] uint32 and index [B] int32 give each
-    row's key (``row_keys``), ``sampling`` [B] its settings: row ``b`` draws alone (as at batch
-    1), a greedy row (temperature 0) takes the argmax.
+    Returns ``(next tokens [B] int32, logprobs, k, v)``; seeds [B] uint32 and index [B] int32
+    give each row's key (``row_keys``), ``sampling`` [B] its settings: row ``b`` draws alone
+    (as at batch 1), a greedy row (temperature 0) takes the argmax. ``logprobs``:
+    ``sampling.Logprobs`` [B] of the tokens under ``logprobs_mode`` (static), computed only
+    when some row of ``wanted`` [B] bool asks (else zeros).
     """
     TRACES["decode"] += 1
     model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
     cache = KVCache(k=k, v=v, lengths=lengths, block_table=table)
     logits, cache = model(last[:, None], cache=cache)
     tokens = sample(logits[:, -1], row_keys(seeds, index), sampling)
-    return tokens, cache.k, cache.v
+    lp = token_logprobs(logits[:, -1], tokens, sampling, logprobs_mode, wanted)
+    return tokens, lp, cache.k, cache.v
 
 
 def verify_rows(
     graphdef,
     draft,
     num_draft,
+    logprobs_mode,
     params,
     kernels,
     k,
@@ -90,6 +114,7 @@ def verify_rows(
     seeds,
     index,
     sampling: SamplingParams,
+    wanted,
 ):
     """Draft and verify for every row: seq [B, L] each row's known tokens (its last one,
     ``seq[b, lengths[b]]``, not yet cached), lengths [B] the cached positions, table [B, W].
@@ -100,6 +125,11 @@ def verify_rows(
     row emits ``drafted[b, :n[b]]`` then ``nxt[b]``, distributed exactly as that many tokens
     sampled one by one (greedy: the target's argmax chain). Its key is ``row_keys``' (seed,
     tokens generated so far), so a row's draws do not depend on the batch.
+
+    Also returns (before k, v) ``logprobs``: ``sampling.Logprobs`` [B, k + 1] of the row's
+    emitted tokens under the target's distribution at their positions (``drafted[b, j]`` at
+    j < n[b], ``nxt[b]`` at j = n[b], later positions meaningless), computed only when some
+    row of ``wanted`` [B] bool asks.
     """
     TRACES["verify"] += 1
     model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
@@ -124,25 +154,33 @@ def verify_rows(
     n, nxt = branch(
         all_greedy(sampling), lambda: accept_greedy(argmax(logits), prop.tokens), sampled
     )
-    return prop.tokens, n, nxt, cache.k, cache.v
+    # The emitted token at each of the k + 1 positions: the draft's while accepted, then nxt.
+    pos = jnp.arange(num_draft + 1)
+    drafted = jnp.pad(prop.tokens, ((0, 0), (0, 1)))
+    emitted = jnp.where(pos < n[:, None], drafted, nxt[:, None])
+    rows = jax.tree.map(lambda x: x[:, None], sampling)
+    lp = token_logprobs(logits, emitted, rows, logprobs_mode, wanted)
+    return prop.tokens, n, nxt, lp, cache.k, cache.v
 
 
 @functools.lru_cache(maxsize=16)
-def jitted_verify(graphdef, draft, num_draft: int):
-    """``verify_rows`` jitted for one model structure, draft kind and k, the pool donated."""
-    fn = functools.partial(verify_rows, graphdef, draft, num_draft)
+def jitted_verify(graphdef, draft, num_draft: int, logprobs_mode: str = "raw"):
+    """``verify_rows`` jitted for one model structure, draft kind, k and logprobs mode, the
+    pool donated."""
+    fn = functools.partial(verify_rows, graphdef, draft, num_draft, logprobs_mode)
     return jax.jit(fn, donate_argnums=(2, 3))
 
 
 @functools.lru_cache(maxsize=16)
-def jitted(graphdef):
-    """``(prefill_chunk, decode_rows)`` jitted for one model structure, the pool donated.
+def jitted(graphdef, logprobs_mode: str = "raw"):
+    """``(prefill_chunk, decode_rows)`` jitted for one model structure (and logprobs mode),
+    the pool donated.
 
     The graph definition is closed over (hashed once here, not at every call); cached so that
     engines over the same model share compilations.
     """
     prefill = jax.jit(functools.partial(prefill_chunk, graphdef), donate_argnums=(1, 2))
-    decode = jax.jit(functools.partial(decode_rows, graphdef), donate_argnums=(2, 3))
+    decode = jax.jit(functools.partial(decode_rows, graphdef, logprobs_mode), donate_argnums=(2, 3))
     return prefill, decode
 
 

@@ -310,3 +310,120 @@ def sample(logits, key, sampling):
         return jnp.where(sampled, drawn.astype(jnp.int32), best)
 
     return branch(_any(sampled), draw, lambda: best)
+
+
+# --------------------------------------------------------------------------------- logprobs
+
+# The most alternatives a request may ask for (OpenAI's top_logprobs bound): the steps always
+# take this many (a static shape, so requests asking for fewer, or none, never recompile).
+MAX_LOGPROBS = 20
+# What a token's log-probability is measured under (``token_logprobs``).
+LOGPROBS_MODES = ("raw", "processed")
+
+
+@struct.dataclass
+class Logprobs:
+    """Log-probabilities of a step's tokens, per row (``rows`` = the tokens' shape).
+
+    Attributes:
+      chosen: float32 [rows], the log-probability of the token the row emitted.
+      top_ids: int32 [rows, N], the N = min(MAX_LOGPROBS, V) most likely tokens, most likely
+        first (ties: the smaller id first).
+      top: float32 [rows, N], their log-probabilities (``-inf`` for a token a filter removed).
+    """
+
+    chosen: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
+
+
+def check_logprobs_mode(mode) -> str:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
+    return mode
+
+
+def _reported_logits(logits, p: SamplingParams, mode: str):
+    """float32 logits [..., V] whose log-softmax is what ``token_logprobs`` reports."""
+    logits = jnp.asarray(logits, jnp.float32)
+    if mode == "raw":
+        return logits
+    sampled = p.temperature > 0
+    return branch(
+        _any(sampled),
+        lambda: jnp.where(_col(sampled), _sampled_logits(logits, p), logits),
+        lambda: logits,
+    )
+
+
+def token_logprobs(logits, tokens, sampling, mode: str = "raw", wanted=None) -> Logprobs:
+    """logits [..., V], the emitted tokens [...] -> their ``Logprobs`` (float32).
+
+    ``mode`` (static) says which distribution the log-probabilities are of:
+
+    * ``"raw"``: the model's own, ``log_softmax(logits)``, whatever the sampling settings.
+      This is vLLM's default (``--logprobs-mode raw_logprobs``) and what OpenAI's API reports:
+      its logprobs do not change with ``temperature`` or ``top_p``.
+    * ``"processed"``: the distribution the token was drawn from: ``log_softmax`` of the
+      tempered logits after top-k, top-p and min-p, renormalised over the survivors (removed
+      tokens ``-inf``), vLLM's ``processed_logprobs``; what importance weights need.
+
+    A greedy row (temperature 0) reports the raw distribution in both modes (its sampling
+    distribution is a one-hot, which says nothing), so its token is always its most likely
+    one (``chosen == top[..., 0]``).
+
+    ``wanted`` [...] bool (or None: every row): rows that asked. When no row of the batch asks,
+    nothing is computed (``lax.cond``) and the result is zeros; otherwise every row pays one
+    log-sum-exp and one ``lax.top_k`` of ``MAX_LOGPROBS`` over V (plus, in ``"processed"``
+    mode with sampled rows, the sampling filters again).
+    """
+    p = as_params(sampling)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    logits = jnp.asarray(logits)
+    N = min(MAX_LOGPROBS, logits.shape[-1])
+
+    def compute():
+        x = _reported_logits(logits, p, mode)
+        lse = jax.nn.logsumexp(x, axis=-1)
+        chosen = jnp.take_along_axis(x, tokens[..., None], axis=-1)[..., 0] - lse
+        top, ids = jax.lax.top_k(x, N)
+        return Logprobs(chosen=chosen, top_ids=ids.astype(jnp.int32), top=top - lse[..., None])
+
+    def skip():
+        shape = tokens.shape
+        return Logprobs(
+            chosen=jnp.zeros(shape, jnp.float32),
+            top_ids=jnp.zeros((*shape, N), jnp.int32),
+            top=jnp.zeros((*shape, N), jnp.float32),
+        )
+
+    if wanted is None:
+        return compute()
+    return branch(_any(wanted), compute, skip)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and its most likely alternatives (host values).
+
+    ``top``: ``(token id, logprob)`` pairs, most likely first, as many as the request asked
+    for (``Engine.submit(logprobs=n)``).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def logprob_records(tokens, lp: Logprobs, n: int) -> list[TokenLogprob]:
+    """Host arrays: tokens [T], ``lp`` of shape [T] -> one ``TokenLogprob`` per token, each
+    with its ``n`` most likely alternatives."""
+    chosen, ids, top = (np.asarray(x) for x in (lp.chosen, lp.top_ids, lp.top))
+    return [
+        TokenLogprob(
+            int(t),
+            float(chosen[j]),
+            tuple(zip(ids[j, :n].tolist(), top[j, :n].astype(float).tolist(), strict=True)),
+        )
+        for j, t in enumerate(tokens)
+    ]
