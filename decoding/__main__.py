@@ -36,7 +36,7 @@ from decoding.sampling import SamplingConfig
 from decoding.speculative import speculative_generate
 from decoding.tree import TreeSpec
 from models.pretrained import DEFAULT_MODEL, NAMES, model_arg
-from models.shard import mesh_shape
+from models.sharding import mesh_shape
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -15,7 +15,7 @@ per command, :data:`SLOTS` commands per block) and sends them with
 ``SLOTS`` commands. The other processes (followers) decode the blocks and replay the commands
 on their engines in the leader's order, which also gives the same request ids. Then every
 process steps its engine: the same scheduler state, the same host inputs to the same jitted
-steps, the same tokens (every process gets the whole result, ``models.shard.to_host``).
+steps, the same tokens (every process gets the whole result, ``models.sharding.to_host``).
 
     eng = DistributedEngine(model, num_pages=256)  # on every process, same arguments
     if eng.is_leader:

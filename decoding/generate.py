@@ -39,7 +39,7 @@ from decoding.checks import check_int, check_model, check_optional_int
 from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
 from models.kv_cache import ring_pages_for
-from models.shard import mesh_of, replicated, to_host
+from models.sharding import mesh_of, replicated, to_host
 from models.transformer import attach_decode_weights, pack_decode_weights
 
 PROMPT_BUCKET = 16

@@ -43,7 +43,7 @@ from decoding.generate import generate
 from decoding.sampling import all_greedy, argmax, branch, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
-from models.shard import mesh_of
+from models.sharding import mesh_of
 from models.transformer import attach_decode_weights, pack_decode_weights
 
 # The n of ``Medusa(heads, lookup_ngram=n)`` the benchmark and the CLI use: the best on the

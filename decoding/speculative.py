@@ -51,7 +51,7 @@ from decoding.generate import (
 from decoding.medusa import Medusa, MedusaDraft
 from decoding.sampling import SamplingConfig
 from models import KVCache, Transformer
-from models.shard import mesh_of, replicated
+from models.sharding import mesh_of, replicated
 from models.transformer import attach_decode_weights, pack_decode_weights
 
 

@@ -10,8 +10,8 @@ from models.medusa import MedusaHeads
 from models.nnx_attention import pallas_attention_fn
 from models.pretrained import load_model, pretrained
 from models.quant import QuantLinear, dequantize, quantize
-from models.shard import make_train_step as make_sharded_train_step
-from models.shard import memory_plan, param_shardings, shard, train_shardings
+from models.sharding import make_train_step as make_sharded_train_step
+from models.sharding import memory_plan, param_shardings, shard, train_shardings
 from models.stream_decoder import StreamDecoder
 from models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from models.transformer import Transformer

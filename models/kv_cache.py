@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.config import TransformerConfig
-from models.shard import cache_shardings, check_mesh
+from models.sharding import cache_shardings, check_mesh
 
 
 @struct.dataclass

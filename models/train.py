@@ -30,9 +30,9 @@ from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.medusa_train import main_medusa
 from models.pretrained import checkpoint_arg, load_model
-from models.shard import make_train_step as make_sharded_step
-from models.shard import mesh_shape, put_global, to_host
-from models.shard import shard as shard_model
+from models.sharding import make_train_step as make_sharded_step
+from models.sharding import mesh_shape, put_global, to_host
+from models.sharding import shard as shard_model
 from models.tokenizer import ByteTokenizer
 from models.train_step import (
     TrainConfig,

@@ -48,7 +48,7 @@ from models.linear import (  # also importable from here
     PackedWeights,
     few_rows,
 )
-from models.shard import constrain_batch, local_heads
+from models.sharding import constrain_batch, local_heads
 from pallas_attn import native
 
 _INIT = nnx.initializers.normal(stddev=0.02)

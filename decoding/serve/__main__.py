@@ -37,7 +37,7 @@ from decoding.paging import pages_for
 from decoding.serve.app import create_app
 from decoding.serve.defaults import generation_defaults
 from models.pretrained import DEFAULT_MODEL, model_arg, model_path
-from models.shard import mesh_shape
+from models.sharding import mesh_shape
 
 # The draft kinds the engine runs (``Engine(draft=...)``), by command-line name.
 DRAFTS = {"prompt-lookup": PromptLookup}

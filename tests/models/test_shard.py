@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from models import KVCache, Transformer, TransformerConfig, data, train
-from models.shard import mesh_of
+from models.sharding import mesh_of
 from models.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,7 +25,7 @@ import decoding
 import models
 from decoding.distributed import DistributedEngine
 from models import Transformer, TransformerConfig, data, train
-from models.shard import mesh_of, to_host
+from models.sharding import mesh_of, to_host
 
 # Hkv = 4 and mlp_dim, V multiples of 4: every mesh of the 4 devices divides them.
 CONFIG = TransformerConfig.preset(
