@@ -39,6 +39,7 @@ from flax import nnx
 from jax import lax
 
 import pallas_attn
+from models import fused_decode as fused
 from models import quant, rows_matmul
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
@@ -377,6 +378,7 @@ class Transformer(nnx.Module):
     """The decoder. ``model.config`` is its :class:`~models.config.TransformerConfig`."""
 
     packed_head: PackedWeights | None = None  # tied LM head packed by attach_decode_weights
+    fused_decode: bool = True  # False: cached calls never take models.fused_decode's layer
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -456,7 +458,14 @@ class Transformer(nnx.Module):
                 if cache.ring_pages is not None:  # trace time: only ring caches pay for it
                     table = cache.layer_table(self.config, i, T)
                 kv = (cache.k[i], cache.v[i], cache.lengths, table)
-            x, layer_kv = layer(x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask)
+            if self.fused_decode and fused.applies(
+                layer, x, kv, tree_mask=tree_mask, segment_ids=segment_ids, mesh=self.mesh
+            ):  # a decode step's layer as one native call on CPU (models/fused_decode.py)
+                x, layer_kv = fused.layer(layer, x, cos, sin, kv)
+            else:
+                x, layer_kv = layer(
+                    x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask
+                )
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])

@@ -5,7 +5,9 @@ of a few rows read weights at about half the memory's rate. Two kernels take tha
 dominates: ``kv_attention.cc`` (attention of a few queries over a KV cache, one pass, in place;
 ``impl="native"`` of :func:`pallas_attn.attention_with_kvcache` on CPU, see
 :mod:`pallas_attn.cpu`) and ``rows_matmul.cc`` (few-row products over packed float or
-block-quantized weights, see :mod:`models.rows_matmul` and :mod:`models.quant`).
+block-quantized weights, see :mod:`models.rows_matmul` and :mod:`models.quant`); a third,
+``decode_layer.cc``, runs a whole Llama decoder layer of a decode step on them as one call
+(:mod:`models.fused_decode`).
 
 They are compiled on first use with the system C++ compiler (``$CXX`` or ``c++``, ``-O3
 -march=native``) into one library under ``$PALLAS_ATTN_CACHE`` (default
@@ -34,10 +36,12 @@ FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-fPIC", "-shared", "-w")
 ROWS_MATMUL = "pallas_attn_rows_matmul"  # FFI target names (jax.ffi.ffi_call)
 ROWS_MATMUL_Q = "pallas_attn_rows_matmul_q"
 KV_ATTENTION = "pallas_attn_kv_attention"
+DECODE_LAYER = "pallas_attn_decode_layer"
 TARGETS = {  # target -> symbol
     ROWS_MATMUL: "PallasAttnRowsMatmul",
     ROWS_MATMUL_Q: "PallasAttnRowsMatmulQ",
     KV_ATTENTION: "PallasAttnKVAttention",
+    DECODE_LAYER: "PallasAttnDecodeLayer",
 }
 
 

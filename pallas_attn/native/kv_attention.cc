@@ -488,3 +488,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasAttnKVAttention, KVAttention,
                                   .Attr<int64_t>("right")
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Ret<ffi::Buffer<ffi::F32>>());  // lse
+
+// ---- Entry point for other kernels (kv_attention.h; decode_layer.cc owns this block) ----------
+
+#include "kv_attention.h"
+
+namespace pallas_attn {
+
+bool kv_attention(xla::ffi::ThreadPool& pool, xla::ffi::DataType cache_type, int64_t B, int64_t Tq,
+                  int64_t Hq, int64_t Hkv, int64_t D, int64_t num_pages, int64_t P,
+                  int64_t max_blocks, float scale, float softcap, int64_t left, int64_t right,
+                  const float* q, const void* k_cache, const void* v_cache, const int32_t* table,
+                  const int32_t* q_offset, const int32_t* kv_start, const int32_t* kv_len,
+                  const float* descale, const int32_t* tree, float* out, float* lse) {
+  Problem p;
+  p.B = B, p.Tq = Tq, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.G = Hq / Hkv;
+  p.num_pages = num_pages, p.P = P, p.max_blocks = max_blocks;
+  p.scale = scale, p.softcap = softcap, p.left = left, p.right = right;
+  p.q = q, p.table = table, p.q_offset = q_offset, p.kv_start = kv_start, p.kv_len = kv_len;
+  p.descale = descale, p.tree = tree, p.out = out, p.lse = lse;
+  switch (cache_type) {
+    case ffi::DataType::F32: run<F32>(pool, p, k_cache, v_cache); return true;
+    case ffi::DataType::BF16: run<BF16>(pool, p, k_cache, v_cache); return true;
+    case ffi::DataType::F16: run<F16>(pool, p, k_cache, v_cache); return true;
+    case ffi::DataType::F8E4M3FN: run<F8>(pool, p, k_cache, v_cache); return true;
+    default: return false;
+  }
+}
+
+}  // namespace pallas_attn

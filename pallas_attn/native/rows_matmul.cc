@@ -313,3 +313,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasAttnRowsMatmulQ, RowsMatmulQ,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt"));
+
+// ---- Entry points for other kernels (rows_matmul.h; decode_layer.cc owns this block) ----------
+
+#include "rows_matmul.h"
+
+namespace pallas_attn {
+
+bool rows_matmul_packed(xla::ffi::ThreadPool& pool, int32_t kind, const float* x, int64_t M,
+                        int64_t K, const void* panels, float* y, int64_t N) {
+  const int64_t P = (N + kNB - 1) / kNB;
+  const auto* wq = static_cast<const uint8_t*>(panels);
+  switch (kind) {
+    case kWeightF32: run(pool, x, M, K, static_cast<const float*>(panels), P, y, N); return true;
+    case kWeightBF16:
+      run(pool, x, M, K, static_cast<const uint16_t*>(panels), P, y, N);
+      return true;
+    case kWeightQ8_0: run_q<kQ8_0>(pool, x, M, K, wq, P, y, N); return true;
+    case kWeightQ4_0: run_q<kQ4_0>(pool, x, M, K, wq, P, y, N); return true;
+    case kWeightQ4_1: run_q<kQ4_1>(pool, x, M, K, wq, P, y, N); return true;
+    default: return false;
+  }
+}
+
+}  // namespace pallas_attn

@@ -1,0 +1,22 @@
+// Entry points into rows_matmul.cc for other native kernels (decode_layer.cc): the few-row
+// product over the panels that models/rows_matmul.py packs, without an FFI call per product.
+#pragma once
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace pallas_attn {
+
+// How a weight matrix is stored: the block-quantized formats are models/rows_matmul.py's FORMATS
+// indices (the `fmt` attribute of pallas_attn_rows_matmul_q); float panels are [P, K, 32].
+enum WeightKind : int32_t { kWeightQ8_0 = 0, kWeightQ4_0 = 1, kWeightQ4_1 = 2, kWeightF32 = 3,
+                            kWeightBF16 = 4 };
+
+// y [M, N] = x [M, K] @ W, float32 x and y, W the panels of `kind` (ceil(N / 32) of them; K a
+// multiple of 32 for the quantized kinds). The same arithmetic and threading as the FFI
+// handlers: panels shared between the calling thread and `pool`. False for an unknown kind.
+bool rows_matmul_packed(xla::ffi::ThreadPool& pool, int32_t kind, const float* x, int64_t M,
+                        int64_t K, const void* panels, float* y, int64_t N);
+
+}  // namespace pallas_attn
