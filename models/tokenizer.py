@@ -15,8 +15,10 @@ model expects a BOS before a prompt.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
@@ -43,9 +45,26 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
     def apply_chat_template(
         self, messages, *, add_generation_prompt: bool = True, tokenize: bool = True, **kwargs
     ) -> list[int] | str: ...
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte as one printable character, the
+    printable Latin-1 bytes as themselves and the others as U+0100 onwards, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    shifted = [b for b in range(256) if b not in keep]
+    chars = {chr(b): b for b in keep}
+    chars.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return chars
+
+
+_BYTE_OF = _byte_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 def _check_text(text) -> None:
@@ -85,6 +104,11 @@ class ByteTokenizer:
                 out += [run.decode("utf-8", errors="replace"), self._names[i]]
                 run = bytearray()
         return "".join(out) + run.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte ``token_id`` stands for; a special id's name (``b"<eos>"``)."""
+        i = int(token_id)
+        return bytes([i]) if 0 <= i < 256 else self._names.get(i, "").encode()
 
     def apply_chat_template(
         self, messages, *, add_generation_prompt: bool = True, tokenize: bool = True, **kwargs
@@ -144,6 +168,30 @@ class HFTokenizer:
         ``skip_special_tokens=False``); invalid UTF-8 decodes to U+FFFD."""
         ids = [i for i in map(int, ids) if 0 <= i < self.vocab_size]
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel)
+
+    @functools.cached_property
+    def _added(self) -> frozenset[int]:
+        return frozenset(self._tokenizer.get_added_tokens_decoder())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes ``token_id``'s piece adds to decoded text (part of a character for
+        some pieces): a byte-level BPE piece mapped back through its byte alphabet, a
+        SentencePiece piece with U+2581 as a space and ``<0xNN>`` as that byte, an added
+        token's content; ``b""`` for an id outside the vocabulary."""
+        piece = self._tokenizer.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if int(token_id) in self._added:
+            return piece.encode()
+        if self._byte_level:
+            return b"".join(bytes([_BYTE_OF[c]]) if c in _BYTE_OF else c.encode() for c in piece)
+        if m := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def token(self, token_id: int | None) -> str | None:
         """The vocabulary string of ``token_id`` (``None`` for ``None``)."""

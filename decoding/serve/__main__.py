@@ -2,12 +2,16 @@
 
     python -m decoding.serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000 \\
         [--max-batch 32 --num-pages N --page-size 16 --max-queue 256 --max-seq-len 2048]
-        [--draft prompt-lookup [--num-draft-tokens K]]
+        [--draft prompt-lookup [--num-draft-tokens K]] [--logprobs-mode raw|processed]
 
 ``--draft prompt-lookup`` runs speculation inside the engine (``Engine(draft=PromptLookup())``):
 every step drafts k tokens per row from its own prompt and output and verifies them in the same
 step; outputs are unchanged (greedy identical, sampled exactly distributed); k is chosen from
 the model's measured step costs unless ``--num-draft-tokens`` fixes it.
+
+``--logprobs-mode`` says what ``logprobs`` report (``Engine(logprobs_mode=...)``): ``raw``
+(default) the model's distribution, as OpenAI's API and vLLM's default do; ``processed`` the
+tempered, filtered distribution each token was drawn from.
 
 A request that leaves out temperature, top_p, top_k or min_p gets the checkpoint's value
 (``generation_config.json`` of a directory, ``general.sampling.*`` of a GGUF file), else
@@ -34,6 +38,7 @@ from decoding.distributed import DistributedEngine
 from decoding.drafts import MAX_K, PromptLookup
 from decoding.engine import Engine
 from decoding.paging import pages_for
+from decoding.sampling import LOGPROBS_MODES
 from decoding.serve.app import create_app
 from decoding.serve.defaults import generation_defaults
 from models.pretrained import DEFAULT_MODEL, model_arg, model_path
@@ -74,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         help=f"k, at most {MAX_K} (default: chosen from measured step costs)",
+    )
+    p.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default="raw",
+        help="what logprobs report: the model's distribution (raw) or the sampled one",
     )
     p.add_argument(
         "--mesh",
@@ -119,6 +130,7 @@ def main(argv=None) -> int:
         max_seq_len=max_seq_len,
         draft=DRAFTS[args.draft]() if args.draft else None,
         num_draft_tokens=args.num_draft_tokens,
+        logprobs_mode=args.logprobs_mode,
     )
     if args.mesh is not None and not engine.is_leader:
         engine.serve_followers()  # until process 0's server stops

@@ -12,6 +12,12 @@ of range, an unsupported setting, a prompt that does not fit the context, an unk
 the engine is not running; 500 for a failure of one request, which fails that request alone.
 A client that disconnects aborts its request (its pages return to the pool before the next
 engine step).
+
+Log-probabilities (chat ``logprobs``/``top_logprobs``, completions ``logprobs``) come from the
+engine (``Engine.submit(logprobs=n)``), formatted by ``decoding.serve.logprobs``; they cover the
+tokens whose text the choice holds: not the end-of-turn / EOS token, nor tokens after the one
+that completed a stop string. A stream's chunks carry the records of their own tokens (a
+chunk may carry records and no text while a character or a possible stop string is held back).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from decoding.chat import encode_prompt, turn_end_id
 from decoding.engine import Engine
 from decoding.sampling import SEED_LIMIT, SamplingConfig
 from decoding.serve.defaults import OPENAI
+from decoding.serve.logprobs import LogprobFormatter
 from decoding.serve.metrics import CONTENT_TYPE, Metrics
 from decoding.serve.protocol import (
     ApiError,
@@ -75,6 +82,7 @@ class Server:
         # The longest request (prompt + new tokens) the engine accepts (``Engine.submit``).
         self.context = min(engine.max_seq_len, engine.allocator.num_pages * P + 1)
         self.chat_eos = turn_end_id(tokenizer) if tokenizer.chat_template else None
+        self.logprobs = LogprobFormatter(tokenizer)
 
     # ----------------------------------------------------------------------------- prompts
 
@@ -156,10 +164,12 @@ class Server:
 
     async def generate(
         self, prompts, eos_id, req, max_new: list[int], counts: list[int]
-    ) -> AsyncIterator[tuple[int, str, str | None]]:
-        """Yields ``(choice index, text piece, finish_reason or None)``; choice ``i`` continues
-        ``prompts[i // n]`` and ``counts[i]`` counts its tokens. Leaving early (a disconnect, an
-        exception) aborts the choices still running."""
+    ) -> AsyncIterator[tuple[int, str, str | None, list | None]]:
+        """Yields ``(choice index, text piece, finish_reason or None, logprobs)``; choice ``i``
+        continues ``prompts[i // n]`` and ``counts[i]`` counts its tokens. ``logprobs``: None
+        unless the request asked, else ``[(TokenLogprob, offset of the token's text in the
+        choice's text)]`` of the piece's tokens. Leaving early (a disconnect, an exception)
+        aborts the choices still running."""
         n, stops, sampling = req.n, req.stop_strings(), self.sampling(req)
         seed = secrets.randbits(32) if req.seed is None else req.seed
         k = len(prompts) * n
@@ -182,6 +192,7 @@ class Server:
                 sampling=sampling,
                 eos_id=eos_id,
                 seed=(seed + i) % SEED_LIMIT,
+                logprobs=req.num_logprobs(),
             )
             for i in range(k)
         ]
@@ -201,25 +212,52 @@ class Server:
                         raise ApiError(400, str(payload)) from payload
                     raise payload
                 if kind == "tokens":
-                    counts[i] += len(payload)
-                    last[i] = payload[-1]
-                    piece = texts[i].push(payload)
+                    tokens, records = payload
+                    counts[i] += len(tokens)
+                    last[i] = tokens[-1]
+                    if records is None:
+                        piece, entries = texts[i].push(tokens), None
+                    else:
+                        piece, entries = _push_with_logprobs(texts[i], tokens, records, eos_id)
                     if texts[i].stopped:
                         self.worker.abort(handle)
                         live -= 1
                         self.metrics.finished.labels("stop").inc()
-                        yield i, piece, "stop"
-                    elif piece:
-                        yield i, piece, None
+                        yield i, piece, "stop", entries
+                    elif piece or entries:
+                        yield i, piece, None, entries
                     continue
                 self.worker.finished(handle)  # done
                 live -= 1
                 reason = "stop" if eos_id is not None and last[i] == eos_id else "length"
                 self.metrics.finished.labels(reason).inc()
-                yield i, texts[i].flush(), reason
+                yield i, texts[i].flush(), reason, None
         finally:
             for handle in handles:
                 self.worker.abort(handle)
+
+
+def _push_with_logprobs(text: ChoiceText, tokens, records, eos_id) -> tuple[str, list]:
+    """Pushes ``tokens`` one by one -> (the text piece, ``[(record, text offset)]`` of the
+    tokens whose text the choice holds: up to the one completing a stop string, never EOS)."""
+    piece, entries = "", []
+    for token, record in zip(tokens, records, strict=True):
+        if text.stopped:
+            break
+        if token != eos_id:
+            entries.append((record, len(text.text)))
+        piece += text.push([token])
+    return piece, entries
+
+
+def _logprobs(server: Server, chat: bool, entries: list | None):
+    """A choice's ``logprobs`` object for ``entries`` (None when the request did not ask)."""
+    if entries is None:
+        return None
+    records = [r for r, _ in entries]
+    if chat:
+        return {"content": server.logprobs.chat(records)}
+    return server.logprobs.completion(records, [offset for _, offset in entries])
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -281,27 +319,35 @@ async def _respond(server: Server, request: Request, req, chat: bool):
             media_type="text/event-stream",
         )
 
+    asked = req.num_logprobs() is not None
+
     async def collect():
         texts, reasons = [""] * k, [None] * k
-        async for i, piece, reason in server.generate(prompts, eos_id, req, max_new, counts):
+        entries = [[] if asked else None for _ in range(k)]
+        events = server.generate(prompts, eos_id, req, max_new, counts)
+        async for i, piece, reason, part in events:
             texts[i] += piece
             reasons[i] = reason or reasons[i]
-        return texts, reasons
+            if part:
+                entries[i] += part
+        return texts, reasons, entries
 
-    texts, reasons = await _until_disconnected(request, collect())
+    texts, reasons, entries = await _until_disconnected(request, collect())
+    logprobs = [_logprobs(server, chat, e) for e in entries]
     if chat:
         choices = [
             dict(
                 index=i,
                 message=dict(role="assistant", content=texts[i]),
-                logprobs=None,
+                logprobs=logprobs[i],
                 finish_reason=reasons[i],
             )
             for i in range(k)
         ]
     else:
         choices = [
-            dict(index=i, text=texts[i], logprobs=None, finish_reason=reasons[i]) for i in range(k)
+            dict(index=i, text=texts[i], logprobs=logprobs[i], finish_reason=reasons[i])
+            for i in range(k)
         ]
     server.metrics.requests.labels(endpoint, "200").inc()
     return dict(
@@ -314,14 +360,15 @@ async def _stream(server, head, events, first, chat, req, prompt_tokens, counts,
     usage = req.stream_options is not None and req.stream_options.include_usage
     extra = {"usage": None} if usage else {}
 
-    def chunk(i, piece, reason, role=False):
+    def chunk(i, piece, reason, entries=None, role=False):
+        logprobs = _logprobs(server, chat, entries) if entries else None
         if chat:
             delta = {"role": "assistant", "content": piece} if role else {}
-            if piece and not role:
+            if (piece or entries) and not role:
                 delta["content"] = piece
-            choice = dict(index=i, delta=delta, logprobs=None, finish_reason=reason)
+            choice = dict(index=i, delta=delta, logprobs=logprobs, finish_reason=reason)
         else:
-            choice = dict(index=i, text=piece, logprobs=None, finish_reason=reason)
+            choice = dict(index=i, text=piece, logprobs=logprobs, finish_reason=reason)
         return _sse({**head, "object": kind, "choices": [choice], **extra})
 
     try:
@@ -330,9 +377,9 @@ async def _stream(server, head, events, first, chat, req, prompt_tokens, counts,
                 yield chunk(i, "", None, role=True)
         pending = [first]
         while True:
-            for i, piece, reason in pending:
-                if piece or reason:
-                    yield chunk(i, piece, reason)
+            for i, piece, reason, entries in pending:
+                if piece or reason or entries:
+                    yield chunk(i, piece, reason, entries)
             pending = [await anext(events)]
     except StopAsyncIteration:
         pass

@@ -5,8 +5,12 @@ and fields this server does not know are accepted and ignored, as OpenAI's own s
 vLLM's do, so clients that send extra fields keep working. ``top_k`` and ``min_p`` are extras
 in vLLM's convention (``top_k`` -1 or 0 disables), as is ``ignore_eos`` (generate
 ``max_tokens`` tokens whatever the model says: for benchmarks). Fields whose behaviour is not implemented
-(penalties, ``logprobs``, ``echo``, ``best_of``, ``suffix``) are typed and range-checked, and
-a value other than their no-op default is a 400 naming the field, never silently ignored.
+(penalties, ``echo``, ``best_of``, ``suffix``) are typed and range-checked, and a value other
+than their no-op default is a 400 naming the field, never silently ignored.
+
+Log-probabilities: chat's ``logprobs: true`` with ``top_logprobs`` 0 .. 20 (``top_logprobs``
+without ``logprobs: true`` is a 400, as OpenAI's), completions' ``logprobs`` 0 .. 20 (OpenAI's
+legacy bound is 5; 20, the engine's ``MAX_LOGPROBS``, as vLLM allows).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from decoding.sampling import MAX_LOGPROBS
 
 MAX_N = 16  # choices per request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
@@ -114,13 +120,16 @@ class ChatCompletionRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs or self.top_logprobs:
-            name = "logprobs" if self.logprobs else "top_logprobs"
-            raise ApiError(400, "logprobs are not supported by this server yet", param=name)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def num_logprobs(self) -> int | None:
+        """None (no logprobs), else the alternatives wanted per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -134,14 +143,12 @@ class CompletionRequest(_Request):
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
     )
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs is not None:
-            raise ApiError(400, "logprobs are not supported by this server yet", param="logprobs")
         if self.echo:
             raise ApiError(400, "echo is not supported by this server", param="echo")
         if self.best_of not in (None, self.n):
@@ -151,6 +158,9 @@ class CompletionRequest(_Request):
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts: texts or token-id lists."""

@@ -6,7 +6,8 @@ runs them between steps, steps while any request is waiting or running, and deli
 request's new tokens to that request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
 
 Each queue item is ``(index, kind, payload)``: ``index`` the choice within its HTTP request,
-``kind`` one of ``"tokens"`` (a list of new ids), ``"done"`` (the request finished in the
+``kind`` one of ``"tokens"`` (``(new ids, their sampling.TokenLogprob records or None)``: records
+when the choice was submitted with ``logprobs``), ``"done"`` (the request finished in the
 engine) or ``"error"`` (an exception: the submission was rejected, the engine failed
 repeatedly, or the worker stopped). A consumer that stops listening (a client disconnected, a
 stop string matched) calls :meth:`Worker.abort`; its pages return to the pool at the worker's
@@ -115,15 +116,22 @@ class Worker:
         sampling: SamplingConfig,
         eos_id: int | None,
         seed: int | None,
+        logprobs: int | None = None,
     ) -> Handle:
-        """Queues one choice; its tokens arrive on ``queue`` tagged with ``index``."""
+        """Queues one choice; its tokens arrive on ``queue`` tagged with ``index``
+        (``logprobs``: ``Engine.submit``'s)."""
         handle = Handle(asyncio.get_running_loop(), queue, index, submitted=time.perf_counter())
         self._pending += 1
 
         def command():
             try:
                 handle.rid = self.engine.submit(
-                    prompt, max_new_tokens, sampling=sampling, eos_id=eos_id, seed=seed
+                    prompt,
+                    max_new_tokens,
+                    sampling=sampling,
+                    eos_id=eos_id,
+                    seed=seed,
+                    logprobs=logprobs,
                 )
             except Exception as e:  # a request the server's own checks let through
                 handle.put("error", e)
@@ -210,6 +218,7 @@ class Worker:
                 self._abort_all(e)
             return
         self.step_failures = 0
+        records = self.engine.pop_logprobs()  # of exactly the tokens in events
         now = time.perf_counter()
         count = 0
         for rid, tokens in events.items():
@@ -222,7 +231,7 @@ class Worker:
                 self.observer.inter_token(now - handle.last, len(tokens))
             handle.last = now
             count += len(tokens)
-            handle.put("tokens", tokens)
+            handle.put("tokens", (tokens, records.get(rid)))
         if count:
             self.observer.generated(count)
         for rid in self.engine.pop_finished():

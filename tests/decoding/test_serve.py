@@ -246,7 +246,7 @@ BAD = [
     ('{"model": "code-target", "prompt": "x", "stop": 3}', "stop"),
     ('{"model": "code-target", "prompt": "x", "stream": "yes"}', "stream"),
     ('{"model": "code-target", "prompt": "x", "seed": "1"}', "seed"),
-    ('{"model": "code-target", "prompt": "x", "logprobs": 2}', "logprobs"),
+    ('{"model": "code-target", "prompt": "x", "logprobs": -1}', "logprobs"),
     ('{"model": "code-target", "prompt": "x", "presence_penalty": 1.0}', "presence_penalty"),
     ('{"model": "code-target", "prompt": ""}', "prompt"),
     ('{"model": "code-target", "prompt": [1, 99999]}', "prompt"),
