@@ -1,6 +1,23 @@
 import jax
 from flax import nnx
 
+# The smallest run of ``python -m models.train`` (seconds on CPU): the flags every test of the
+# training command line passes besides its preset or init, steps and output directory.
+TINY_TRAINING_ARGS = (
+    "--batch",
+    "2",
+    "--seq-len",
+    "32",
+    "--eval-every",
+    "1",
+    "--eval-batches",
+    "1",
+    "--max-corpus-bytes",
+    "40000",
+    "--attn-impl",
+    "xla",
+)
+
 
 def jit_model(model):
     """``model``'s forward as one jitted function of (tokens, positions, segment_ids, cache,

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_utils import TINY_TRAINING_ARGS
 
 from models import MedusaHeads, Transformer, TransformerConfig, data, pretrained, train
 from models.medusa import load_medusa, save_medusa
@@ -159,18 +160,7 @@ def test_cli_trains_heads_on_a_checkpoint(tmp_path):
             str(tmp_path / "target"),
             "--steps",
             "2",
-            "--batch",
-            "2",
-            "--seq-len",
-            "32",
-            "--eval-every",
-            "1",
-            "--eval-batches",
-            "1",
-            "--max-corpus-bytes",
-            "40000",
-            "--attn-impl",
-            "xla",
+            *TINY_TRAINING_ARGS,
             "--out",
             str(out),
         ]

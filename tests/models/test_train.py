@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from model_utils import TINY_TRAINING_ARGS
 
 from models import Transformer, TransformerConfig, data, train
 from models.hf import load_hf_checkpoint
@@ -65,22 +66,7 @@ def test_schedule_warms_up_then_decays():
 
 @pytest.mark.slow
 def test_cli_writes_a_loadable_checkpoint_and_resumes_from_it(tmp_path):
-    args = [
-        "--preset",
-        "tiny",
-        "--batch",
-        "2",
-        "--seq-len",
-        "32",
-        "--eval-every",
-        "1",
-        "--eval-batches",
-        "1",
-        "--max-corpus-bytes",
-        "40000",
-        "--attn-impl",
-        "xla",
-    ]
+    args = ["--preset", "tiny", *TINY_TRAINING_ARGS]
     out = tmp_path / "ckpt"
     train.main([*args, "--steps", "2", "--out", str(out)])
     summary = json.loads((out / "training.json").read_text())

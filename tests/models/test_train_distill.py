@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from model_utils import TINY_TRAINING_ARGS
 
 from models import MedusaHeads, Transformer, TransformerConfig, data, save_hf_checkpoint, train
 
@@ -58,22 +59,7 @@ def test_distill_steps_move_the_student_towards_the_teacher():
 
 @pytest.mark.slow
 def test_cli_distill_from_a_checkpoint(tmp_path):
-    args = [
-        "--preset",
-        "tiny",
-        "--batch",
-        "2",
-        "--seq-len",
-        "32",
-        "--eval-every",
-        "1",
-        "--eval-batches",
-        "1",
-        "--max-corpus-bytes",
-        "40000",
-        "--attn-impl",
-        "xla",
-    ]
+    args = ["--preset", "tiny", *TINY_TRAINING_ARGS]
     teacher = tmp_path / "teacher"
     train.main([*args, "--steps", "1", "--out", str(teacher)])
     student = tmp_path / "student"
