@@ -44,8 +44,8 @@ from decoding.sampling import SamplingConfig
 
 SLOTS = 8  # commands per broadcast block: the buffer size is fixed, so no retrace per step
 # Header of one command record: kind, request id, prompt length, max_new_tokens, eos id,
-# seed, top_k, then temperature, top_p and min_p as float32 bits.
-RECORD = 10
+# seed, top_k, then temperature, top_p and min_p as float32 bits, then logprobs (-1: None).
+RECORD = 11
 _NONE, _SUBMIT, _ABORT, _STOP = 0, 1, 2, 3
 
 
@@ -102,12 +102,18 @@ class DistributedEngine:
         sampling: SamplingConfig | None = None,
         eos_id: int | None = None,
         seed: int | None = None,
+        logprobs: int | None = None,
     ) -> int:
         """:meth:`Engine.submit` on the leader -> the request id; the followers get the request
         at the next :meth:`step`. Raises what ``Engine.submit`` raises, and nothing is sent."""
         self._check_leader("submit")
         rid = self.engine.submit(
-            prompt_tokens, max_new_tokens, sampling=sampling, eos_id=eos_id, seed=seed
+            prompt_tokens,
+            max_new_tokens,
+            sampling=sampling,
+            eos_id=eos_id,
+            seed=seed,
+            logprobs=logprobs,
         )
         req = self.engine.scheduler.waiting[-1]  # the request just queued
         s = req.sampling
@@ -123,6 +129,7 @@ class DistributedEngine:
             _bits(s.temperature),
             _bits(s.top_p),
             _bits(s.min_p),
+            -1 if logprobs is None else logprobs,
         ]
         rec[RECORD : RECORD + len(req.tokens)] = req.tokens
         self._log.append(rec)
@@ -175,12 +182,14 @@ class DistributedEngine:
         sampling = SamplingConfig(
             temperature=_float(rec[7]), top_k=top_k, top_p=_float(rec[8]), min_p=_float(rec[9])
         )
+        logprobs = int(rec[10])
         got = self.engine.submit(
             rec[RECORD : RECORD + n].tolist(),
             max_new,
             sampling=sampling,
             eos_id=None if eos < 0 else eos,
             seed=seed,
+            logprobs=None if logprobs < 0 else logprobs,
         )
         if got != rid:
             raise RuntimeError(f"request ids diverged: leader {rid}, process got {got}")
@@ -204,6 +213,10 @@ class DistributedEngine:
     def pop_finished(self) -> dict[int, list[int]]:
         """:meth:`Engine.pop_finished` (every process holds the same results)."""
         return self.engine.pop_finished()
+
+    def pop_logprobs(self) -> dict:
+        """:meth:`Engine.pop_logprobs` (every process holds the same records)."""
+        return self.engine.pop_logprobs()
 
     def stats(self) -> dict:
         """:meth:`Engine.stats` of this process's engine."""

@@ -126,6 +126,16 @@ def test_two_processes_equal_one_device(tmp_path):
             np.testing.assert_allclose(arrays[f"param_{i}"], w, atol=1e-6, rtol=1e-5)
         assert info["engine"] == want["engine"]
         assert len(info["engine"]) == 4  # the mix's aborted request is not among them
+        # Logprobs (a submit field the followers replay): the same tokens and alternatives,
+        # log-probabilities within the sharded logits' rounding.
+        got, ref = info["engine_logprobs"], want["engine_logprobs"]
+        assert sorted(got) == sorted(ref) and len(ref) == 2  # requests 0 and 3 asked
+        for rid, records in ref.items():
+            assert [[r[0], [t[0] for t in r[2]]] for r in got[rid]] == [
+                [r[0], [t[0] for t in r[2]]] for r in records
+            ]
+            flat = lambda rs: [[r[1], *(t[1] for t in r[2])] for r in rs]  # noqa: E731
+            np.testing.assert_allclose(flat(got[rid]), flat(records), atol=1e-5)
     assert _results(tmp_path, 1)[0]["follower_steps"] > 0
 
 

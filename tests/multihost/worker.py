@@ -41,14 +41,14 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3] * 9, [40, 41, 42]]
 NEW = 6
 # Momentum SGD after clipping: updates linear in the gradients (see tests/models/test_shard.py).
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
-# The engine's request mix: (prompt, max_new_tokens, sampling, seed); request 1 is aborted
-# after the first step.
+# The engine's request mix: (prompt, max_new_tokens, sampling, seed, logprobs); request 1 is
+# aborted after the first step.
 MIX = [
-    (PROMPTS[0], 5, None, None),
-    (PROMPTS[1], 7, decoding.SamplingConfig(temperature=0.8, top_k=20), 5),
-    (PROMPTS[2], 4, None, None),
-    (PROMPTS[3], 6, decoding.SamplingConfig(temperature=1.0, top_p=0.9), 9),
-    (PROMPTS[0][:3], 3, None, None),
+    (PROMPTS[0], 5, None, None, 2),
+    (PROMPTS[1], 7, decoding.SamplingConfig(temperature=0.8, top_k=20), 5, 1),
+    (PROMPTS[2], 4, None, None, None),
+    (PROMPTS[3], 6, decoding.SamplingConfig(temperature=1.0, top_p=0.9), 9, 3),
+    (PROMPTS[0][:3], 3, None, None, None),
 ]
 ENGINE = dict(max_batch=2, num_pages=24, page_size=4, max_seq_len=32)
 
@@ -77,11 +77,21 @@ def _train_step(model):
     return step(params, rest, opt_state, _batch())
 
 
-def _engine_mix(engine) -> dict:
-    rids = [engine.submit(p, n, sampling=s, seed=seed) for p, n, s, seed in MIX]
+def _engine_mix(engine) -> tuple[dict, dict]:
+    """-> (tokens, logprob records) of the mix's requests, by request id."""
+    rids = [engine.submit(p, n, sampling=s, seed=seed, logprobs=lp) for p, n, s, seed, lp in MIX]
     engine.step()
     engine.abort(rids[1])
-    return {str(k): v for k, v in engine.run_until_done().items()}
+    done = engine.run_until_done()
+    return {str(k): v for k, v in done.items()}, _records(engine.pop_logprobs())
+
+
+def _records(popped) -> dict:
+    """``Engine.pop_logprobs()`` as JSON: rid -> [[token, logprob, [[id, logprob], ...]]]."""
+    return {
+        str(rid): [[r.token, r.logprob, [list(t) for t in r.top]] for r in records]
+        for rid, records in popped.items()
+    }
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -100,7 +110,7 @@ def references(mode: str) -> dict:
     if mode == "core":
         params, _, loss = jax.device_get(_train_step(_model()))
         want.update(params=jax.tree.leaves(params), loss=np.asarray(loss))
-        want["engine"] = _engine_mix(decoding.Engine(_model(), **ENGINE))
+        want["engine"], want["engine_logprobs"] = _engine_mix(decoding.Engine(_model(), **ENGINE))
     return want
 
 
@@ -150,11 +160,12 @@ def main(mode: str, workdir: str) -> None:
     arrays.update({f"param_{i}": x for i, x in enumerate(jax.tree.leaves(params))})
     eng = DistributedEngine(model, **ENGINE)
     if eng.is_leader:
-        out["engine"] = _engine_mix(eng)
+        out["engine"], out["engine_logprobs"] = _engine_mix(eng)
         eng.shutdown()
     else:
         out["follower_steps"] = eng.serve_followers(max_steps=1000)
         out["engine"] = {str(k): v for k, v in eng.pop_finished().items()}
+        out["engine_logprobs"] = _records(eng.pop_logprobs())
     _save(workdir, pid, arrays, out)
 
 
