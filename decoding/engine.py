@@ -18,6 +18,25 @@ module runs the one on the other:
    sampled token back; a finished row (``eos_id`` or ``max_new_tokens``) is retired and its pages
    released in the same step.
 
+Sliding-window layers (Gemma 3's local layers, every layer of a Mistral-style model) do not keep
+pool pages: each batch slot has a private ring of ``R = ring_pages_for(W, T, P)`` pages per
+sliding layer (``models.kv_cache``), T the longest step (the largest prefill chunk bucket, a
+verification's ``MAX_K + 1``), so their memory is O(W + T) per slot, not O(context); the pool,
+its pages, the prefix cache and the copies on write serve the global layers only. A model with
+no sliding layer (or whose rings would be no smaller than a row's pages) keeps every layer on
+the pool, with the same steps as before. A prefix hit at position h reuses the global layers'
+pages; the slot's ring then lacks the keys before h, so the request first replays the last
+``min(h, n_s * (W - 1))`` positions (``n_s`` sliding layers): a forward over them in which the
+global layers read their cached keys and write nothing and the sliding layers write their ring
+(``KVCache.replay``). Why that many: a sliding layer's key at position p depends on the layers
+below it at p, and each sliding layer below reaches W - 1 positions back, so keys that the ring
+got wrong (whatever the slot held before the replay) reach at most ``(s - 1) * (W - 1)``
+positions into the replay at the s-th sliding layer; with ``n_s * (W - 1)`` replayed, every key
+a query past h can see, ``[h - W + 1, h)``, is computed from the right inputs (the global
+layers read only cached keys, so they never spread an error). Preemption and the rebuild after
+a failed step recompute requests from their tokens as before; a request's ring is rewritten as
+it is recomputed.
+
 A request's tokens depend only on itself: its PRNG key is ``fold_in(key(seed), i)`` for its
 ``i``-th new token and it is sampled alone under its own ``SamplingConfig``, passed to the one
 compiled decode step as data (see ``engine_steps``). A shared or cached page is never written: a
@@ -75,6 +94,7 @@ from decoding.sampling import (
 from decoding.scheduler import Request, Scheduler
 from decoding.speculative import chosen_num_draft_tokens
 from models import KVCache
+from models.kv_cache import ring_pages_for
 from models.sharding import to_host
 from models.transformer import pack_decode_weights
 
@@ -83,6 +103,11 @@ MIN_CHUNK = 16  # the smallest prefill chunk bucket
 COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
 # Verification steps between re-choices of k (num_draft_tokens=None): each k compiles once.
 RECHOOSE_STEPS = 16
+
+
+def _chunk_bucket(n: int) -> int:
+    """The prefill chunk length C compiled for n tokens (a power of two, >= MIN_CHUNK)."""
+    return max(MIN_CHUNK, 1 << (n - 1).bit_length())
 
 
 def _check_sampling(name: str, sampling) -> SamplingConfig | None:
@@ -119,6 +144,10 @@ class Engine:
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
+
+    Attributes (besides the arguments): ``ring_pages``, R pages per batch slot of each
+    sliding-window layer's ring, or None when every layer is on the pool; ``pool_layers``, the
+    layers whose keys and values the pool's pages hold (module doc).
     """
 
     def __init__(
@@ -171,6 +200,7 @@ class Engine:
         if draft is not None:
             self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE["prompt-lookup"])
             self._choose_k()
+        self._plan_rings(draft is not None)
         self._k, self._v = self._new_pool()
         self._counts = collections.Counter()
         self.scheduler = Scheduler(
@@ -181,6 +211,7 @@ class Engine:
             prefix_caching=self.prefix_caching,
             copy=self._apply,
             counts=self._counts,
+            replay_tokens=self._replay_tokens,
         )
         self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
         self._num_logprobs: dict[int, int] = {}  # live requests that asked: rid -> n
@@ -200,11 +231,40 @@ class Engine:
         """The ``paging.BlockTables`` of the batch rows."""
         return self.scheduler.tables
 
+    def _plan_rings(self, speculative: bool) -> None:
+        """Whether the sliding layers keep rings (module doc): ``ring_pages`` R or None, the
+        layers on the pool (``pool_layers``) and the positions a prefix hit replays."""
+        c, P = self.config, self.page_size
+        sliding = [i for i in range(c.num_layers) if c.is_sliding(i)]
+        self.ring_pages, self._replay_tokens = None, 0
+        self.pool_layers = tuple(range(c.num_layers))
+        if sliding:
+            longest = max(_chunk_bucket(self.max_prefill_tokens), MAX_K + 1 if speculative else 1)
+            R = ring_pages_for(c.sliding_window, longest, P)
+            if R < self.max_pages:
+                self.ring_pages, self._replay_tokens = R, len(sliding) * (c.sliding_window - 1)
+                self.pool_layers = tuple(i for i in range(c.num_layers) if i not in sliding)
+        self._ring_scratch = self.max_batch * (self.ring_pages or 0)
+
     def _new_pool(self):
-        """Zeroed K and V pools of ``num_pages + 1`` pages (the last one scratch)."""
-        empty = np.zeros((1, 1), np.int32)
-        pool = KVCache.paged(self.config, self._scratch + 1, self.page_size, empty)
+        """Zeroed K and V pools of ``num_pages + 1`` pages (the last one scratch); with rings,
+        each sliding layer's entry is its ``max_batch * R + 1`` ring pages (the last scratch)."""
+        rows = np.zeros((self.max_batch, 1), np.int32)
+        ring = dict(ring_pages=self.ring_pages, ring_scratch=True) if self.ring_pages else {}
+        pool = KVCache.paged(self.config, self._scratch + 1, self.page_size, rows, **ring)
         return pool.k, pool.v
+
+    def _tables(self, table, slots, replay: bool = False):
+        """A step's tables: the block table [B', W] itself, or with rings an
+        ``engine_steps.RingTables`` whose window table maps row b's real pages (those not
+        scratch) to its slot ``slots[b]``'s ring, ``slot * R + i % R``, the rest to the rings'
+        scratch page."""
+        if self.ring_pages is None:
+            return table
+        R = self.ring_pages
+        ring = np.asarray(slots, np.int32)[:, None] * R + np.arange(table.shape[1]) % R
+        window = np.where(table != self._scratch, ring, self._ring_scratch).astype(np.int32)
+        return engine_steps.RingTables(table, window, R, replay)
 
     # ----------------------------------------------------------------------------- requests
 
@@ -400,20 +460,27 @@ class Engine:
             raise
 
     def _prefill(self) -> None:
-        """Chunks of at most ``max_prefill_tokens`` in admission order, within the step budget."""
+        """Chunks of at most ``max_prefill_tokens`` in admission order, within the step budget;
+        a request's ring replay (module doc) first."""
         budget = self.max_prefill_tokens
         for req in list(self.scheduler.running):
             while not req.decoding:
-                n = min(len(req.tokens) - 1 - req.computed, self.max_prefill_tokens)
+                left = req.replay or len(req.tokens) - 1 - req.computed
+                n = min(left, self.max_prefill_tokens)
                 if n > budget:
                     return
                 self._prefill_chunk(req, n)
                 budget -= n
 
     def _prefill_chunk(self, req: Request, n: int) -> None:
-        start, P = req.computed, self.page_size
-        pages = self.scheduler.make_writable(req, start, start + n)
-        C = max(MIN_CHUNK, 1 << (n - 1).bit_length())
+        P, replay = self.page_size, req.replay > 0
+        if replay:  # rings only: nothing is written to the pool, no page is made writable
+            start = req.computed - req.replay
+            pages = self.tables.rows[req.row]
+        else:
+            start = req.computed
+            pages = self.scheduler.make_writable(req, start, start + n)
+        C = _chunk_bucket(n)
         tokens = np.zeros((1, C), np.int32)
         tokens[0, :n] = req.tokens[start : start + n]
         table = np.full((1, self.max_pages), self._scratch, np.int32)
@@ -426,8 +493,12 @@ class Engine:
             self._v,
             tokens,
             np.array([start], np.int32),
-            table,
+            self._tables(table, [req.row], replay),
         )
+        if replay:
+            req.replay -= n
+            self._counts["replay_tokens"] += n
+            return
         req.computed += n
         self._counts["prefill_tokens"] += n
         self.scheduler.register(req)
@@ -467,7 +538,7 @@ class Engine:
             self._v,
             last,
             lengths,
-            table,
+            self._tables(table, np.arange(B)),
             seeds,
             index,
             SamplingParams.rows(settings),
@@ -519,7 +590,7 @@ class Engine:
             self._v,
             seq,
             lengths,
-            table,
+            self._tables(table, np.arange(B)),
             seeds,
             index,
             SamplingParams.rows(settings),
@@ -555,7 +626,10 @@ class Engine:
             part = copies[i : i + COPY_BATCH]
             pad = [(self._scratch, self._scratch)] * (COPY_BATCH - len(part))
             src, dst = np.array(part + pad, np.int32).T
-            self._k, self._v = self._call(engine_steps.copy_pages, self._k, self._v, src, dst)
+            layers = None if self.ring_pages is None else self.pool_layers  # rings: never shared
+            self._k, self._v = self._call(
+                engine_steps.copy_pages, self._k, self._v, src, dst, layers
+            )
             self._counts["page_copies"] += len(part)
 
     # ----------------------------------------------------------------------------- stats
@@ -569,8 +643,15 @@ class Engine:
         ``tokens_per_s`` is generated tokens over the time spent in ``step`` less ``compile_s``
         (steps that traced a device step: its compilation); ``finished`` and ``aborted`` count
         requests; ``rebuilds`` the times an exception in ``step`` made the engine rebuild.
+
+        Memory: the ``pages_*`` counts are pool pages; a pool page holds P positions of the
+        ``pool_layers`` layers, ``page_bytes`` of keys and values. With rings (``ring_pages`` R
+        > 0) those are the global layers only: the sliding layers' rings, ``ring_bytes`` in all
+        (``max_batch * R + 1`` pages of each sliding layer), are allocated once and never taken
+        from the pool; ``replay_tokens`` counts the positions replayed to rebuild rings after
+        prefix hits.
         """
-        alloc, P = self.allocator, self.page_size
+        alloc, P, L = self.allocator, self.page_size, self.config.num_layers
         used = {}
         for req in self.scheduler.running:
             for i, page in enumerate(self.tables.rows[req.row]):
@@ -601,4 +682,11 @@ class Engine:
             num_draft_tokens=self.num_draft_tokens,
             draft_accepted=c["draft_accepted"],
             draft_proposed=c["draft_proposed"],
+            pool_layers=len(self.pool_layers),
+            ring_pages=self.ring_pages or 0,
+            page_bytes=sum(self._k[i].nbytes // self._k[i].shape[0] * 2 for i in self.pool_layers),
+            ring_bytes=sum(
+                x.nbytes for i, x in enumerate(self._k + self._v) if i % L not in self.pool_layers
+            ),
+            replay_tokens=c["replay_tokens"],
         )

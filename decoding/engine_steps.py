@@ -16,6 +16,9 @@
 The pool is a tuple of ``[num_pages + 1, P, Hkv, D]`` arrays per layer for keys and for values,
 donated to every call so that XLA updates it in place. Its last page is scratch: padding rows and
 block-table entries past a row's pages point there, so padding writes never touch a real page.
+On an engine with rings (``decoding.engine``), a sliding-window layer's entry is its rings
+instead, ``[max_batch * R + 1, P, Hkv, D]`` (the last page scratch too), and the steps take a
+:class:`RingTables` where they take a block table.
 
 ``TRACES`` counts how often each step was traced (= compiled): the engine keeps every shape fixed
 (batch ``max_batch``, block table ``max_pages``, chunk lengths in power-of-two buckets), so it
@@ -29,7 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from decoding.acceptance import accept, accept_greedy
 from decoding.drafts import Context, PromptLookup
@@ -48,6 +51,34 @@ from models.transformer import attach_decode_weights
 TRACES: collections.Counter = collections.Counter()
 
 
+@struct.dataclass
+class RingTables:
+    """A step's tables on an engine whose sliding-window layers keep rings: ``block`` [B, W]
+    int32, the pool pages of the global layers; ``window`` [B, W] int32, the ring pages of the
+    sliding layers (``KVCache.window_table``); ``ring_pages`` R and ``replay`` as in
+    ``models.KVCache`` (static: each value compiles its own step)."""
+
+    block: jax.Array
+    window: jax.Array
+    ring_pages: int = struct.field(pytree_node=False)
+    replay: bool = struct.field(pytree_node=False, default=False)
+
+
+def step_cache(k, v, lengths, table) -> KVCache:
+    """The ``KVCache`` of a step: ``table`` a block table, or :class:`RingTables`."""
+    if isinstance(table, RingTables):
+        return KVCache(
+            k=k,
+            v=v,
+            lengths=lengths,
+            block_table=table.block,
+            ring_pages=table.ring_pages,
+            window_table=table.window,
+            replay=table.replay,
+        )
+    return KVCache(k=k, v=v, lengths=lengths, block_table=table)
+
+
 def row_keys(seeds, index):
     """Per-row PRNG keys [B]: ``fold_in(key(seeds[b]), index[b])``.
 
@@ -59,10 +90,11 @@ def row_keys(seeds, index):
 
 
 def prefill_chunk(graphdef, params, k, v, tokens, start, table):
-    """tokens [1, C] at positions ``start[0] ..``, pages ``table`` [1, max_pages] -> (k, v)."""
+    """tokens [1, C] at positions ``start[0] ..``, pages ``table`` [1, max_pages] (or
+    :class:`RingTables`; a replay writes only the rings) -> (k, v)."""
     TRACES["prefill"] += 1
     model = nnx.merge(graphdef, params)
-    _, cache = model(tokens, cache=KVCache(k=k, v=v, lengths=start, block_table=table))
+    _, cache = model(tokens, cache=step_cache(k, v, start, table))
     return cache.k, cache.v
 
 
@@ -92,7 +124,7 @@ def decode_rows(
     """
     TRACES["decode"] += 1
     model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
-    cache = KVCache(k=k, v=v, lengths=lengths, block_table=table)
+    cache = step_cache(k, v, lengths, table)
     logits, cache = model(last[:, None], cache=cache)
     tokens = sample(logits[:, -1], row_keys(seeds, index), sampling)
     lp = token_logprobs(logits[:, -1], tokens, sampling, logprobs_mode, wanted)
@@ -133,7 +165,7 @@ def verify_rows(
     """
     TRACES["verify"] += 1
     model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
-    cache = KVCache(k=k, v=v, lengths=lengths, block_table=table)
+    cache = step_cache(k, v, lengths, table)
     keys = row_keys(seeds, index)
     prop = draft.propose(Context(model, cache, seq, None, None), num_draft, sampling, keys[0])
     last = jnp.take_along_axis(seq, lengths[:, None], axis=1)
@@ -184,8 +216,13 @@ def jitted(graphdef, logprobs_mode: str = "raw"):
     return prefill, decode
 
 
-@functools.partial(jax.jit, donate_argnames=("k", "v"))
-def copy_pages(k, v, src, dst):
-    """Page ``dst[i]`` becomes a copy of page ``src[i]`` in every layer; src, dst [n] int32."""
+@functools.partial(jax.jit, donate_argnames=("k", "v"), static_argnames=("layers",))
+def copy_pages(k, v, src, dst, layers=None):
+    """Page ``dst[i]`` becomes a copy of page ``src[i]`` in every layer, or in the layers of
+    ``layers`` (a tuple of indices: the pool's, not the rings); src, dst [n] int32."""
     TRACES["copy"] += 1
-    return tuple(x.at[dst].set(x[src]) for x in k), tuple(x.at[dst].set(x[src]) for x in v)
+    pick = range(len(k)) if layers is None else layers
+    copy = lambda xs: tuple(  # noqa: E731
+        x.at[dst].set(x[src]) if i in pick else x for i, x in enumerate(xs)
+    )
+    return copy(k), copy(v)

@@ -6,6 +6,13 @@ rows, preemption, retirement, abort, and the reset after a failed step. Page cop
 write go to the ``copy`` callback the engine gives it (the device side), at the point they are
 needed. See ``decoding.engine`` for the step these serve.
 
+Sliding-window layers that keep rings (``models.kv_cache``): a prefix hit shares only the global
+layers' pages, so the request's ring must be rebuilt for the positions before the hit that later
+queries still see through the window. A hit at position ``h`` leaves ``replay =
+min(h, replay_tokens)`` positions to recompute first (the engine replays them with the global
+layers reading their cached pages); the engine sets ``replay_tokens`` to ``n_s * (W - 1)`` for
+``n_s`` sliding layers of window W (why that many: ``decoding.engine``).
+
 Invariant kept for the engine's recovery (``reset``): at every bytecode a request is live
 (``live``: waiting, running or between the two) or finished, never neither.
 """
@@ -30,6 +37,7 @@ class Request:
     seed: int
     tokens: list[int]  # prompt, then the generated tokens
     computed: int = 0  # leading positions whose keys/values are in the cache
+    replay: int = 0  # positions before `computed` whose ring keys are yet to be recomputed
     registered: int = 0  # leading pages registered in the prefix cache
     row: int = -1  # batch row while admitted
     admitted: int = -1  # admission number; larger is more recent
@@ -41,8 +49,9 @@ class Request:
 
     @property
     def decoding(self) -> bool:
-        """Everything but the last token is cached: the next decode step feeds it."""
-        return self.computed == len(self.tokens) - 1
+        """Everything but the last token is cached (rings rebuilt): the next decode step feeds
+        it."""
+        return self.computed == len(self.tokens) - 1 and not self.replay
 
     @property
     def done(self) -> bool:
@@ -54,7 +63,8 @@ class Scheduler:
     """Requests and pages for ``max_batch`` rows over ``num_pages`` pages of ``page_size``.
 
     ``copy(copies)`` applies ``[(src, dst)]`` page copies on the device; ``counts`` is the
-    engine's counter (prefix_cache_hits, preemptions, finished, aborted).
+    engine's counter (prefix_cache_hits, preemptions, finished, aborted); ``replay_tokens``:
+    positions before a prefix hit whose ring keys are recomputed (0: no rings; module doc).
     """
 
     def __init__(
@@ -67,10 +77,11 @@ class Scheduler:
         prefix_caching: bool,
         copy: Callable,
         counts: collections.Counter,
+        replay_tokens: int = 0,
     ):
         self.max_batch, self.num_pages, self.page_size = max_batch, num_pages, page_size
         self.max_pages, self.prefix_caching = max_pages, prefix_caching
-        self.copy, self.counts = copy, counts
+        self.copy, self.counts, self.replay_tokens = copy, counts, replay_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order
         self.live: dict[int, Request] = {}  # submitted, neither finished nor aborted
@@ -122,6 +133,7 @@ class Scheduler:
             return False
         self.copy(self.tables.make_writable(row, start, n))
         req.row, req.computed, req.registered = row, start, use
+        req.replay = min(start, self.replay_tokens)
         req.admitted, self.admissions = self.admissions, self.admissions + 1
         self.counts["prefix_cache_hits"] += use
         self.running.append(req)
@@ -187,7 +199,7 @@ class Scheduler:
         """Frees the request's pages; it is recomputed from its tokens when readmitted."""
         self.waiting.appendleft(req)
         self._release_row(req)
-        req.computed = req.registered = 0
+        req.computed = req.registered = req.replay = 0
         self.counts["preemptions"] += 1
 
     def abort(self, rid) -> list[int]:
@@ -214,6 +226,6 @@ class Scheduler:
         order = [r for r in dict.fromkeys(order) if self.live.get(r.rid) is r]
         self.new_pages()
         for r in order:
-            r.computed = r.registered = 0
+            r.computed = r.registered = r.replay = 0
             r.row, r.hashes = -1, []
         self.running, self.waiting = [], collections.deque(order)

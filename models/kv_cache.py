@@ -18,8 +18,12 @@ page ``i - R``'s slot; with ``R >= ceil((W + T - 2) / P) + 1`` (:func:`ring_page
 most tokens of one call) every position a query of the call can see lives in a distinct slot,
 and the older logical pages that alias newer keys are masked out by the window (applied by
 logical position, whatever the slot holds). Global layers keep the caller's pages and block
-table. A row's ring is private: a ring cache is for callers that give each row its own pages
-(no prefix sharing between rows; the serving engine's prefix cache does not use rings).
+table. A row's ring is private to it: prefix sharing between rows applies to the global layers
+only. A caller that maps the rings itself passes ``window_table`` (the serving engine: a
+request's ring is its batch slot's, whatever row of a step it is in, and padding writes go to a
+scratch page after the rings, ``ring_scratch``); ``replay`` marks a call that rebuilds the rings
+over positions whose global-layer keys are already cached (``decoding.engine``'s prefix hits):
+the global layers then read their cached keys and write nothing.
 
 ``lengths [B]`` int32 counts the tokens already cached in each row. A cached forward of T tokens
 writes them at positions ``lengths .. lengths + T - 1`` and returns ``lengths + T``; rolling back
@@ -50,6 +54,11 @@ class KVCache:
       block_table: [B, max_pages] int32 for a paged cache, else None.
       ring_pages: R, pages per row of each sliding layer's ring (static), or None: every layer
         uses ``block_table`` (see the module docstring).
+      window_table: [B, max_pages] int32, the sliding layers' table into their rings when the
+        caller maps them (each entry a ring page), or None: :meth:`ring_table`.
+      replay: (static) the call's T tokens at positions ``lengths .. lengths + T - 1`` are
+        already in the global layers' pages: those layers attend over them (query ``i`` at
+        position ``lengths + i``) and write nothing; the ring layers write theirs.
     """
 
     k: tuple[jax.Array, ...]
@@ -57,6 +66,8 @@ class KVCache:
     lengths: jax.Array
     block_table: jax.Array | None = None
     ring_pages: int | None = struct.field(pytree_node=False, default=None)
+    window_table: jax.Array | None = None
+    replay: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def contiguous(
@@ -83,6 +94,7 @@ class KVCache:
         *,
         mesh=None,
         ring_pages: int | None = None,
+        ring_scratch: bool = False,
     ) -> KVCache:
         """An empty paged cache of ``num_pages`` pages of ``page_size`` tokens.
 
@@ -93,6 +105,8 @@ class KVCache:
         ``ring_pages``: R, give each sliding-window layer a private ring of R pages per row
         instead (module docstring; :func:`ring_pages_for` gives the least R for a window and
         call length). ValueError when the config has no sliding layer or R < 1.
+        ``ring_scratch``: one more page after the ``B * R`` ring pages of each sliding layer,
+        ``[B * R + 1, P, Hkv, D]``, for the padding writes of a caller's ``window_table``.
         """
         block_table = jnp.asarray(block_table)
         if block_table.ndim != 2 or not jnp.issubdtype(block_table.dtype, jnp.integer):
@@ -112,9 +126,8 @@ class KVCache:
         sliding = [i for i in range(config.num_layers) if config.is_sliding(i)]
         if not sliding:
             raise ValueError("ring_pages needs a config with sliding-window layers")
-        ring = cls._empty(
-            config, (block_table.shape[0] * ring_pages, *shape[1:]), lengths, None, dtype, mesh
-        )
+        ring_shape = (block_table.shape[0] * ring_pages + bool(ring_scratch), *shape[1:])
+        ring = cls._empty(config, ring_shape, lengths, None, dtype, mesh)
         k, v = list(cache.k), list(cache.v)
         for i in sliding:
             k[i], v[i] = ring.k[i], ring.v[i]
@@ -144,8 +157,8 @@ class KVCache:
 
     def layer_table(self, config: TransformerConfig, layer: int, num_tokens: int):
         """The block table layer ``layer`` reads and writes for a call of ``num_tokens`` tokens
-        (``ring_table`` for a sliding layer of a ring cache); ValueError when the ring is too
-        small for the call (an alias would be read)."""
+        (``window_table``, else ``ring_table``, for a sliding layer of a ring cache); ValueError
+        when the ring is too small for the call (an alias would be read)."""
         if self.ring_pages is None or not config.is_sliding(layer):
             return self.block_table
         need = ring_pages_for(config.sliding_window, num_tokens, self.page_size)
@@ -154,7 +167,7 @@ class KVCache:
                 f"a call of {num_tokens} tokens through a window of {config.sliding_window} needs "
                 f"rings of {need} pages of {self.page_size}; the cache has {self.ring_pages}"
             )
-        return self.ring_table()
+        return self.ring_table() if self.window_table is None else self.window_table
 
     @property
     def batch(self) -> int:

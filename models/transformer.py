@@ -243,10 +243,12 @@ class Attention(nnx.Module):
         )
         self.mesh = None  # set by models.shard
 
-    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
+    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None, append=True):
         """x: [B, T, dim]. ``kv`` is ``(k_cache, v_cache, lengths, block_table)`` for a cached
         call; returns ``(y, (k_cache, v_cache))`` then, else ``y`` [B, T, dim]. ``tree_mask``
-        [B, T, T] bool (cached calls): ``attention_with_kvcache``'s tree attention."""
+        [B, T, T] bool (cached calls): ``attention_with_kvcache``'s tree attention.
+        ``append=False``: the cache already holds these T keys (its ``lengths`` count them);
+        attend over it and write nothing (``KVCache.replay``)."""
         c = self.config
         B, T, _ = x.shape
         D = c.resolved_head_dim
@@ -265,6 +267,10 @@ class Attention(nnx.Module):
             if self.mesh is not None:
                 raise ValueError("tree_mask is not supported on a sharded model (mesh)")
             attend = functools.partial(self._attend, tree_mask=tree_mask)
+        if not append:
+            if self.mesh is not None:
+                raise ValueError("a replay (KVCache.replay) is not supported on a sharded model")
+            attend = functools.partial(attend, append=False)
         if self.mesh is not None:  # models.shard: per device, on its local heads
             paged = kv is not None and kv[3] is not None
             attend = local_heads(attend, self.mesh, batch=B, cached=kv is not None, paged=paged)
@@ -273,7 +279,7 @@ class Attention(nnx.Module):
         y = self.o_proj(out.reshape(B, T, c.num_heads * D))
         return y if kv is None else (y, new_kv)
 
-    def _attend(self, q, k, v, segment_ids, kv, tree_mask=None):
+    def _attend(self, q, k, v, segment_ids, kv, tree_mask=None, append=True):
         """``pallas_attn`` on q [B, T, Hq, D], k/v [B, T, Hkv, D] -> out [B, T, Hq, D], or
         ``(out, (k_cache, v_cache))`` for a cached call."""
         c = self.config
@@ -298,8 +304,8 @@ class Attention(nnx.Module):
             q,
             k_cache,
             v_cache,
-            k,
-            v,
+            k if append else None,
+            v if append else None,
             cache_seqlens=lengths,
             block_table=block_table,
             impl=c.attn_impl,
@@ -339,9 +345,15 @@ class Block(nnx.Module):
         self.attn_out_norm = _norm(config, config.dim) if config.sandwich_norm else None
         self.mlp_out_norm = _norm(config, config.dim) if config.sandwich_norm else None
 
-    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None):
+    def __call__(self, x, cos, sin, *, segment_ids=None, kv=None, tree_mask=None, append=True):
         h = self.attn(
-            self.input_norm(x), cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask
+            self.input_norm(x),
+            cos,
+            sin,
+            segment_ids=segment_ids,
+            kv=kv,
+            tree_mask=tree_mask,
+            append=append,
         )
         h, new_kv = h if kv is not None else (h, None)
         if self.attn_out_norm is not None:
@@ -452,19 +464,25 @@ class Transformer(nnx.Module):
         x = constrain_batch(self.embed(tokens), self.mesh)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            kv = None
+            kv, append = None, True
             if cache is not None:
                 table = cache.block_table
                 if cache.ring_pages is not None:  # trace time: only ring caches pay for it
                     table = cache.layer_table(self.config, i, T)
                 kv = (cache.k[i], cache.v[i], cache.lengths, table)
-            if self.fused_decode and fused.applies(
-                layer, x, kv, tree_mask=tree_mask, segment_ids=segment_ids, mesh=self.mesh
+                if cache.replay and not self.config.is_sliding(i):  # its keys are cached
+                    kv, append = (cache.k[i], cache.v[i], cache.lengths + T, table), False
+            if (
+                append
+                and self.fused_decode
+                and fused.applies(
+                    layer, x, kv, tree_mask=tree_mask, segment_ids=segment_ids, mesh=self.mesh
+                )
             ):  # a decode step's layer as one native call on CPU (models/fused_decode.py)
                 x, layer_kv = fused.layer(layer, x, cos, sin, kv)
             else:
                 x, layer_kv = layer(
-                    x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask
+                    x, cos, sin, segment_ids=segment_ids, kv=kv, tree_mask=tree_mask, append=append
                 )
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
