@@ -39,6 +39,7 @@ SCRIPTS = (
     Script("speculative", quick=("--quick", "--runs", "1", "--no-hf")),
     Script("real_model", quick=("--quick", "--runs", "1", "--no-llama-cpp"), backends=("cpu",)),
     Script("serve", backends=("cpu",)),
+    Script("logprobs", quick=("--quick", "--runs", "1")),
     Script("medusa_real", quick=("--quick", "--runs", "1"), backends=("cpu",)),
 )
 

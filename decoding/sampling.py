@@ -19,6 +19,11 @@ choices while tracing, so such a program contains only the filters it uses.
 
 Randomness comes only from the explicit PRNG key: same key, same tokens. Seeds are ints in
 [0, 2**32), the uint32 a key is made from (``check_seed``).
+
+Log-probabilities of emitted tokens (``token_logprobs``, what ``Engine.submit(logprobs=n)``
+reports): the chosen token's and the ``MAX_LOGPROBS`` most likely, under the model's raw
+distribution (OpenAI's and vLLM's default) or the processed one the token was drawn from; a
+static top-20 inside the caller's jitted step, skipped by ``lax.cond`` when no row asks.
 """
 
 from __future__ import annotations
