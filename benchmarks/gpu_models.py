@@ -83,7 +83,7 @@ def generate(
     key = _placed(jax.eval_shape(lambda: jax.random.key(0)), sds)
     scalar = sds((), jnp.int32)
     if case["phase"] == "prefill":
-        fn = functools.partial(gen._prefill_jit, num_new_max=new_tokens, **static)
+        fn = functools.partial(gen.prefill_jit, num_new_max=new_tokens, **static)
         done = sds((batch,), jnp.bool_)
         tokens = sds((batch, prompt_len), jnp.int32)
         return fn, (params, tokens, rows, cache, key, done, scalar, settings)
@@ -96,8 +96,8 @@ def generate(
         key=key,
         step=scalar,
     )
-    # {}: no packed weights (pack_decode_weights packs for CPU programs only)
-    return functools.partial(gen._decode_jit, **static), (
+    # {}: no packed weights (decoding.packing packs for CPU programs only)
+    return functools.partial(gen.decode_jit, **static), (
         params,
         {},
         state,

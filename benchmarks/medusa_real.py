@@ -52,24 +52,24 @@ def step_costs(target, heads, max_tq: int, *, context: int = 256, runs: int = 7)
     """Median seconds of one cached target forward at Tq = 1 .. ``max_tq`` (B = 1, ``context``
     tokens cached, the decode layout), and of the heads' drafting (``num_heads`` logits from h)."""
     from decoding.medusa import Medusa
+    from decoding.packing import packed_model, packed_weights
     from models import KVCache
-    from models.transformer import attach_decode_weights, pack_decode_weights
 
     graphdef, params = nnx.split(target)
-    kernels = pack_decode_weights(target, params)
+    kernels = packed_weights(target, params)
     cache = KVCache.contiguous(target.config, 1, context + max_tq + 1)
     cache = cache.replace(lengths=jnp.full((1,), context, jnp.int32))
 
     @jax.jit
     def fwd(params, kernels, cache, tokens):
-        model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
+        model = packed_model(graphdef, params, kernels)
         return model(tokens, cache=cache)[0]
 
     kind, hparams = Medusa(heads).split()
 
     @jax.jit
     def draft(params, kernels, hparams, h):
-        model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
+        model = packed_model(graphdef, params, kernels)
         return kind.head_logits(hparams, h, heads.num_heads, model)
 
     out = {}

@@ -255,18 +255,18 @@ def forward_costs(target, widths, *, length: int = 160, steps: int = 48, runs: i
     import jax.numpy as jnp
     from flax import nnx
 
+    from decoding.packing import packed_model, packed_weights
     from models import KVCache
-    from models.transformer import attach_decode_weights, pack_decode_weights
 
     graphdef, params = nnx.split(target)
-    kernels = pack_decode_weights(target)  # what generate's decode loop multiplies with
+    kernels = packed_weights(target)  # what generate's decode loop multiplies with
     P, pages = 16, 2 * length // 16
     table = np.arange(pages, dtype=np.int32)[None]
     cache = KVCache.paged(target.config, pages, P, table)
     cache = cache.replace(lengths=jnp.full((1,), length, jnp.int32))
 
     def loop(params, kernels, cache, T):
-        model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
+        model = packed_model(graphdef, params, kernels)
 
         def body(_, carry):
             cache, tok = carry

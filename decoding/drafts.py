@@ -1,29 +1,23 @@
 """Draft kinds for ``speculative_generate``: what proposes the k tokens the target verifies.
 
-A draft kind is a frozen, hashable object (a static argument of the jitted loop) with:
-
-* ``check(target, k)``: ``ValueError`` naming the argument when it cannot draft for ``target``;
-* ``default_num_draft_tokens``: a k without measurements (``default_k``); with
-  ``num_draft_tokens=None`` the loops choose k from measured step costs instead (below);
-* ``make_state(target, params, cache_kind, batch, page_size, num_pages)``: host side, the
-  draft's own pytree state (e.g. a KV cache) and its page tables (or None);
-* ``prefill(params, state, tokens, prompt_lengths)``: traced, after the target's prefill;
-* ``propose(ctx, k, sampling, key)``: traced, returns a :class:`Proposal`: k tokens [B, k], the
-  distributions q [B, k, V] they were drawn from (shaped by the same ``SamplingConfig`` as the
-  target's p, one-hot for deterministic drafts), the new draft state, the target cache (a draft
-  that shares it may write into it), and how many draft forward calls it made.
+A draft kind is a frozen, hashable object (a static argument of the jitted loop) that
+implements :class:`DraftKind`, a ``typing.Protocol``: ``check``, ``default_num_draft_tokens``,
+``costs`` (for choosing k), ``place`` (its params on a sharded target's mesh), ``make_state`` /
+``prefill`` (the draft's own state, e.g. a KV
+cache), ``propose`` (k tokens and the distributions q they were drawn from, as a
+:class:`Proposal`) and ``verify`` (the target's forward on them and the acceptance rule, as a
+:class:`Verified`). The protocol's own methods are the common case (no state, the chain
+verification of :func:`verify_chain`); the kinds here subclass it and override what differs, and
+``speculative.py`` calls only these methods.
 
 ``params`` is the draft's array pytree (None when it has none): the loop passes it as a jit
 argument, so the weights are not baked into the executable. The verification loop only sees
 ``Proposal``s and the acceptance rule only q, so a kind that drafts from the target's own hidden
-states (Medusa / EAGLE heads) fits the same interface: its heads' weights are ``params``, its
-state holds the target's hidden state at the last accepted position, and its ``propose`` makes
-no forward call of the target. What it adds to the loop is one hand-off: the verification
-forward (``speculative_step``) must also return the final hidden states [B, k+1, dim]
-(:func:`forward` runs the blocks explicitly, so it is the place to return them) for the kind to
-keep the one at each row's last accepted token. ``decoding/medusa.py`` does so through two optional
-kind hooks the loop calls when present: ``start`` (the state after the target's prefill) and
-``verify`` (its own verification forward, with ``Transformer(..., return_hidden=True)``).
+states (Medusa / EAGLE heads, ``decoding/medusa.py``) fits the same protocol: its heads' weights
+are ``params``, its state holds the target's hidden state at the last accepted position (set by
+its ``prefill`` from the target's cache), its ``propose`` makes no forward call of the target,
+and its ``verify`` also asks the target for the hidden states (``Transformer(...,
+return_hidden=True)``) to keep the one at each row's last accepted token.
 
 Draft length. With ``num_draft_tokens=None`` k is chosen, not looked up: the target's cached
 forward is timed at Tq = 1 .. K + 1 (and a model draft's at Tq = 1) once per (model config,
@@ -44,18 +38,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from decoding.acceptance import verify
 from decoding.checks import check_int
-from decoding.generate import _cache_for
+from decoding.generate import make_cache
+from decoding.packing import packed_model, packed_weights
 from decoding.sampling import probabilities, sample
 from models import KVCache
-from models.transformer import attach_decode_weights, pack_decode_weights, rope_tables
+from models.sharding import mesh_of, replicated
+from models.transformer import rope_tables
 
 # The k a kind's ``default_num_draft_tokens`` gives without a target to measure (kinds that are
 # asked for it outside ``speculative_generate``, and a fallback); ``speculative_generate`` and
@@ -156,22 +154,22 @@ def measure_step_costs(model, max_tq: int, *, batch: int = 1, context: int = 128
     if key in _COSTS:
         return _COSTS[key]
     graphdef, params = nnx.split(model)
-    kernels = pack_decode_weights(model, params)
+    packed = packed_weights(model, params)
 
     @jax.jit
-    def run(params, kernels, tokens, cache):
-        return attach_decode_weights(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
+    def run(params, packed, tokens, cache):
+        return packed_model(graphdef, params, packed)(tokens, cache=cache)[0]
 
     cache = KVCache.contiguous(model.config, batch, context + max_tq)
     cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
     out = []
     for t in range(1, max_tq + 1):
         tokens = jnp.zeros((batch, t), jnp.int32)
-        jax.block_until_ready(run(params, kernels, tokens, cache))
+        jax.block_until_ready(run(params, packed, tokens, cache))
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(run(params, kernels, tokens, cache))
+            jax.block_until_ready(run(params, packed, tokens, cache))
             times.append(time.perf_counter() - t0)
         out.append(float(np.median(times)))
     _COSTS[key] = tuple(out)
@@ -213,6 +211,99 @@ class Context(NamedTuple):
     seq: jax.Array
     params: Any
     state: Any
+
+
+class Verified(NamedTuple):
+    """A verification step's outcome: tokens [B, k] (the draft path whose first n are kept),
+    n [B] int32, nxt [B] int32 (the target's token after them), the target's cache (lengths
+    not yet rolled back) and the draft's new state."""
+
+    tokens: jax.Array
+    n: jax.Array
+    nxt: jax.Array
+    cache: Any
+    state: Any
+
+
+def verify_chain(target, last, prop: Proposal, sampling, key, hidden=False):
+    """The target's forward on ``[last, d_1 .. d_k]`` (last [B, 1]) and the acceptance rule.
+
+    Returns (n [B], nxt [B], cache, hidden states [B, k+1, dim] or None).
+    """
+    tokens = jnp.concatenate([last, prop.tokens], 1)
+    out = target(tokens, cache=prop.cache, return_hidden=hidden)
+    logits, cache = out[:2]
+    n, nxt = verify(logits, prop.q, prop.tokens, sampling, key)
+    return n, nxt, cache, out[2] if hidden else None
+
+
+class DraftCosts(NamedTuple):
+    """What choosing k (:func:`choose_num_draft_tokens`) needs of a kind: ``prior``, its
+    acceptance rate before any is observed; ``model``, the model whose Tq = 1 step one draft
+    call costs (None: no measured cost; the target itself: a share of its step, e.g. early
+    exit); ``calls(k)``, draft calls per step in units of that cost; ``max_k``, the largest k;
+    ``fixed_k``, the only k it drafts (a token tree's depth) or None."""
+
+    prior: float
+    model: Any = None
+    calls: Callable[[int], float] = lambda k: 0
+    max_k: int = MAX_K
+    fixed_k: int | None = None
+
+
+@runtime_checkable
+class DraftKind(Protocol):
+    """What ``speculative_generate``'s loop asks of a draft kind (module docstring). A kind is a
+    frozen, hashable object, a static argument of the jitted loop; the methods marked traced run
+    inside it. The bodies here are the common case; a kind overrides what differs.
+
+    ``verify_width``: cache slots a verification writes past the last token where that is more
+    than k (a token tree's nodes; 0 for a chain, which writes k). ``prefill_calls``: draft
+    forward calls its prefill makes.
+    """
+
+    verify_width: int = 0
+    prefill_calls: int = 0
+
+    @property
+    def default_num_draft_tokens(self) -> int:
+        """A k without measurements (``default_k``, :data:`DEFAULT_K`)."""
+        ...
+
+    def check(self, target, k: int) -> None:
+        """``ValueError`` naming the argument when it cannot draft k tokens for ``target``."""
+
+    def costs(self, target, params) -> DraftCosts:
+        """Its :class:`DraftCosts` for ``target``."""
+        ...
+
+    def place(self, draft, params, target):
+        """Host side: ``params`` placed where ``target``'s loop runs (``draft``: what the user
+        passed). Replicated over a sharded target's mesh (the user's arrays are not moved);
+        ``ValueError`` where the kind cannot run there."""
+        if mesh_of(target) is not None and params is not None:
+            return jax.device_put(params, replicated(target))
+        return params
+
+    def make_state(self, target, params, cache_kind: str, batch, page_size: int, num_pages):
+        """Host side: the draft's own pytree state (e.g. a KV cache) for the bucketed ``batch``
+        (``decoding.generate.Batch``) and its page tables to free afterwards (or None)."""
+        return None, None
+
+    def prefill(self, ctx: Context, tokens, prompt_lengths):
+        """Traced, after the target's prefill (``ctx.cache`` holds the prompts, ``ctx.state`` is
+        ``make_state``'s state): the draft's state for the first step."""
+        return ctx.state
+
+    def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
+        """Traced: k tokens [B, k] and the distributions q [B, k, V] they were drawn from (shaped
+        by the same ``SamplingConfig`` as the target's p, one-hot for deterministic drafts)."""
+        ...
+
+    def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
+        """Traced: the target's forward on ``[last, proposal]`` and the acceptance rule."""
+        n, nxt, cache, _ = verify_chain(target, last, prop, sampling, key)
+        return Verified(prop.tokens, n, nxt, cache, prop.state)
 
 
 def forward(model, tokens, cache: KVCache, num_layers: int | None = None):
@@ -260,7 +351,8 @@ def autoregressive_proposal(step, cache, x0, k: int, sampling, key):
     return tokens, q, cache
 
 
-def _check_vocab(name: str, vocab: int, target) -> None:
+def check_vocab(name: str, vocab: int, target) -> None:
+    """``ValueError`` unless a draft's ``vocab`` (``name`` in the message) is the target's."""
     if vocab != target.config.vocab_size:
         raise ValueError(
             f"{name} has vocab_size {vocab}, the target has {target.config.vocab_size}: "
@@ -269,7 +361,7 @@ def _check_vocab(name: str, vocab: int, target) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDraft:
+class ModelDraft(DraftKind):
     """A ``models.Transformer`` draft (its ``graphdef``; the weights are ``params``) with its own
     KV cache, kept at the target's length: each step first re-feeds the token before the last,
     so that after a fully accepted step (when the draft never saw its own k-th token) the cache
@@ -277,10 +369,27 @@ class ModelDraft:
 
     graphdef: Any
     config: Any
+    prefill_calls = 1  # its prefill is a forward call of the draft model
 
     @property
     def default_num_draft_tokens(self) -> int:
         return default_k("model")
+
+    def costs(self, target, params) -> DraftCosts:
+        return DraftCosts(PRIOR_ACCEPTANCE["model"], nnx.merge(self.graphdef, params), lambda k: k)
+
+    def place(self, draft, params, target):
+        """A model draft has its own cache, which ``models.shard`` places: it must be sharded
+        over the target's mesh itself (or neither sharded)."""
+        mesh = mesh_of(target)
+        if mesh_of(draft) != mesh:
+            where = "not sharded" if mesh is None else f"sharded over {mesh.shape_tuple}"
+            raise ValueError(
+                f"the target is {where} but the draft model is "
+                + ("not sharded" if mesh_of(draft) is None else "sharded over another mesh")
+                + ": shard both over the same mesh (models.shard(draft, target.mesh)) or neither"
+            )
+        return params
 
     @classmethod
     def split(cls, model) -> tuple[ModelDraft, Any]:
@@ -288,15 +397,15 @@ class ModelDraft:
         return cls(graphdef, model.config), params
 
     def check(self, target, k: int) -> None:
-        _check_vocab("draft", self.config.vocab_size, target)
+        check_vocab("draft", self.config.vocab_size, target)
 
     def make_state(self, target, params, cache_kind: str, batch, page_size: int, num_pages):
         model, n_pad = nnx.merge(self.graphdef, params), len(batch.done) - batch.num_rows
         cap = batch.capacity
-        return _cache_for(model, cache_kind, batch.need, n_pad, cap, page_size, num_pages)
+        return make_cache(model, cache_kind, batch.need, n_pad, cap, page_size, num_pages)
 
-    def prefill(self, params, cache, tokens, prompt_lengths):
-        _, cache = nnx.merge(self.graphdef, params)(tokens, cache=cache)
+    def prefill(self, ctx: Context, tokens, prompt_lengths):
+        _, cache = nnx.merge(self.graphdef, ctx.params)(tokens, cache=ctx.state)
         return cache.replace(lengths=prompt_lengths.astype(jnp.int32))
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
@@ -313,7 +422,7 @@ class ModelDraft:
 
 
 @dataclasses.dataclass(frozen=True)
-class EarlyExit:
+class EarlyExit(DraftKind):
     """Self-speculation (LayerSkip-style): the target's first ``num_layers`` blocks, its final
     norm and LM head draft, sharing the target's cache for those layers.
 
@@ -343,11 +452,10 @@ class EarlyExit:
                 f"num_layers={target.config.num_layers}"
             )
 
-    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
-        return None, None
-
-    def prefill(self, params, state, tokens, prompt_lengths):
-        return state
+    def costs(self, target, params) -> DraftCosts:
+        # Its calls run num_layers of the target's layers: counted as that share of a step.
+        share = self.num_layers / target.config.num_layers
+        return DraftCosts(PRIOR_ACCEPTANCE["early-exit"], target, lambda k: k * share)
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         n = ctx.cache.lengths
@@ -361,7 +469,7 @@ class EarlyExit:
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookup:
+class PromptLookup(DraftKind):
     """Prompt-lookup decoding (Hugging Face's ``prompt_lookup_num_tokens``, vLLM's "ngram"): no
     model; the k tokens that followed the most recent earlier occurrence of the sequence's last
     n tokens, for n from ``max_ngram`` down to ``min_ngram`` (the longest n that matches wins).
@@ -390,11 +498,8 @@ class PromptLookup:
     def check(self, target, k: int) -> None:
         pass
 
-    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
-        return None, None
-
-    def prefill(self, params, state, tokens, prompt_lengths):
-        return state
+    def costs(self, target, params) -> DraftCosts:
+        return DraftCosts(PRIOR_ACCEPTANCE["prompt-lookup"])
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         V = ctx.target.config.vocab_size

@@ -82,6 +82,7 @@ from decoding import engine_steps
 from decoding.checks import check_bool, check_int, check_model, check_optional_int, is_int
 from decoding.drafts import MAX_K, PRIOR_ACCEPTANCE, AcceptanceEstimate, PromptLookup
 from decoding.interrupts import deferred_interrupts
+from decoding.packing import packed_weights
 from decoding.paging import pages_for
 from decoding.sampling import (
     MAX_LOGPROBS,
@@ -96,7 +97,6 @@ from decoding.speculative import chosen_num_draft_tokens
 from models import KVCache
 from models.kv_cache import ring_pages_for
 from models.sharding import to_host
-from models.transformer import pack_decode_weights
 
 _GREEDY = SamplingConfig()
 MIN_CHUNK = 16  # the smallest prefill chunk bucket
@@ -188,9 +188,7 @@ class Engine:
         self.max_pages = min(num_pages, pages_for(self.max_seq_len - 1, page_size))
         self._scratch = num_pages
         graphdef, self._params = nnx.split(model)
-        self._kernels = pack_decode_weights(
-            model, self._params
-        )  # packed weights, few-row steps (CPU)
+        self._kernels = packed_weights(model, self._params)  # few-row steps (CPU)
         self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef, self.logprobs_mode)
         self._model, self._graphdef, self.draft = model, graphdef, draft
         self._fixed_k, self.num_draft_tokens = k, k

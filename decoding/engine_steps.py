@@ -36,6 +36,7 @@ from flax import nnx, struct
 
 from decoding.acceptance import accept, accept_greedy
 from decoding.drafts import Context, PromptLookup
+from decoding.packing import packed_model
 from decoding.sampling import (
     SamplingParams,
     all_greedy,
@@ -46,7 +47,6 @@ from decoding.sampling import (
     token_logprobs,
 )
 from models import KVCache
-from models.transformer import attach_decode_weights
 
 TRACES: collections.Counter = collections.Counter()
 
@@ -114,7 +114,7 @@ def decode_rows(
     wanted,
 ):
     """One token per row: last [B] fed at position lengths [B] through table [B, max_pages];
-    ``kernels`` from ``models.transformer.pack_decode_weights`` (few-row products on CPU).
+    ``kernels`` from ``decoding.packing.packed_weights`` (few-row products on CPU).
 
     Returns ``(next tokens [B] int32, logprobs, k, v)``; seeds [B] uint32 and index [B] int32
     give each row's key (``row_keys``), ``sampling`` [B] its settings: row ``b`` draws alone
@@ -123,7 +123,7 @@ def decode_rows(
     when some row of ``wanted`` [B] bool asks (else zeros).
     """
     TRACES["decode"] += 1
-    model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
+    model = packed_model(graphdef, params, kernels)
     cache = step_cache(k, v, lengths, table)
     logits, cache = model(last[:, None], cache=cache)
     tokens = sample(logits[:, -1], row_keys(seeds, index), sampling)
@@ -164,7 +164,7 @@ def verify_rows(
     row of ``wanted`` [B] bool asks.
     """
     TRACES["verify"] += 1
-    model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
+    model = packed_model(graphdef, params, kernels)
     cache = step_cache(k, v, lengths, table)
     keys = row_keys(seeds, index)
     prop = draft.propose(Context(model, cache, seq, None, None), num_draft, sampling, keys[0])

@@ -36,11 +36,11 @@ from flax import nnx, struct
 
 from decoding import paging
 from decoding.checks import check_int, check_model, check_optional_int
+from decoding.packing import packed_model, packed_weights
 from decoding.sampling import SamplingConfig, check_seed, sample
 from models import KVCache
 from models.kv_cache import ring_pages_for
 from models.sharding import mesh_of, replicated, to_host
-from models.transformer import attach_decode_weights, pack_decode_weights
 
 PROMPT_BUCKET = 16
 NEW_TOKENS_BUCKET = 64
@@ -157,9 +157,11 @@ def decode(model, state: DecodeState, *, max_new_tokens, eos_id, sampling):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_new_max"), donate_argnames=("cache",))
-def _prefill_jit(
+def prefill_jit(
     params, tokens, prompt_lengths, cache, key, done, eos_id, sampling, *, graphdef, num_new_max
 ):
+    """:func:`prefill` of ``nnx.merge(graphdef, params)``, jitted with the cache donated (what
+    ``generate`` runs; ``benchmarks/gpu_models.py`` compiles it for GPUs)."""
     model = nnx.merge(graphdef, params)
     return prefill(
         model,
@@ -175,8 +177,10 @@ def _prefill_jit(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def _decode_jit(params, kernels, state, max_new_tokens, eos_id, sampling, *, graphdef):
-    model = attach_decode_weights(nnx.merge(graphdef, params), kernels)
+def decode_jit(params, packed, state, max_new_tokens, eos_id, sampling, *, graphdef):
+    """:func:`decode` of the model with its packed weights ``packed``
+    (:func:`decoding.packing.packed_weights`), jitted with the state donated."""
+    model = packed_model(graphdef, params, packed)
     return decode(model, state, max_new_tokens=max_new_tokens, eos_id=eos_id, sampling=sampling)
 
 
@@ -189,8 +193,9 @@ _EXECUTABLES: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.
 _COMPILED = [0]
 
 
-def _run(fn, args: tuple, **static):
-    """``fn(*args, **static)`` through a cached ahead-of-time executable -> (out, compile_s)."""
+def run_compiled(fn, args: tuple, **static):
+    """``fn(*args, **static)`` (``fn`` jitted) through a cached ahead-of-time executable ->
+    (out, compile_s), compile_s the seconds spent compiling in this call (0.0 on a hit)."""
     leaves, treedef = jax.tree.flatten(args)
     avals = tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
     key = (fn, treedef, avals, tuple(sorted(static.items(), key=lambda kv: kv[0])))
@@ -217,7 +222,8 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (n >= 1): the bucketed batch size."""
     return 1 << (n - 1).bit_length()
 
 
@@ -225,7 +231,7 @@ def prompt_bucket(n: int) -> int:
     """The padded prompt length for a longest prompt of ``n`` tokens: a multiple of
     ``max(PROMPT_BUCKET, next_pow2(n) / 8)`` (16, 32, ..., 128, 160, 192, 224, 256, 320, ...):
     4 buckets per doubling beyond 128, padding under ``PROMPT_BUCKET`` tokens or 25%."""
-    return _round_up(n, max(PROMPT_BUCKET, _next_pow2(n) // 8))
+    return _round_up(n, max(PROMPT_BUCKET, next_pow2(n) // 8))
 
 
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
@@ -253,7 +259,7 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     return rows
 
 
-def _cache_for(
+def make_cache(
     model,
     kind: str,
     need,
@@ -294,50 +300,82 @@ def _cache_for(
     return cache, tables
 
 
-def _check_arguments(
-    model,
-    prompts,
-    *,
-    max_new_tokens,
-    sampling,
-    eos_id,
-    seed,
-    cache,
-    page_size,
-    num_pages,
-    extra: int = 0,
-    name: str = "model",
-) -> tuple[SamplingConfig, list[list[int]]]:
-    """Validates what ``generate`` and ``speculative_generate`` share -> (sampling, rows).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateOptions:
+    """The keyword arguments of ``generate`` and ``speculative_generate`` besides the model(s)
+    and prompts (one definition for both).
 
-    ``extra``: positions a row may write past its last token (speculative: the draft length);
-    ``name``: the model's argument name.
+    Attributes:
+      max_new_tokens: >= 1; each row stops earlier after producing ``eos_id``.
+      sampling: a ``SamplingConfig``; default greedy.
+      eos_id: the stop token (kept in the output), or None.
+      seed: PRNG seed, an int in [0, 2**32); same seed, same tokens.
+      cache: "paged" (pages from a ``paging.PageAllocator``) or "contiguous".
+      page_size: P, positions per page (paged only); capped at the positions the request can
+        use (bucketed prompt + new tokens), so a huge P allocates no more than a contiguous
+        cache.
+      num_pages: size of each model's page pool (a static shape: keep it fixed across calls to
+        avoid recompiling); default ``B_pad * pages_for(Tp + N)``, the contiguous cache's size.
+        Padding rows of the bucketed batch take none of it (they write one scratch page past
+        it). Too small a pool raises ``paging.OutOfPagesError`` before any work.
     """
-    check_model(name, model)
-    sampling = SamplingConfig() if sampling is None else sampling
-    if not isinstance(sampling, SamplingConfig):
-        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-    if not isinstance(cache, str) or cache not in CACHE_KINDS:
-        raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
-    check_int("page_size", page_size, 1)
-    check_optional_int("num_pages", num_pages, 1)
-    check_seed(seed)
-    config = model.config
-    check_optional_int("eos_id", eos_id, 0, config.vocab_size)
-    rows = _check_prompts(prompts, config.vocab_size)
-    longest = max(len(r) for r in rows)
-    if longest + max_new_tokens + extra > config.max_position:
-        raise ValueError(
-            f"prompt length {longest} + max_new_tokens {max_new_tokens}"
-            + (f" + {extra} draft positions" if extra else "")
-            + f" exceeds the model's max_position {config.max_position}"
+
+    max_new_tokens: int
+    sampling: SamplingConfig | None = None
+    eos_id: int | None = None
+    seed: int = 0
+    cache: str = "paged"
+    page_size: int = 16
+    num_pages: int | None = None
+
+    def check(
+        self, model, prompts, *, extra: int = 0, name: str = "model"
+    ) -> tuple[SamplingConfig, list[list[int]]]:
+        """Validates the options for ``model`` and ``prompts`` -> (sampling, prompt rows).
+
+        ``extra``: positions a row may write past its last token (speculative: the draft
+        length); ``name``: the model's argument name in errors.
+        """
+        check_model(name, model)
+        sampling = SamplingConfig() if self.sampling is None else self.sampling
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        max_new_tokens = check_int("max_new_tokens", self.max_new_tokens, 1)
+        if not isinstance(self.cache, str) or self.cache not in CACHE_KINDS:
+            raise ValueError(f"cache must be one of {CACHE_KINDS}, got {self.cache!r}")
+        check_int("page_size", self.page_size, 1)
+        check_optional_int("num_pages", self.num_pages, 1)
+        check_seed(self.seed)
+        config = model.config
+        check_optional_int("eos_id", self.eos_id, 0, config.vocab_size)
+        rows = _check_prompts(prompts, config.vocab_size)
+        longest = max(len(r) for r in rows)
+        if longest + max_new_tokens + extra > config.max_position:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {max_new_tokens}"
+                + (f" + {extra} draft positions" if extra else "")
+                + f" exceeds the model's max_position {config.max_position}"
+            )
+        return sampling, rows
+
+    def device_inputs(self, model, sampling: SamplingConfig, batch: Batch) -> dict:
+        """The loop's inputs besides the weights and caches, placed where ``model``'s loop runs
+        (replicated over a sharded model's mesh): tokens, prompt_lengths, done (``batch``'s),
+        key (from ``seed``), eos (-1 for None), max_new and settings (``sampling.params()``)."""
+        put = functools.partial(jax.device_put, device=replicated(model))
+        return dict(
+            tokens=put(batch.tokens),
+            prompt_lengths=put(batch.prompt_lengths),
+            done=put(batch.done),
+            key=jax.random.key(put(np.uint32(self.seed))),
+            eos=put(np.int32(-1 if self.eos_id is None else self.eos_id)),
+            max_new=put(np.int32(self.max_new_tokens)),
+            settings=put(sampling.params()),
         )
-    return sampling, rows
 
 
 @dataclasses.dataclass(frozen=True)
-class _Batch:
+class Batch:
     """Prompts padded to bucketed shapes (see the module docstring).
 
     ``tokens`` [B_pad, Tp] right-padded; ``prompt_lengths`` [B_pad] (1 for padding rows);
@@ -354,18 +392,18 @@ class _Batch:
     capacity: int
 
 
-def _bucket(rows: list[list[int]], max_new_tokens: int, extra: int = 0) -> _Batch:
+def bucket(rows: list[list[int]], max_new_tokens: int, extra: int = 0) -> Batch:
     """Pads B rows to B_pad = next power of two, prompts to :func:`prompt_bucket`, the
     token buffer to a multiple of ``NEW_TOKENS_BUCKET`` covering ``max_new_tokens + extra``."""
     lengths = [len(r) for r in rows]
     B = len(rows)
-    B_pad = _next_pow2(B)
+    B_pad = next_pow2(B)
     Tp = prompt_bucket(max(lengths))
     N = _round_up(max_new_tokens + extra, NEW_TOKENS_BUCKET)
     tokens = np.zeros((B_pad, Tp), np.int32)
     for b, r in enumerate(rows):
         tokens[b, : len(r)] = r
-    return _Batch(
+    return Batch(
         tokens=tokens,
         prompt_lengths=np.array(lengths + [1] * (B_pad - B), np.int32),
         done=np.arange(B_pad) >= B,
@@ -377,7 +415,7 @@ def _bucket(rows: list[list[int]], max_new_tokens: int, extra: int = 0) -> _Batc
     )
 
 
-def _timed_phases(run_prefill, run_loop, fetch):
+def timed_phases(run_prefill, run_loop, fetch):
     """Runs ``run_prefill() -> (state, compile_s)`` then ``run_loop(state) -> (state, compile_s)``
     with only explicit transfers allowed: two dispatches, one sync after each.
 
@@ -395,7 +433,7 @@ def _timed_phases(run_prefill, run_loop, fetch):
     return out, t1 - t0 - compile_prefill, t2 - t1 - compile_loop, compile_prefill + compile_loop
 
 
-def _stats(num_new, B: int, prefill_s, decode_s, compile_s, steps, cache: str) -> dict:
+def generate_stats(num_new, B: int, prefill_s, decode_s, compile_s, steps, cache: str) -> dict:
     """The stats dict of ``GenerateResult`` from per-row new-token counts ``num_new`` [B_pad]."""
     new_tokens = int(sum(num_new[:B]))
     return dict(
@@ -411,81 +449,46 @@ def _stats(num_new, B: int, prefill_s, decode_s, compile_s, steps, cache: str) -
     )
 
 
-def generate(
-    model,
-    prompts,
-    *,
-    max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
-    eos_id: int | None = None,
-    seed: int = 0,
-    cache: str = "paged",
-    page_size: int = 16,
-    num_pages: int | None = None,
-) -> GenerateResult:
+def generate(model, prompts, **options) -> GenerateResult:
     """Generates up to ``max_new_tokens`` tokens after each prompt.
 
     Args:
       model: a ``models.Transformer``.
       prompts: a list of B token lists (lengths may differ) or a [B, T] int array.
-      max_new_tokens: >= 1; each row stops earlier after producing ``eos_id``.
-      sampling: a ``SamplingConfig``; default greedy.
-      eos_id: the stop token (kept in the output), or None.
-      seed: PRNG seed, an int in [0, 2**32); same seed, same tokens.
-      cache: "paged" (pages from a ``paging.PageAllocator``) or "contiguous".
-      page_size: P, positions per page (paged only); capped at the positions the request can
-        use (bucketed prompt + new tokens), so a huge P allocates no more than a contiguous
-        cache.
-      num_pages: size of the page pool (a static shape: keep it fixed across calls to avoid
-        recompiling); default ``B_pad * pages_for(Tp + N)``, the contiguous cache's size.
-        Padding rows of the bucketed batch take none of it (they write one scratch page past
-        it). Too
-        small a pool raises ``paging.OutOfPagesError`` before any work.
+      options: :class:`GenerateOptions`' fields as keywords: ``max_new_tokens`` (required),
+        ``sampling``, ``eos_id``, ``seed``, ``cache``, ``page_size``, ``num_pages``.
 
     Returns:
       ``GenerateResult`` with ``tokens`` (list per prompt) and ``stats``.
     """
-    sampling, rows = _check_arguments(
-        model,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        eos_id=eos_id,
-        seed=seed,
-        cache=cache,
-        page_size=page_size,
-        num_pages=num_pages,
-    )
-    batch = _bucket(rows, max_new_tokens)
+    opts = GenerateOptions(**options)
+    sampling, rows = opts.check(model, prompts)
+    batch = bucket(rows, opts.max_new_tokens)
     B = batch.num_rows
     n_pad = len(batch.done) - B
-    kv, tables = _cache_for(
+    kv, tables = make_cache(
         model,
-        cache,
+        opts.cache,
         batch.need,
         n_pad,
         batch.capacity,
-        page_size,
-        num_pages,
+        opts.page_size,
+        opts.num_pages,
         max_call=batch.tokens.shape[1],
     )
     try:
         graphdef, params = nnx.split(model)
         static = dict(graphdef=graphdef)
-        put = functools.partial(jax.device_put, device=replicated(model))  # a sharded model's mesh
-        eos, max_new = (
-            put(np.int32(-1 if eos_id is None else eos_id)),
-            put(np.int32(max_new_tokens)),
-        )
-        settings = put(sampling.params())
-        args = (params, put(batch.tokens), put(batch.prompt_lengths), kv)
-        args += (jax.random.key(put(np.uint32(seed))), put(batch.done), eos, settings)
+        x = opts.device_inputs(model, sampling, batch)
+        args = (params, x["tokens"], x["prompt_lengths"], kv, x["key"], x["done"], x["eos"])
+        args += (x["settings"],)
         del kv  # donated
-        kernels = pack_decode_weights(model, params)
-        (out, num_new, steps), prefill_s, decode_s, compile_s = _timed_phases(
-            lambda: _run(_prefill_jit, args, num_new_max=batch.num_new_max, **static),
-            lambda state: _run(
-                _decode_jit, (params, kernels, state, max_new, eos, settings), **static
+        packed = packed_weights(model, params)
+        loop_args = (params, packed)
+        (out, num_new, steps), prefill_s, decode_s, compile_s = timed_phases(
+            lambda: run_compiled(prefill_jit, args, num_new_max=batch.num_new_max, **static),
+            lambda state: run_compiled(
+                decode_jit, (*loop_args, state, x["max_new"], x["eos"], x["settings"]), **static
             ),
             lambda state: (state.tokens, state.num_new, state.step),
         )
@@ -493,5 +496,5 @@ def generate(
         if tables is not None:
             tables.free_all()
     result = [out[b, : num_new[b]].tolist() for b in range(B)]
-    stats = _stats(num_new, B, prefill_s, decode_s, compile_s, steps, cache)
+    stats = generate_stats(num_new, B, prefill_s, decode_s, compile_s, steps, opts.cache)
     return GenerateResult(tokens=result, stats=stats)

@@ -19,16 +19,16 @@ other rows the heads' tokens: code repeats itself where the heads are weakest, s
 complement each other. Which source a row uses depends only on its tokens so far, and its q is
 that source's (one-hot for the lookup), so the verification rule stays exact.
 
-Hooks used by ``speculative.py`` beyond the draft-kind interface of ``decoding.drafts``:
-``start(target, cache, seq, params)`` (draft state after the target's prefill) and
-``verify(target, params, last, prop, sampling, key)`` (the verification forward and the
-acceptance, returning :class:`Verified`).
+:class:`MedusaDraft` implements ``decoding.drafts.DraftKind``: its ``prefill`` computes h from
+the target's cache after the target's prefill, its ``verify`` returns the hidden state at each
+row's last accepted token as the next state (for a tree, after :func:`decoding.tree.accept_tree`
+and compacting the accepted path).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,45 +36,32 @@ import numpy as np
 from flax import nnx
 
 from decoding import tree
-from decoding.acceptance import verify
 from decoding.checks import check_optional_int
-from decoding.drafts import Context, Proposal, _check_vocab, default_k, lookup
+from decoding.drafts import (
+    MAX_K,
+    PRIOR_ACCEPTANCE,
+    Context,
+    DraftCosts,
+    DraftKind,
+    Proposal,
+    Verified,
+    check_vocab,
+    default_k,
+    lookup,
+    verify_chain,
+)
 from decoding.generate import generate
+from decoding.packing import packed_model, packed_weights
 from decoding.sampling import all_greedy, argmax, branch, probabilities, sample
 from decoding.tree import TreeSpec
 from models.medusa import MedusaHeads
 from models.sharding import mesh_of
-from models.transformer import attach_decode_weights, pack_decode_weights
 
 # The n of ``Medusa(heads, lookup_ngram=n)`` the benchmark and the CLI use: the best on the
 # target's greedy continuations of the 4 calibration prompts (``python -m benchmarks.speculative
 # --sources``): at k = 3, n = 1 / 2 / 3 / 4 give 1.78 / 2.78 / 2.80 / 2.77 tokens per call (the
 # heads alone 2.12, prompt lookup alone 2.39).
 LOOKUP_NGRAM = 3
-
-
-class Verified(NamedTuple):
-    """A verification step's outcome: tokens [B, k] (the draft path whose first n are kept),
-    n [B] int32, nxt [B] int32 (the target's token after them), the target's cache (lengths
-    not yet rolled back) and the draft's new state."""
-
-    tokens: jax.Array
-    n: jax.Array
-    nxt: jax.Array
-    cache: Any
-    state: Any
-
-
-def verify_chain(target, last, prop: Proposal, sampling, key, hidden=False):
-    """The target's forward on ``[last, d_1 .. d_k]`` and the acceptance rule.
-
-    Returns (n [B], nxt [B], cache, hidden states [B, k+1, dim] or None).
-    """
-    tokens = jnp.concatenate([last, prop.tokens], 1)
-    out = target(tokens, cache=prop.cache, return_hidden=hidden)
-    logits, cache = out[:2]
-    n, nxt = verify(logits, prop.q, prop.tokens, sampling, key)
-    return n, nxt, cache, out[2] if hidden else None
 
 
 class Medusa:
@@ -99,17 +86,17 @@ class Medusa:
 
     def split(self) -> tuple[MedusaDraft, Any]:
         """(the static draft kind, params: the heads' and their packed copies for few-row
-        products, ``models.transformer.pack_decode_weights``)."""
+        products, ``decoding.packing.packed_weights``)."""
         graphdef, params = nnx.split(self.heads)
         c = self.heads.config
         kind = MedusaDraft(
             graphdef, self.heads.num_heads, c.dim, c.vocab_size, self.tree, self.lookup_ngram
         )
-        return kind, (params, pack_decode_weights(self.heads, params))
+        return kind, (params, packed_weights(self.heads, params))
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDraft:
+class MedusaDraft(DraftKind):
     """The static side of :class:`Medusa` (``graphdef`` of the heads; params passed apart).
 
     State: h [B, dim], the target's hidden state at the last accepted position.
@@ -134,7 +121,7 @@ class MedusaDraft:
         return 0 if self.tree is None else self.tree.num_nodes
 
     def check(self, target, k: int) -> None:
-        _check_vocab("Medusa heads", self.vocab_size, target)
+        check_vocab("Medusa heads", self.vocab_size, target)
         if self.dim != target.config.dim:
             raise ValueError(
                 f"Medusa heads have dim {self.dim}, the target has {target.config.dim}"
@@ -163,23 +150,26 @@ class MedusaDraft:
                 f"num_draft_tokens={k} must be None or the tree's depth {self.tree.depth}"
             )
 
-    def make_state(self, target, params, cache_kind, batch, page_size, num_pages):
-        return None, None
+    def costs(self, target, params) -> DraftCosts:
+        fixed = None if self.tree is None else self.tree.depth  # a tree drafts its depth
+        # The heads cost little beside the target's step.
+        return DraftCosts(
+            PRIOR_ACCEPTANCE["medusa"], max_k=min(MAX_K, self.num_heads), fixed_k=fixed
+        )
 
-    def prefill(self, params, state, tokens, prompt_lengths):
-        return state
-
-    def start(self, target, cache, seq, params):
-        """h [B, dim] at the last prompt token, from a Tq = 1 forward (cache writes dropped)."""
+    def prefill(self, ctx: Context, tokens, prompt_lengths):
+        """h [B, dim] at the last prompt token, from a Tq = 1 forward of the target after its
+        prefill (cache writes dropped)."""
+        cache = ctx.cache
         pos = jnp.maximum(cache.lengths - 1, 0)
-        tok = jnp.take_along_axis(seq, pos[:, None], axis=1)
-        _, _, h = target(tok, cache=cache.replace(lengths=pos), return_hidden=True)
+        tok = jnp.take_along_axis(ctx.seq, pos[:, None], axis=1)
+        _, _, h = ctx.target(tok, cache=cache.replace(lengths=pos), return_hidden=True)
         return h[:, 0]
 
     def head_logits(self, params, h, k: int, target=None):
         """h [B, dim] -> the first k heads' logits [B, k, V] float32 (shared-head heads take
         them from ``target``'s LM head, in one k-row product per row)."""
-        heads = attach_decode_weights(nnx.merge(self.graphdef, params[0]), params[1])
+        heads = packed_model(self.graphdef, params[0], params[1])
         return heads(h[:, None], num=k, target=target)[:, 0]
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:

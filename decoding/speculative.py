@@ -12,7 +12,8 @@ length change, nothing is copied). Rows stop at their own EOS and at exactly ``m
 (a step's tokens past either are dropped). ``speculative_decode`` is one ``lax.while_loop``
 inside one jit with the state (caches included) donated; the host syncs once per call.
 Prefill reuses ``generate.prefill`` (the first new token is the target's own sample) and the
-host side reuses ``generate``'s validation, bucketing, cache building, timing and stats.
+host side reuses ``generate``'s options and validation, bucketing, cache building, timing and
+stats. The loop reaches the draft only through ``decoding.drafts.DraftKind``'s methods.
 """
 
 from __future__ import annotations
@@ -22,15 +23,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 
-from decoding.acceptance import verify
 from decoding.checks import check_model, check_optional_int
 from decoding.drafts import (
     MAX_K,
-    PRIOR_ACCEPTANCE,
     Context,
+    DraftKind,
     EarlyExit,
     ModelDraft,
     PromptLookup,
@@ -38,21 +37,20 @@ from decoding.drafts import (
     measured_costs,
 )
 from decoding.generate import (
+    GenerateOptions,
     GenerateResult,
-    _bucket,
-    _cache_for,
-    _check_arguments,
-    _next_pow2,
-    _run,
-    _stats,
-    _timed_phases,
+    bucket,
+    generate_stats,
+    make_cache,
+    next_pow2,
     prefill,
+    run_compiled,
+    timed_phases,
 )
-from decoding.medusa import Medusa, MedusaDraft
-from decoding.sampling import SamplingConfig
+from decoding.medusa import Medusa
+from decoding.packing import packed_model, packed_weights
 from models import KVCache, Transformer
-from models.sharding import mesh_of, replicated
-from models.transformer import attach_decode_weights, pack_decode_weights
+from models.sharding import mesh_of
 
 
 @struct.dataclass
@@ -103,7 +101,7 @@ def _emitted(draft_tokens, n, nxt, num_new, done, eos_id, max_new_tokens):
 
 
 def speculative_step(
-    target, draft, params, state: SpecState, *, k, eos_id, max_new_tokens, sampling
+    target, draft: DraftKind, params, state: SpecState, *, k, eos_id, max_new_tokens, sampling
 ):
     """One draft-then-verify step for every row. Traceable."""
     key_draft, key_accept = jax.random.split(jax.random.fold_in(state.key, state.step))
@@ -111,13 +109,8 @@ def speculative_step(
     ctx = Context(target, state.cache, state.seq, params, state.draft)
     prop = draft.propose(ctx, k, sampling, key_draft)
     last = jnp.take_along_axis(state.seq, start[:, None], axis=1)
-    if hasattr(draft, "verify"):  # kinds that verify their own way (Medusa: hidden states, trees)
-        v = draft.verify(target, params, last, prop, sampling, key_accept)
-        drafted, n, nxt, cache, draft_state = v
-    else:
-        logits, cache = target(jnp.concatenate([last, prop.tokens], 1), cache=prop.cache)
-        n, nxt = verify(logits, prop.q, prop.tokens, sampling, key_accept)
-        drafted, draft_state = prop.tokens, prop.state
+    v = draft.verify(target, params, last, prop, sampling, key_accept)
+    drafted, n, nxt, cache, draft_state = v
     k = drafted.shape[1]
     live = ~state.done
     tokens, count, hit_eos = _emitted(
@@ -197,9 +190,8 @@ def speculative_prefill(
     seq = jnp.zeros((B, seq_len), jnp.int32).at[:, :Tp].set(tokens)
     seq = seq.at[jnp.arange(B), prompt_lengths].set(st.tokens[:, 0])
     zeros = jnp.zeros((B,), jnp.int32)
-    draft_state = draft.prefill(params, draft_state, tokens, prompt_lengths)
-    if hasattr(draft, "start"):  # kinds whose state comes from the target (Medusa: h)
-        draft_state = draft.start(target, st.cache, seq, params)
+    ctx = Context(target, st.cache, seq, params, draft_state)
+    draft_state = draft.prefill(ctx, tokens, prompt_lengths)
     return SpecState(
         seq=seq,
         prompt_lengths=prompt_lengths.astype(jnp.int32),
@@ -212,7 +204,7 @@ def speculative_prefill(
         accepted=zeros,
         proposed=zeros,
         live_steps=zeros,
-        draft_calls=jnp.asarray(int(isinstance(draft, ModelDraft)), jnp.int32),
+        draft_calls=jnp.asarray(draft.prefill_calls, jnp.int32),
     )
 
 
@@ -257,9 +249,9 @@ def _prefill_jit(
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "draft", "k"), donate_argnames=("state",))
 def _decode_jit(
-    target_params, kernels, params, state, max_new, eos_id, sampling, *, graphdef, draft, k
+    target_params, packed, params, state, max_new, eos_id, sampling, *, graphdef, draft, k
 ):
-    target = attach_decode_weights(nnx.merge(graphdef, target_params), kernels)
+    target = packed_model(graphdef, target_params, packed)
     return speculative_decode(
         target,
         draft,
@@ -286,73 +278,33 @@ def draft_kind(draft):
     )
 
 
-def place_on_target(draft, kind, params, target):
-    """The draft's params placed where the target's loop runs -> params.
-
-    A sharded target (``models.shard``) runs its loop on its mesh: weightless kinds need
-    nothing, Medusa heads' params are replicated over the mesh (the user's heads are not
-    moved), and a model draft must be sharded over the same mesh itself (it has its own cache,
-    which ``models.shard`` places). Anything else is a ``ValueError`` before any work.
-    """
-    mesh = mesh_of(target)
-    if isinstance(kind, ModelDraft):
-        if mesh_of(draft) != mesh:
-            where = "not sharded" if mesh is None else f"sharded over {mesh.shape_tuple}"
-            raise ValueError(
-                f"the target is {where} but the draft model is "
-                + ("not sharded" if mesh_of(draft) is None else "sharded over another mesh")
-                + ": shard both over the same mesh (models.shard(draft, target.mesh)) or neither"
-            )
-        return params
-    if mesh is not None and params is not None:
-        return jax.device_put(params, replicated(target))
-    return params
+def place_on_target(draft, kind: DraftKind, params, target):
+    """The draft's params placed where the target's loop runs -> params (the kind's
+    ``place``): a sharded target (``models.shard``) runs its loop on its mesh; ``ValueError``
+    before any work where the draft cannot follow it."""
+    return kind.place(draft, params, target)
 
 
-def draft_cost_model(target, kind, params):
-    """(prior acceptance, the draft model whose step cost counts or None, draft_calls(k), the
-    largest k) of a static draft kind, for :func:`drafts.choose_num_draft_tokens`."""
-    if isinstance(kind, ModelDraft):
-        return PRIOR_ACCEPTANCE["model"], nnx.merge(kind.graphdef, params), (lambda k: k), MAX_K
-    if isinstance(kind, EarlyExit):
-        # Its calls run num_layers of the target's layers: counted as that share of a step.
-        share = kind.num_layers / target.config.num_layers
-        return PRIOR_ACCEPTANCE["early-exit"], None, (lambda k: k * share), MAX_K
-    if isinstance(kind, MedusaDraft):  # the heads cost little beside the target's step
-        return PRIOR_ACCEPTANCE["medusa"], None, (lambda k: 0), min(MAX_K, kind.num_heads)
-    return PRIOR_ACCEPTANCE["prompt-lookup"], None, (lambda k: 0), MAX_K
-
-
-def chosen_num_draft_tokens(target, kind, params, *, batch: int, acceptance=None) -> int:
+def chosen_num_draft_tokens(target, kind: DraftKind, params, *, batch: int, acceptance=None):
     """k for ``num_draft_tokens=None``: :func:`drafts.choose_num_draft_tokens` on the target's
     (and a model draft's) measured step costs at ``batch`` rows (``drafts.measured_costs``,
-    measured once per shape) and ``acceptance`` (default the kind's prior). A Medusa tree's k
-    is its depth."""
-    if isinstance(kind, MedusaDraft) and kind.tree is not None:
-        return kind.tree.depth
+    measured once per shape) and ``acceptance`` (default the kind's prior), with the kind's
+    :class:`drafts.DraftCosts`. A Medusa tree's k is its depth."""
+    dc = kind.costs(target, params)
+    if dc.fixed_k is not None:
+        return dc.fixed_k
     if mesh_of(target) is not None:  # measuring runs unsharded programs: the unmeasured k
         return kind.default_num_draft_tokens
-    prior, draft_model, calls, max_k = draft_cost_model(target, kind, params)
-    costs = measured_costs(target, draft_model, batch=batch, max_k=MAX_K)
-    if isinstance(kind, EarlyExit):
+    own = dc.model is target  # drafted by the target's own layers: a share of its Tq = 1 step
+    costs = measured_costs(target, None if own else dc.model, batch=batch, max_k=MAX_K)
+    if own:
         costs = costs._replace(draft=costs.target[0])
-    a = prior if acceptance is None else acceptance
-    return choose_num_draft_tokens(costs, a, draft_calls=calls, max_k=max_k)
+    a = dc.prior if acceptance is None else acceptance
+    return choose_num_draft_tokens(costs, a, draft_calls=dc.calls, max_k=dc.max_k)
 
 
 def speculative_generate(
-    target,
-    draft,
-    prompts,
-    *,
-    num_draft_tokens: int | None = None,
-    max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
-    eos_id: int | None = None,
-    seed: int = 0,
-    cache: str = "paged",
-    page_size: int = 16,
-    num_pages: int | None = None,
+    target, draft, prompts, *, num_draft_tokens: int | None = None, **options
 ) -> GenerateResult:
     """``generate(target, ...)``'s output distribution (its exact tokens when greedy), faster.
 
@@ -368,7 +320,8 @@ def speculative_generate(
         tokens per second for the target's measured step costs at Tq = 1 .. K + 1 (and a
         model draft's), at the kind's prior acceptance rate (:func:`chosen_num_draft_tokens`,
         ``drafts.choose_num_draft_tokens``; measured once per model shape, dtype and backend).
-      The other arguments are ``generate``'s (``num_pages`` sizes each model's page pool).
+      options: ``generate``'s, :class:`decoding.generate.GenerateOptions`' fields
+        (``num_pages`` sizes each model's page pool).
 
     Returns:
       ``GenerateResult``; ``stats`` has ``generate``'s keys plus ``acceptance_rate`` (accepted
@@ -377,39 +330,25 @@ def speculative_generate(
       steps; prefill not counted), ``draft_calls`` (draft forward calls, prefill included) and
       ``num_draft_tokens``.
     """
+    opts = GenerateOptions(**options)
     check_model("target", target)
     kind, params = draft_kind(draft)
     k = check_optional_int("num_draft_tokens", num_draft_tokens, 1)
     if k is not None:
         kind.check(target, k)
     params = place_on_target(draft, kind, params, target)
-
-    def checked(extra):  # extra: slots a step writes past the last token
-        return _check_arguments(
-            target,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            eos_id=eos_id,
-            seed=seed,
-            cache=cache,
-            page_size=page_size,
-            num_pages=num_pages,
-            extra=extra,
-            name="target",
-        )
-
     if k is None:  # chosen for the padded batch's rows (the prompts checked first)
-        batch_rows = _next_pow2(len(checked(0)[1]))
+        batch_rows = next_pow2(len(opts.check(target, prompts, name="target")[1]))
         k = chosen_num_draft_tokens(target, kind, params, batch=batch_rows)
         kind.check(target, k)
-    extra = max(k, getattr(kind, "verify_width", 0))
-    sampling, rows = checked(extra)
-    batch = _bucket(rows, max_new_tokens, extra=extra)
+    extra = max(k, kind.verify_width)  # slots a step writes past the last token
+    sampling, rows = opts.check(target, prompts, extra=extra, name="target")
+    batch = bucket(rows, opts.max_new_tokens, extra=extra)
     B, n_pad = batch.num_rows, len(batch.done) - batch.num_rows
-    kv, tables = _cache_for(
+    page_size, num_pages = opts.page_size, opts.num_pages
+    kv, tables = make_cache(
         target,
-        cache,
+        opts.cache,
         batch.need,
         n_pad,
         batch.capacity,
@@ -420,40 +359,21 @@ def speculative_generate(
     draft_tables = None
     try:
         draft_state, draft_tables = kind.make_state(
-            target, params, cache, batch, page_size, num_pages
+            target, params, opts.cache, batch, page_size, num_pages
         )
         graphdef, target_params = nnx.split(target)
         static = dict(graphdef=graphdef, draft=kind)
-        put = functools.partial(jax.device_put, device=replicated(target))  # a sharded model's mesh
-        eos, max_new = (
-            put(np.int32(-1 if eos_id is None else eos_id)),
-            put(np.int32(max_new_tokens)),
-        )
-        args = (target_params, params, put(batch.tokens), put(batch.prompt_lengths))
-        args += (
-            kv,
-            draft_state,
-            jax.random.key(put(np.uint32(seed))),
-            put(batch.done),
-            eos,
-            max_new,
-            settings := put(sampling.params()),
-        )
+        x = opts.device_inputs(target, sampling, batch)
+        args = (target_params, params, x["tokens"], x["prompt_lengths"], kv, draft_state)
+        args += (x["key"], x["done"], x["eos"], x["max_new"], x["settings"])
         del kv, draft_state  # donated
         seq_len = batch.tokens.shape[1] + batch.num_new_max
-        out, prefill_s, decode_s, compile_s = _timed_phases(
-            lambda: _run(_prefill_jit, args, seq_len=seq_len, **static),
-            lambda s: _run(
+        loop_args = (target_params, packed_weights(target, target_params), params)
+        out, prefill_s, decode_s, compile_s = timed_phases(
+            lambda: run_compiled(_prefill_jit, args, seq_len=seq_len, **static),
+            lambda s: run_compiled(
                 _decode_jit,
-                (
-                    target_params,
-                    pack_decode_weights(target, target_params),
-                    params,
-                    s,
-                    max_new,
-                    eos,
-                    settings,
-                ),
+                (*loop_args, s, x["max_new"], x["eos"], x["settings"]),
                 k=k,
                 **static,
             ),
@@ -474,7 +394,7 @@ def speculative_generate(
     seq, num_new, steps, accepted, proposed, live_steps, draft_calls = out
     plen = batch.prompt_lengths
     tokens = [seq[b, plen[b] : plen[b] + num_new[b]].tolist() for b in range(B)]
-    stats = _stats(num_new, B, prefill_s, decode_s, compile_s, steps, cache)
+    stats = generate_stats(num_new, B, prefill_s, decode_s, compile_s, steps, opts.cache)
     row_steps = int(live_steps[:B].sum())
     stats.update(
         acceptance_rate=float(accepted[:B].sum() / max(int(proposed[:B].sum()), 1)),

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from decoding import PromptLookup, generate, speculative_generate
-from decoding.generate import _bucket, _cache_for
+from decoding.generate import bucket, make_cache
 from models import Transformer, TransformerConfig
 from models.kv_cache import ring_pages_for
 
@@ -35,16 +35,16 @@ PROMPTS = [[5, 9, 2, 7, 5, 9, 2], [11, 3, 5]]
 
 
 def test_paged_cache_rings_its_sliding_layers(windowed):
-    batch = _bucket(PROMPTS, 40)
+    batch = bucket(PROMPTS, 40)
     T = batch.tokens.shape[1]
     n_pad = len(batch.done) - batch.num_rows
-    cache, _ = _cache_for(windowed, "paged", batch.need, n_pad, batch.capacity, PAGE, None, T)
+    cache, _ = make_cache(windowed, "paged", batch.need, n_pad, batch.capacity, PAGE, None, T)
     R = ring_pages_for(WINDOW, T, PAGE)
     rows = len(batch.done)
     assert cache.ring_pages == R and R * PAGE < batch.capacity
     assert cache.k[0].shape[0] == cache.k[2].shape[0] == rows * R  # the sliding layers
     assert cache.k[1].shape[0] > rows * R  # the global layer: every page of every row
-    plain, _ = _cache_for(windowed, "paged", batch.need, n_pad, batch.capacity, PAGE, None)
+    plain, _ = make_cache(windowed, "paged", batch.need, n_pad, batch.capacity, PAGE, None)
     assert plain.ring_pages is None  # no max_call, no ring
 
 
