@@ -170,6 +170,22 @@ def test_sentencepiece_pieces_bytes_and_round_trip(sentencepiece_gguf):
     assert tok.decode(tok.encode("hi<tool>x")) == "hi<tool>x"
 
 
+def test_token_bytes_join_to_the_text(smollm2, sentencepiece_gguf):
+    """``Tokenizer.token_bytes`` (the server's logprob ``bytes``): each piece's bytes, partial
+    characters included, join to the encoded text's UTF-8 (SentencePiece: after the space it
+    prefixes); special and added tokens are their content."""
+    tok, _ = smollm2
+    spm = load_tokenizer(sentencepiece_gguf)
+    for text in ["hello world", "naïve 😀 日本", "a\n\tb  c"]:
+        assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode()
+        assert b"".join(spm.token_bytes(i) for i in spm.encode(text)) == f" {text}".encode()
+    pieces = [tok.token_bytes(i) for i in tok.encode("😀")]  # byte-level pieces of one character
+    assert len(pieces) > 1 and b"".join(pieces) == "😀".encode()
+    assert spm.token_bytes(spm.encode("Ω")[-1]) == "Ω".encode()[-1:]  # a byte-fallback piece
+    assert spm.token_bytes(2) == b"</s>" and tok.token_bytes(2) == b"<|im_end|>"
+    assert tok.token_bytes(10**9) == b""
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
