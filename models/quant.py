@@ -20,9 +20,11 @@ float) with :class:`QuantLinear`. Its products:
 
 * few rows on CPU (decode steps, speculative verification; after
   :func:`models.transformer.attach_decode_weights`): ``rows_matmul.cc``'s quantized kernel, which
-  dequantizes each weight in registers to exactly the float32 value above and accumulates in
-  float32 in the same order as the float kernel: the result equals the float kernel on the
-  dequantized weights bit for bit. Activations stay float32 (no 8-bit activation blocks);
+  by default quantizes the activations to 8-bit blocks of 32 (a float32 scale each) and takes
+  each block's dot product in int32 (VNNI): ``activations="q8"``. With ``"f32"``
+  (:func:`set_activations`) it dequantizes each weight in registers to exactly the float32 value
+  above and accumulates in float32 in the same order as the float kernel: the result equals the
+  float kernel on the dequantized weights bit for bit;
 * everything else (prefill, GPU): the weights are dequantized to the activation dtype in the
   program (``convert`` + multiply, fused by XLA into the product's operand) and multiplied.
 """
@@ -161,6 +163,9 @@ class QuantLinear(nnx.Module):
     dequantized weights)."""
 
     packed_kernel = None  # models.linear.PackedWeights: panels of rows_matmul.pack_quantized
+    # The few-row kernel's activations: "q8" | "f32" | None (rows_matmul.DEFAULT_ACTIVATIONS);
+    # set_activations sets it on a model's layers.
+    activations = None
 
     def __init__(self, fmt: str, arrays: Mapping, *, bias=None, dtype=jnp.float32):
         self.fmt = check_format(fmt)
@@ -196,9 +201,26 @@ class QuantLinear(nnx.Module):
 
     def _packed(self, x):
         y = rows_matmul.matmul_quantized(
-            x.astype(self.dtype), self.packed_kernel[...], self.out_features, self.fmt
+            x.astype(self.dtype),
+            self.packed_kernel[...],
+            self.out_features,
+            self.fmt,
+            self.activations,
         ).astype(self.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+
+def set_activations(model, activations):
+    """Sets the few-row kernel's activations of every :class:`QuantLinear` of ``model`` (in
+    place; returns ``model``): ``"q8"`` (8-bit activation blocks, integer dot products), ``"f32"``
+    (float32 activations: the dequantized float model's results bit for bit) or None (the
+    default, :data:`models.rows_matmul.DEFAULT_ACTIVATIONS`). ValueError for another value."""
+    if activations is not None:
+        rows_matmul.check_activations(activations)
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, QuantLinear):
+            m.activations = activations
+    return model
 
 
 def _linears(model):

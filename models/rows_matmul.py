@@ -81,17 +81,23 @@ def matmul(x, panels, n: int) -> jax.Array:
 # Block-quantized weights (models/quant.py): the same product over panels of GGUF-style blocks.
 FORMATS = ("q8_0", "q4_0", "q4_1")  # the kernel's format numbers are indices here
 BLOCK = 32  # weights per block along K
+ACTIVATIONS = ("f32", "q8")
+# The default of matmul_quantized's ``activations``: the faster of the two on SmolLM2 decoding
+# (docs/quantization.md has the figures and the error the 8-bit blocks add).
+DEFAULT_ACTIVATIONS = "q8"
+_Q8_ACTIVATIONS = 16  # added to the kernel's format number (kQ8Activations in rows_matmul.cc)
 
 
 def block_bytes(fmt: str) -> int:
     """Bytes of one (panel, block) of :func:`pack_quantized`: float16 scales [32], float16
-    minimums [32] (q4_1), quants (q8_0: [32 k, 32 columns] int8; q4: [16, 32] uint8, weight
-    ``k`` of the block in the low nibble of row ``k`` for k < 16, else the high one of ``k - 16``)."""
+    minimums [32] (q4_1), then the quants in groups of 4 consecutive weights per column,
+    ``[groups, 32 columns, 4]``: q8_0 8 groups, byte ``q + 128`` of weight ``4 g + i``; q4 4
+    groups, weight ``4 g + i`` in the low nibble and ``16 + 4 g + i`` in the high one."""
     return {"q8_0": 64 + 1024, "q4_0": 64 + 512, "q4_1": 128 + 512}[fmt]
 
 
 def _bytes(a, pad: int):
-    """a [R, N] (float16 or int8/uint8) -> uint8 [P, R, PANEL * itemsize]: column panels."""
+    """a [R, N] (float16) -> uint8 [P, R, PANEL * itemsize]: column panels."""
     R, N = a.shape
     a = jnp.pad(a, ((0, 0), (0, pad)))
     P = a.shape[1] // PANEL
@@ -103,17 +109,23 @@ def pack_quantized(fmt: str, quants, scales, mins=None) -> jax.Array:
     """Quantized weights (the layout of :class:`models.quant.QuantLinear`: ``quants`` [K, N]
     int8 (q8_0) or [K / 2, N] uint8 (q4: block b's rows 16 b + j hold weights 32 b + j and
     32 b + 16 + j in the low and high nibble), ``scales`` and ``mins`` [K / 32, N] float16) ->
-    panels uint8 [ceil(N / PANEL), K / 32, block_bytes(fmt)] (zero columns padded)."""
+    panels uint8 [ceil(N / PANEL), K / 32, block_bytes(fmt)] (zero columns padded). Each column's
+    quants come in groups of 4 consecutive weights: one 32-bit lane of the kernel's 4-way
+    integer dot products (and of its float path's unpacking)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     nb, N = scales.shape
     pad = -N % PANEL
-    per = 32 if fmt == "q8_0" else 16  # rows of quants per block
-    q = _bytes(quants.reshape(nb * per, N), pad)  # [P, nb * per, PANEL]
+    P = (N + pad) // PANEL
+    groups = 8 if fmt == "q8_0" else 4
+    q = jnp.pad(quants.reshape(nb, groups, 4, N), ((0, 0), (0, 0), (0, 0), (0, pad)))
+    if fmt == "q8_0":  # offset binary: the unsigned operand of the integer products
+        q = jax.lax.bitcast_convert_type(q, jnp.uint8) ^ np.uint8(0x80)
+    q = q.reshape(nb, groups, 4, P, PANEL).transpose(3, 0, 1, 4, 2).reshape(P, nb, -1)
     parts = [_bytes(scales, pad)]
     if fmt == "q4_1":
         parts.append(_bytes(mins, pad))
-    parts.append(q.reshape(q.shape[0], nb, per * PANEL))
+    parts.append(q)
     return jnp.concatenate(parts, axis=-1)
 
 
@@ -130,12 +142,33 @@ def packed_quantized(fmt: str, quants, scales, mins=None) -> jax.Array:
     return hit
 
 
-def matmul_quantized(x, panels, n: int, fmt: str) -> jax.Array:
+def check_activations(activations) -> str:
+    """``activations`` itself, or ValueError naming it; None means :data:`DEFAULT_ACTIVATIONS`."""
+    if activations is None:
+        return DEFAULT_ACTIVATIONS
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    return activations
+
+
+def matmul_quantized(x, panels, n: int, fmt: str, activations: str | None = None) -> jax.Array:
     """``x [..., K] @ W`` -> float32 ``[..., n]`` for ``panels = pack_quantized(fmt, ...)`` of
-    ``W [K, n]``: equal bit for bit to :func:`matmul` over ``pack(dequantized W)``. At most
-    MAX_ROWS rows. Needs :func:`available`."""
+    ``W [K, n]``. At most MAX_ROWS rows. Needs :func:`available`.
+
+    ``activations``:
+
+    * ``"f32"``: float32 activations, each weight dequantized in registers: equal bit for bit to
+      :func:`matmul` over ``pack(dequantized W)``;
+    * ``"q8"``: each row's activations quantized per block of 32 (``d = max |x| / 127``,
+      ``q = round-half-even(x / d)`` int8, float32 ``d``), int32 dot products per block, scaled
+      and summed in float32. Relative to ``"f32"`` each activation moves by at most ``d / 2``,
+      so an output moves by at most ``sum over blocks of d_x / 2 * sum |w|`` of the block
+      (tests/models/test_quant_q8act.py checks that bound and the exact integer arithmetic);
+    * None: :data:`DEFAULT_ACTIVATIONS`.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    activations = check_activations(activations)
     lead, K = x.shape[:-1], x.shape[-1]
     P, nb, bb = panels.shape
     if K != nb * BLOCK or bb != block_bytes(fmt) or -(-n // PANEL) != P:
@@ -145,7 +178,8 @@ def matmul_quantized(x, panels, n: int, fmt: str) -> jax.Array:
         raise RuntimeError("the native CPU kernels are not built (pallas_attn.native.available)")
     if M > MAX_ROWS:
         raise ValueError(f"x has {M} rows; rows_matmul is for at most {MAX_ROWS}")
+    code = FORMATS.index(fmt) + (_Q8_ACTIVATIONS if activations == "q8" else 0)
     y = jax.ffi.ffi_call(native.ROWS_MATMUL_Q, jax.ShapeDtypeStruct((M, n), jnp.float32))(
-        x.reshape(M, K).astype(jnp.float32), panels, fmt=np.int32(FORMATS.index(fmt))
+        x.reshape(M, K).astype(jnp.float32), panels, fmt=np.int32(code)
     )
     return y.reshape(*lead, n)

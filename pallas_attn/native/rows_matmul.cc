@@ -10,12 +10,24 @@
 //
 // PallasAttnRowsMatmulQ is the same product over GGUF-style block-quantized weights (Q8_0, Q4_0,
 // Q4_1: blocks of 32 weights along K with a float16 scale, and a float16 minimum for Q4_1; see
-// models/quant.py), panels wq[P, K / 32, bytes per block] in uint8. Each weight is dequantized in
-// registers to exactly the float32 value gguf.quants gives it and accumulated in the same order
-// as the float kernel, so the result equals rows_matmul on the dequantized float32 weights bit
-// for bit, while the stream read per weight is 8.5 (Q8_0), 4.5 (Q4_0) or 5 (Q4_1) bits.
+// models/quant.py), panels wq[P, K / 32, bytes per block] in uint8 (layout at block_bytes), at
+// 8.5 (Q8_0), 4.5 (Q4_0) or 5 (Q4_1) bits per weight read. Two ways (the fmt attribute):
+// * float32 activations (run_q): each weight is dequantized in registers to exactly the float32
+//   value gguf.quants gives it and accumulated in the same order as the float kernel, so the
+//   result equals rows_matmul on the dequantized float32 weights bit for bit;
+// * 8-bit activations (run_q8, fmt + kQ8Activations): the activations are quantized per block
+//   of 32 once per call and each block's dot product is an int32 sum (VNNI where the build has
+//   it), scaled and accumulated in float32.
+//
+// NOTE for the entry-point block at the end of this file: the quant bytes of a block are in
+// groups of 4 k per column ([g][32 columns][4], Q8_0 offset by 128), not [k][32 columns];
+// models/rows_matmul.pack_quantized writes it, run_q / run_q8 / run_quantized read it, with
+// unchanged signatures (run_q stays the bit-exact float-activation product).
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -58,7 +70,7 @@ inline vf load(const uint16_t* p) {  // bfloat16 is the high half of a float32
 // Keeps the panel row in registers: left alone, GCC folds its load into every row's FMA as a
 // memory operand (panel<4>: 8 loads per k instead of 2, and M = 4 ran slower than M = 5).
 inline void in_registers(vf& a, vf& b) {
-#if defined(__x86_64__)
+#if defined(__AVX512F__)  // a 64-byte vector is one register only with AVX-512
   asm("" : "+v"(a), "+v"(b));
 #endif
 }
@@ -142,14 +154,20 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 
 constexpr int kBlock = 32;  // weights per quantization block along K (GGUF's QK8_0 / QK4_0 / QK4_1)
 enum Format : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };  // models/quant.py FORMATS order
+// Added to the FFI's fmt attribute: quantize the activations to 8-bit blocks (run_q8).
+constexpr int32_t kQ8Activations = 16;
 
-// Bytes of one (panel, block): 32 float16 scales, [32 float16 minimums,] then the quants: Q8_0
-// [32 k][32 columns] int8; Q4 [16 j][32 columns] uint8 with weight k = j in the low nibble and
-// k = j + 16 in the high one (GGUF's order within a block).
+// Bytes of one (panel, block): 32 float16 scales, [32 float16 minimums,] then the quants in
+// groups of 4 consecutive k per column, [groups g][32 columns][4 i] (one 32-bit lane of a vector
+// per column, what the 4-way integer dot products take): Q8_0 8 groups, byte = q(k = 4g + i) +
+// 128 (offset binary: the unsigned operand of vpdpbusd); Q4 4 groups, byte = q(k = 4g + i) in the
+// low nibble and q(k = 16 + 4g + i) in the high one.
+constexpr int64_t kGroupBytes = 4 * kNB;
 constexpr int64_t block_bytes(int32_t fmt) {
   return fmt == kQ8_0 ? 2 * kNB + kBlock * kNB : fmt == kQ4_0 ? 2 * kNB + 16 * kNB
                                                              : 4 * kNB + 16 * kNB;
 }
+constexpr int64_t quants_offset(int32_t fmt) { return fmt == kQ4_1 ? 4 * kNB : 2 * kNB; }
 
 inline float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, exact
   const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
@@ -183,40 +201,26 @@ inline vf load_half(const uint8_t* p) {  // kLanes float16 values (unaligned) ->
 #endif
 }
 
-inline vf load_i8(const uint8_t* p) {
-#if defined(__AVX512F__)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-#else
-  vb b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
-#endif
+inline vi load_vi(const uint8_t* p) {  // 4 bytes per lane: one column's group of 4 k
+  vi v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-template <bool kHigh>
-inline vf load_nibble(const uint8_t* p) {  // 0 .. 15 as float32
-#if defined(__AVX512F__)
-  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  v = kHigh ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
-  return (vf)_mm512_cvtepi32_ps(v);
-#else
-  vub b;
-  std::memcpy(&b, p, sizeof(b));
-  vi v = __builtin_convertvector(b, vi);
-  v = kHigh ? v >> 4 : v & 15;
-  return __builtin_convertvector(v, vf);
-#endif
+// Byte I of every lane of a group as the integer part of its weight, in float32.
+template <int32_t FMT, int I, bool kHigh>
+inline vf quant(vi v) {
+  if (FMT == kQ8_0) return __builtin_convertvector(((v >> (8 * I)) & 255) - 128, vf);
+  return __builtin_convertvector((v >> (8 * I + (kHigh ? 4 : 0))) & 15, vf);
 }
 
-// Rows [0, MB) of x times one quantized panel -> y[:, 0:cols]. Each weight becomes
-// d * q (Q8_0), d * q - 8 d (Q4_0: d * (q - 8), exact since both terms are) or d * q + m (Q4_1,
-// one rounding as gguf.quants' (d * q) + m, d * q being exact), then the float kernel's FMA in
-// the order k = 0, 1, ...: the same sums as panel() over the dequantized weights.
+// Rows [0, MB) of x times one quantized panel -> y[:, 0:cols], float32 activations. Each weight
+// becomes d * q (Q8_0), d * q - 8 d (Q4_0: d * (q - 8), exact since both terms are) or d * q + m
+// (Q4_1, one rounding as gguf.quants' (d * q) + m, d * q being exact), then the float kernel's
+// FMA in the order k = 0, 1, ...: the same sums as panel() over the dequantized weights.
 template <int MB, int32_t FMT>
 void qpanel(const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy, int64_t cols) {
   constexpr int64_t bytes = block_bytes(FMT);
-  constexpr int64_t qoff = FMT == kQ4_1 ? 4 * kNB : 2 * kNB;
   vf acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vf{};
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -232,7 +236,7 @@ void qpanel(const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy, 
       c0 = load_half(blk + 2 * kNB);
       c1 = load_half(blk + 2 * kNB + 2 * kLanes);
     }
-    const uint8_t* q = blk + qoff;
+    const uint8_t* q = blk + quants_offset(FMT);
     const float* xb = x + b * kBlock;
     auto step = [&](int64_t k, vf q0, vf q1) {
       vf w0 = FMT == kQ8_0 ? d0 * q0 : q0 * d0 + c0, w1 = FMT == kQ8_0 ? d1 * q1 : q1 * d1 + c1;
@@ -243,15 +247,20 @@ void qpanel(const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy, 
         acc[m][1] += xv * w1;
       }
     };
-    if (FMT == kQ8_0) {
-      for (int64_t k = 0; k < kBlock; ++k)
-        step(k, load_i8(q + k * kNB), load_i8(q + k * kNB + kLanes));
-    } else {  // low nibbles are k = 0 .. 15, high ones k = 16 .. 31: two passes keep k's order
-      for (int64_t j = 0; j < 16; ++j)
-        step(j, load_nibble<false>(q + j * kNB), load_nibble<false>(q + j * kNB + kLanes));
-      for (int64_t j = 0; j < 16; ++j)
-        step(16 + j, load_nibble<true>(q + j * kNB), load_nibble<true>(q + j * kNB + kLanes));
-    }
+    // k = 4g + i (Q8_0), then for Q4 the low nibbles (k < 16) before the high ones: k's order.
+    auto groups = [&](auto high) {
+      constexpr bool kHigh = decltype(high)::value;
+      const int64_t base = kHigh ? 16 : 0;
+      for (int64_t g = 0; g < (FMT == kQ8_0 ? 8 : 4); ++g) {
+        const vi v0 = load_vi(q + g * kGroupBytes), v1 = load_vi(q + g * kGroupBytes + 4 * kLanes);
+        step(base + 4 * g + 0, quant<FMT, 0, kHigh>(v0), quant<FMT, 0, kHigh>(v1));
+        step(base + 4 * g + 1, quant<FMT, 1, kHigh>(v0), quant<FMT, 1, kHigh>(v1));
+        step(base + 4 * g + 2, quant<FMT, 2, kHigh>(v0), quant<FMT, 2, kHigh>(v1));
+        step(base + 4 * g + 3, quant<FMT, 3, kHigh>(v0), quant<FMT, 3, kHigh>(v1));
+      }
+    };
+    groups(std::false_type{});
+    if (FMT != kQ8_0) groups(std::true_type{});
   }
   for (int m = 0; m < MB; ++m) {
     float out[kNB];
@@ -262,8 +271,8 @@ void qpanel(const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy, 
 }
 
 template <int32_t FMT>
-ffi::Error run_q(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const uint8_t* wq,
-                 int64_t P, float* y, int64_t N) {
+void run_q(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const uint8_t* wq,
+           int64_t P, float* y, int64_t N) {
   const int64_t panel_bytes = (K / kBlock) * block_bytes(FMT);
   pallas_attn::parallel_for(pool, P, P * panel_bytes >= kParallelBytes, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -274,27 +283,236 @@ ffi::Error run_q(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, con
         });
     }
   });
-  return ffi::Error::Success();
+}
+
+// ---- 8-bit activations: integer dot products -----------------------------------------------
+//
+// run_q8 quantizes x once per call, per row and block of 32, to int8: d = max |x| / 127,
+// q = round-to-nearest-even(x * (1 / d)) in [-127, 127] (all zero for a zero block), and keeps
+// the block's float32 d and its integer sum s = sum q. A weight block's dot product with it is
+// then an int32 sum of 32 products, exact, and
+//   Q8_0: y += d_x d_w sum(q_w q_x)
+//   Q4_0: y += d_x d_w (sum(q_w q_x) - 8 s)
+//   Q4_1: y += d_x d_w sum(q_w q_x) + m (d_x s)
+// in float32 (one convert, one multiply-add per block and row, not per weight). The error is the
+// activations' rounding: |x - d_x q_x| <= d_x / 2 per element (models/rows_matmul.py states the
+// bound on a product).
+//
+// The 4-way products take one unsigned and one signed byte operand: the weights are the unsigned
+// side (Q4 nibbles are, Q8_0 is stored offset by 128), the activations the signed one, and the
+// offset comes off through s: sum((q_w + 128) q_x) - 128 s.
+//   AVX-512 VNNI: vpdpbusd (u8 x s8, 4 products summed into each int32 lane, no saturation).
+//   AVX2 (no VNNI): vpmaddubsw + vpmaddwd. Its pairwise 16-bit sums saturate past 32767, which
+//     255 x 127 x 2 would, so Q8_0 there takes |q_w| and the sign of q_w moved onto q_x
+//     (vpsignb; |q_w| <= 128, 128 x 127 x 2 fits), and needs no offset.
+//   Otherwise a scalar loop over the lanes.
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kQ8Offset = true;  // the Q8_0 product includes the +128 offset of the weights
+inline vi dot4(vi acc, vi w, vi x) {
+  return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
+}
+inline vi dot4_q8(vi acc, vi w, vi x) { return dot4(acc, w, x); }
+#elif defined(__AVX2__)
+constexpr bool kQ8Offset = false;
+inline __m256i half(const vi& v, int h) {
+  __m256i r;
+  std::memcpy(&r, reinterpret_cast<const char*>(&v) + 32 * h, 32);
+  return r;
+}
+inline vi join(__m256i lo, __m256i hi) {
+  vi v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+}
+inline __m256i dot4_256(__m256i acc, __m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(w, x);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline vi dot4(vi acc, vi w, vi x) {
+  return join(dot4_256(half(acc, 0), half(w, 0), half(x, 0)),
+              dot4_256(half(acc, 1), half(w, 1), half(x, 1)));
+}
+inline vi dot4_q8(vi acc, vi w, vi x) {
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  __m256i r[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i q = _mm256_xor_si256(half(w, h), flip);  // signed q_w
+    r[h] = dot4_256(half(acc, h), _mm256_sign_epi8(q, q), _mm256_sign_epi8(half(x, h), q));
+  }
+  return join(r[0], r[1]);
+}
+#else
+constexpr bool kQ8Offset = true;
+inline vi dot4(vi acc, vi w, vi x) {
+  uint8_t wb[4 * kLanes];
+  int8_t xb[4 * kLanes];
+  std::memcpy(wb, &w, sizeof(wb));
+  std::memcpy(xb, &x, sizeof(xb));
+  for (int l = 0; l < kLanes; ++l)
+    for (int i = 0; i < 4; ++i) acc[l] += int32_t(wb[4 * l + i]) * int32_t(xb[4 * l + i]);
+  return acc;
+}
+inline vi dot4_q8(vi acc, vi w, vi x) { return dot4(acc, w, x); }
+#endif
+
+// The activations of one call in 8-bit blocks: q [M, K], and per (row, block) d, d * s and s.
+struct QActs {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> s;
+};
+
+void quantize_activations(const float* x, int64_t M, int64_t K, QActs& a) {
+  const int64_t nb = K / kBlock;
+  a.q.resize(M * K);
+  a.d.resize(M * nb);
+  a.ds.resize(M * nb);
+  a.s.resize(M * nb);
+  for (int64_t r = 0; r < M * nb; ++r) {  // r = m * nb + b: the block at x + r * kBlock
+    const float* xb = x + r * kBlock;
+    float amax = 0.0f;
+    for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t s = 0;
+    int8_t* q = a.q.data() + r * kBlock;
+    for (int k = 0; k < kBlock; ++k) {
+      q[k] = int8_t(std::nearbyint(xb[k] * id));
+      s += q[k];
+    }
+    a.d[r] = d;
+    a.s[r] = s;
+    a.ds[r] = d * float(s);
+  }
+}
+
+inline vi broadcast4(const int8_t* p) {  // 4 activation bytes into every lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return vi{} + v;
+}
+
+// Rows [0, MB) of the quantized activations times one quantized panel -> y[:, 0:cols].
+template <int MB, int32_t FMT>
+void q8panel(const QActs& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+             int64_t cols) {
+  constexpr int64_t bytes = block_bytes(FMT);
+  const int64_t nb = K / kBlock;
+  // The integer sum starts at the offset's correction: -8 s (Q4_0), -128 s (Q8_0 with offset).
+  constexpr int32_t kOff = FMT == kQ4_0 ? 8 : FMT == kQ8_0 && kQ8Offset ? 128 : 0;
+  vf acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vf{};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    const uint8_t* q = blk + quants_offset(FMT);
+    const int8_t* xb = a.q.data() + m0 * K + b * kBlock;
+    vi ia[MB][2];
+    for (int m = 0; m < MB; ++m) ia[m][0] = ia[m][1] = vi{} - kOff * a.s[(m0 + m) * nb + b];
+    if (FMT == kQ8_0) {
+      for (int64_t g = 0; g < 8; ++g) {
+        const vi w0 = load_vi(q + g * kGroupBytes), w1 = load_vi(q + g * kGroupBytes + 4 * kLanes);
+        for (int m = 0; m < MB; ++m) {
+          const vi xv = broadcast4(xb + m * K + 4 * g);
+          ia[m][0] = dot4_q8(ia[m][0], w0, xv);
+          ia[m][1] = dot4_q8(ia[m][1], w1, xv);
+        }
+      }
+    } else {
+      for (int64_t g = 0; g < 4; ++g) {
+        const vi v0 = load_vi(q + g * kGroupBytes), v1 = load_vi(q + g * kGroupBytes + 4 * kLanes);
+        const vi lo0 = v0 & 0x0f0f0f0f, lo1 = v1 & 0x0f0f0f0f;
+        const vi hi0 = (v0 >> 4) & 0x0f0f0f0f, hi1 = (v1 >> 4) & 0x0f0f0f0f;
+        for (int m = 0; m < MB; ++m) {
+          const vi xl = broadcast4(xb + m * K + 4 * g), xh = broadcast4(xb + m * K + 16 + 4 * g);
+          ia[m][0] = dot4(dot4(ia[m][0], lo0, xl), hi0, xh);
+          ia[m][1] = dot4(dot4(ia[m][1], lo1, xl), hi1, xh);
+        }
+      }
+    }
+    const vf d0 = load_half(blk), d1 = load_half(blk + 2 * kLanes);
+    vf m0v{}, m1v{};
+    if (FMT == kQ4_1) {
+      m0v = load_half(blk + 2 * kNB);
+      m1v = load_half(blk + 2 * kNB + 2 * kLanes);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const float dx = a.d[(m0 + m) * nb + b];
+      acc[m][0] += __builtin_convertvector(ia[m][0], vf) * (d0 * dx);
+      acc[m][1] += __builtin_convertvector(ia[m][1], vf) * (d1 * dx);
+      if (FMT == kQ4_1) {
+        const float ds = a.ds[(m0 + m) * nb + b];
+        acc[m][0] += m0v * ds;
+        acc[m][1] += m1v * ds;
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    float out[kNB];
+    std::memcpy(out, &acc[m][0], sizeof(vf));
+    std::memcpy(out + kLanes, &acc[m][1], sizeof(vf));
+    std::memcpy(y + m * ldy, out, cols * sizeof(float));
+  }
+}
+
+// Rows per register block of q8panel: 4 rows hold 8 float and 8 integer accumulators; 8 rows
+// would need all 32 vector registers before the weights.
+constexpr int kMB8 = 4;
+
+template <int32_t FMT>
+void run_q8(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const uint8_t* wq,
+            int64_t P, float* y, int64_t N) {
+  thread_local QActs acts;  // the calling thread's; pool tasks only read it during the call
+  quantize_activations(x, M, K, acts);
+  const QActs& a = acts;
+  const int64_t panel_bytes = (K / kBlock) * block_bytes(FMT);
+  pallas_attn::parallel_for(pool, P, P * panel_bytes >= kParallelBytes, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
+      for (int64_t m0 = 0; m0 < M; m0 += kMB8) {
+        auto body = [&](auto MB) {
+          q8panel<MB, FMT>(a, m0, K, wq + p * panel_bytes, y + m0 * N + n0, N, cols);
+        };
+        switch (M - m0) {
+          case 1: body(std::integral_constant<int, 1>{}); break;
+          case 2: body(std::integral_constant<int, 2>{}); break;
+          case 3: body(std::integral_constant<int, 3>{}); break;
+          default: body(std::integral_constant<int, kMB8>{});
+        }
+      }
+    }
+  });
+}
+
+// The quantized product for fmt = format [+ kQ8Activations]; false for an unknown fmt.
+bool run_quantized(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const uint8_t* wq,
+                   int64_t P, float* y, int64_t N, int32_t fmt) {
+  switch (fmt) {
+    case kQ8_0: run_q<kQ8_0>(pool, x, M, K, wq, P, y, N); return true;
+    case kQ4_0: run_q<kQ4_0>(pool, x, M, K, wq, P, y, N); return true;
+    case kQ4_1: run_q<kQ4_1>(pool, x, M, K, wq, P, y, N); return true;
+    case kQ8_0 + kQ8Activations: run_q8<kQ8_0>(pool, x, M, K, wq, P, y, N); return true;
+    case kQ4_0 + kQ8Activations: run_q8<kQ4_0>(pool, x, M, K, wq, P, y, N); return true;
+    case kQ4_1 + kQ8Activations: run_q8<kQ4_1>(pool, x, M, K, wq, P, y, N); return true;
+    default: return false;
+  }
 }
 
 ffi::Error RowsMatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
                        ffi::ResultBuffer<ffi::F32> y, int32_t fmt) {
   const auto xd = x.dimensions(), wd = wq.dimensions(), yd = y->dimensions();
-  if (fmt < kQ8_0 || fmt > kQ4_1) return ffi::Error::InvalidArgument("rows_matmul_q: bad format");
+  const int32_t base = fmt & ~kQ8Activations;
+  if (base < kQ8_0 || base > kQ4_1 || (fmt & ~(kQ8Activations | 3)) != 0)
+    return ffi::Error::InvalidArgument("rows_matmul_q: bad format");
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] % kBlock != 0 ||
-      wd[1] != xd[1] / kBlock || wd[2] != block_bytes(fmt) || yd[0] != xd[0] ||
+      wd[1] != xd[1] / kBlock || wd[2] != block_bytes(base) || yd[0] != xd[0] ||
       (yd[1] + kNB - 1) / kNB != wd[0])
     return ffi::Error::InvalidArgument(
         "rows_matmul_q: want x [M, K], wq [ceil(N / 32), K / 32, block bytes] uint8, y [M, N]");
   const int64_t M = xd[0], K = xd[1], P = wd[0], N = yd[1];
-  const float* xp = x.typed_data();
-  const uint8_t* wp = wq.typed_data();
-  float* yp = y->typed_data();
-  switch (fmt) {
-    case kQ8_0: return run_q<kQ8_0>(pool, xp, M, K, wp, P, yp, N);
-    case kQ4_0: return run_q<kQ4_0>(pool, xp, M, K, wp, P, yp, N);
-    default: return run_q<kQ4_1>(pool, xp, M, K, wp, P, yp, N);
-  }
+  if (!run_quantized(pool, x.typed_data(), M, K, wq.typed_data(), P, y->typed_data(), N, fmt))
+    return ffi::Error::InvalidArgument("rows_matmul_q: bad format");
+  return ffi::Error::Success();
 }
 
 }  // namespace
