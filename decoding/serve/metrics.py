@@ -32,6 +32,8 @@ GAUGES = {
     "pages_cached": ("kv_pages_cached", "KV cache pages cached for prefix reuse, evictable"),
     "pages_total": ("kv_pages_total", "KV cache pages in the pool"),
     "utilization": ("kv_utilization", "Used token slots over the slots of held pages"),
+    "page_bytes": ("kv_page_bytes", "Bytes of one pool page (the layers the pool serves)"),
+    "ring_bytes": ("kv_ring_bytes", "Bytes of the sliding-window layers' rings, outside the pool"),
     "prefix_cache_hits": ("prefix_cache_hit_pages", "Pages reused from the prefix cache (total)"),
     "preemptions": ("preemptions", "Requests preempted for pages (total)"),
     "aborted": ("requests_aborted", "Requests aborted: disconnects, stop strings (total)"),

@@ -10,6 +10,8 @@ same shapes for a model (batch 3, pages of 4, chunks of at most 16), so each com
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,6 +19,7 @@ from flax import nnx
 from decoding import PromptLookup
 from decoding.engine import MIN_CHUNK, Engine
 from decoding.generate import generate
+from decoding.serve.metrics import Metrics
 from models import Transformer, TransformerConfig
 from models.kv_cache import ring_pages_for
 
@@ -104,6 +107,11 @@ def test_sliding_layers_keep_rings_and_the_pool_serves_global_layers(case):
     assert [big._k[i].shape for i in sliding] == [eng._k[i].shape for i in sliding]
     if name == "mistral":
         assert eng.pool_layers == () and s["page_bytes"] == 0
+    metrics = Metrics()  # /metrics reads the worker's published stats
+    metrics.worker = types.SimpleNamespace(stats=s)
+    text = metrics.render().decode()
+    for key, value in (("ring_bytes", s["ring_bytes"]), ("page_bytes", s["page_bytes"])):
+        assert f"decoding_serve_kv_{key} {float(value)}" in text.splitlines(), key
 
 
 def test_outputs_equal_generate_with_prefix_hits(case):
