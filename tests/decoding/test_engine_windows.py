@@ -181,3 +181,31 @@ def test_a_prefix_hit_rebuilds_the_ring_of_the_window_before_it(case):
     short = ring_after_hit(WINDOW - 1)
     worst = max(float(np.abs(a - b).max()) for a, b in zip(short, want, strict=True))
     assert worst > 1e-3, worst  # the upper sliding layer's keys saw stale lower-layer keys
+
+
+def test_a_failed_step_rebuilds_the_rings_and_the_pool(case):
+    """An exception after a prefill step consumed (donated) the pool and the rings: the engine
+    rebuilds both and recomputes every request from its tokens, with the same outputs."""
+    _, model, want = case
+    eng = _engine(model)
+    real, calls = eng._prefill_fn, []
+
+    def fails_once(*args):
+        out = real(*args)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return out
+
+    eng._prefill_fn = fails_once
+    ids = [eng.submit(p, MAX_NEW) for p in PROMPTS]
+    with pytest.raises(RuntimeError, match="injected"):
+        while eng.busy:
+            eng.step()
+    assert eng.stats()["rebuilds"] == 1
+    assert all(not x.is_deleted() for x in (*eng._k, *eng._v))
+    R = eng.ring_pages
+    c = model.config
+    assert all(eng._k[i].shape[0] == BATCH * R + 1 for i in range(c.num_layers) if c.is_sliding(i))
+    out = eng.run_until_done()
+    assert [out[i] for i in ids] == want
