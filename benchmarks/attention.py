@@ -26,14 +26,18 @@ from benchmarks.plot import Plot
 from pallas_attn import flash_attention
 
 
-def _ours(impl):
+def ours(impl):
+    """``flash_attention(q, k, v, causal=causal, impl=impl)`` as ``fn(q, k, v, causal)``."""
+
     def fn(q, k, v, causal):
         return flash_attention(q, k, v, causal=causal, impl=impl)
 
     return fn
 
 
-def _jax_nn(implementation):
+def jax_nn(implementation):
+    """``jax.nn.dot_product_attention`` with ``implementation``, as ``fn(q, k, v, causal)``."""
+
     def fn(q, k, v, causal):
         return jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation=implementation
@@ -47,14 +51,17 @@ def _flops(B, T, H, D, causal, backward):
     return fwd * (3.5 if backward else 1.0)
 
 
-def _fwd_bwd(fn, causal):
+def fwd_bwd(fn, causal):
+    """The jitted gradient of ``sum(fn(q, k, v, causal))`` with respect to q, k and v."""
+
     def loss(q, k, v):
         return jnp.sum(fn(q, k, v, causal).astype(jnp.float32))
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def _inputs(B, T, H, D, dtype, seed=0):
+def make_inputs(B, T, H, D, dtype, seed=0):
+    """q, k, v [B, T, H, D] of ``dtype``, standard normal from ``seed``."""
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     return tuple(jax.random.normal(key, (B, T, H, D), dtype) for key in (kq, kk, kv))
 
@@ -62,9 +69,9 @@ def _inputs(B, T, H, D, dtype, seed=0):
 def _measure(name, fn, shape, causal, dtype, runs, with_memory, warmup=1):
     """Times (and optionally sizes) forward and forward+backward; returns (row, forward output)."""
     B, T, H, D = shape
-    q, k, v = _inputs(B, T, H, D, dtype)
+    q, k, v = make_inputs(B, T, H, D, dtype)
     fwd = jax.jit(functools.partial(fn, causal=causal))
-    bwd = _fwd_bwd(fn, causal)
+    bwd = fwd_bwd(fn, causal)
     row = dict(impl=name, B=B, T=T, H=H, D=D, causal=causal, dtype=jnp.dtype(dtype).name)
     compiled = {}
     try:
@@ -84,10 +91,10 @@ def _measure(name, fn, shape, causal, dtype, runs, with_memory, warmup=1):
 
 
 GPU_IMPLS = {
-    "pallas": _ours("pallas"),
-    "cudnn": _jax_nn("cudnn"),
-    "jax_nn_xla": _jax_nn("xla"),
-    "xla": _ours("xla"),
+    "pallas": ours("pallas"),
+    "cudnn": jax_nn("cudnn"),
+    "jax_nn_xla": jax_nn("xla"),
+    "xla": ours("xla"),
 }
 GPU_CONFIGS = [
     (T, D, c) for T in (512, 2048, 8192, 16384) for D in (64, 128) for c in (False, True)
@@ -122,7 +129,7 @@ def run_gpu(runs: int, impls=None, configs=None, tokens: int = 16384, warmup: in
 
 
 def run_cpu(runs: int, quick: bool, warmup: int = 1):
-    impls = {"xla": _ours("xla"), "jax_nn_xla": _jax_nn("xla")}
+    impls = {"xla": ours("xla"), "jax_nn_xla": jax_nn("xla")}
     lengths = (256, 2048) if quick else (256, 1024, 2048)
     configs = [(T, c) for T in lengths for c in (False, True)]
     rows = []

@@ -160,7 +160,7 @@ def parser(doc: str, *, runs: int = 3, warmup: int = 1, quick: str = "fewer conf
     runs; its results go to ``<name>_quick.json`` so they never overwrite a full run.
     """
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
-    p.add_argument("--runs", type=_positive, default=runs, help="timed runs per measurement")
+    p.add_argument("--runs", type=positive, default=runs, help="timed runs per measurement")
     p.add_argument("--warmup", type=_non_negative, default=warmup, help="untimed calls first")
     p.add_argument("--quick", action="store_true", help=quick)
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
@@ -178,7 +178,8 @@ def finish(args: argparse.Namespace, name: str, rows: list[dict], columns: list[
     return path
 
 
-def _positive(text: str) -> int:
+def positive(text: str) -> int:
+    """An argparse ``type``: ``text`` as an int >= 1, else a usage error."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")

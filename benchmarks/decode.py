@@ -30,7 +30,7 @@ from pallas_attn import attention_with_kvcache, cpu
 Hq, Hkv, D = 32, 8, 128
 
 
-def _inputs(B, S, P, dtype, seed=0):
+def make_inputs(B, S, P, dtype, seed=0):
     """q [B, 1, Hq, D], caches (contiguous or paged with a shuffled table), lengths = S."""
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(kq, (B, 1, Hq, D), dtype)
@@ -44,7 +44,7 @@ def _inputs(B, S, P, dtype, seed=0):
     return q, k_cache, v_cache, table
 
 
-def _ours(impl, num_splits):
+def ours(impl, num_splits):
     @jax.jit
     def fn(q, k_cache, v_cache, lengths, table):
         return attention_with_kvcache(
@@ -102,7 +102,7 @@ def _measure(row, fn, args, kv_bytes, copy_bw, runs, warmup):
 def run(configs, impls, dtype, runs, *, bundled: bool, warmup: int = 1):
     rows = []
     for B, S, P in tqdm(configs, desc=f"{'/'.join(impls)} configs"):
-        q, k_cache, v_cache, table = _inputs(B, S, P, dtype)
+        q, k_cache, v_cache, table = make_inputs(B, S, P, dtype)
         lengths = jnp.full((B,), S, jnp.int32)
         kv_bytes = 2 * B * S * Hkv * D * jnp.dtype(dtype).itemsize
         copy_bw = _copy_bandwidth(kv_bytes, dtype, runs, warmup)
@@ -114,7 +114,7 @@ def run(configs, impls, dtype, runs, *, bundled: bool, warmup: int = 1):
                 continue
             for splits in (0, 1) if impl == "pallas" else (0,):  # the CPU paths do not split
                 row = dict(base, impl=impl, num_splits="auto" if splits == 0 else 1)
-                fn = _ours(impl, splits)
+                fn = ours(impl, splits)
                 rows.append(_measure(row, fn, args, kv_bytes, copy_bw, runs, warmup))
         if bundled:
             row = dict(base, impl="jax_bundled", num_splits="")

@@ -72,7 +72,7 @@ FLOOR = {BF16: 1e-3, F16: 2e-4}
 ATTN_CONFIGS = [(2048, 64, True), (2048, 128, True), (8192, 128, True), (8192, 128, False)]
 ATTN_TOKENS = 16384
 DECODE_CONFIGS = [(1, 32768, None), (8, 32768, 16), (64, 8192, 16)]
-MOSAIC = attention._ours("mosaic")  # the Mosaic GPU kernels beside Triton ("pallas") and cuDNN
+MOSAIC = attention.ours("mosaic")  # the Mosaic GPU kernels beside Triton ("pallas") and cuDNN
 GEN = dict(preset="llama-3-8b", batch=8, prompt_len=512, new_tokens=128)
 
 
@@ -177,21 +177,21 @@ def _programs() -> dict:
     impls["mosaic"] = MOSAIC
     for T, D, causal in ATTN_CONFIGS:
         shape = (ATTN_TOKENS // T, T, 2048 // D, D, jnp.bfloat16)
-        inputs = functools.partial(attention._inputs, *shape)
+        inputs = functools.partial(attention.make_inputs, *shape)
         for impl, fn in impls.items():
             tag = f"{impl}-T{T}-D{D}-{'causal' if causal else 'full'}"
             progs[f"attn-fwd-{tag}"] = (functools.partial(fn, causal=causal), inputs)
-            progs[f"attn-fwd_bwd-{tag}"] = (attention._fwd_bwd(fn, causal), inputs)
+            progs[f"attn-fwd_bwd-{tag}"] = (attention.fwd_bwd(fn, causal), inputs)
     for B, S, P in DECODE_CONFIGS:
         inputs = functools.partial(_decode_inputs, B, S, P)
         for splits in (0, 1):
             name = f"decode-B{B}-S{S}-{'contiguous' if P is None else f'P{P}'}-splits{splits}"
-            progs[name] = (decode._ours("pallas", splits), inputs)
+            progs[name] = (decode.ours("pallas", splits), inputs)
     return progs
 
 
 def _decode_inputs(B, S, P):
-    q, k_cache, v_cache, table = decode._inputs(B, S, P, jnp.bfloat16)
+    q, k_cache, v_cache, table = decode.make_inputs(B, S, P, jnp.bfloat16)
     return q, k_cache, v_cache, jnp.full((B,), S, jnp.int32), table
 
 

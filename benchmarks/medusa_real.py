@@ -175,10 +175,10 @@ def measure_medusa(
 
 def main(argv=None) -> None:
     p = common.parser(__doc__, runs=3, quick="2 prompts, 64 new tokens, k = 2 and 3, no tree")
-    p.add_argument("--new-tokens", type=common._positive, default=NEW_TOKENS)
-    p.add_argument("--prompts", type=common._positive, default=4)
-    p.add_argument("--ks", type=common._positive, nargs="+", default=[1, 2, 3])
-    p.add_argument("--tree-nodes", type=common._positive, default=8)
+    p.add_argument("--new-tokens", type=common.positive, default=NEW_TOKENS)
+    p.add_argument("--prompts", type=common.positive, default=4)
+    p.add_argument("--ks", type=common.positive, nargs="+", default=[1, 2, 3])
+    p.add_argument("--tree-nodes", type=common.positive, default=8)
     p.add_argument("--no-tree", action="store_true")
     p.add_argument(
         "--heads",

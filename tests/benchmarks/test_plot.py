@@ -73,7 +73,7 @@ def test_gpu_recipes_draw_the_rows_the_gpu_code_paths_write(tmp_path):
     rows, as written, render with the GPU recipes; so the recipes cannot drift from the keys."""
     from benchmarks import attention, decode
 
-    impls = {"pallas": attention._ours("reference"), "cudnn": attention._jax_nn("xla")}
+    impls = {"pallas": attention.ours("reference"), "cudnn": attention.jax_nn("xla")}
     rows, _ = attention.run_gpu(1, impls=impls, configs=[(8, 64, True), (16, 64, True)], tokens=16)
     drows = decode.run([(1, 16, None), (1, 32, None)], "xla", "float32", 1, bundled=False)
     recipes = registry.plot_recipes()
