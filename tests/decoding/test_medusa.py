@@ -10,7 +10,7 @@ import pytest
 from conftest import random_transformer
 from flax import nnx
 from test_speculative import NEW, PROMPTS, reference  # noqa: F401 (a fixture)
-from test_speculative_exact import SMALL, T07_TOPK, T1, _check
+from test_speculative_exact import SMALL, T07_TOPK, T1, check_exact
 
 from decoding import Medusa, SamplingConfig, TreeSpec, generate, speculative_generate, tree
 from decoding.tree import _slots, compact_path
@@ -59,7 +59,7 @@ def small_target():
 
 
 def test_chain_sampling_is_exact_t1(small_target):
-    _check(small_target, Medusa(random_heads(small_target, 3, seed=5, scale=1.0)), 3, T1)
+    check_exact(small_target, Medusa(random_heads(small_target, 3, seed=5, scale=1.0)), 3, T1)
 
 
 SMALL_TREE = TreeSpec(((0,), (1,), (0, 0), (0, 1), (1, 0)))
@@ -68,18 +68,18 @@ SMALL_TREE = TreeSpec(((0,), (1,), (0, 0), (0, 1), (1, 0)))
 def test_tree_sampling_is_exact_t1(small_target):
     heads = random_heads(small_target, 2, seed=7, scale=1.0)
     # k = the node count: sizes the test's cache for the tree's verification (5 + 1 slots).
-    _check(small_target, Medusa(heads, tree=SMALL_TREE), SMALL_TREE.num_nodes, T1)
+    check_exact(small_target, Medusa(heads, tree=SMALL_TREE), SMALL_TREE.num_nodes, T1)
 
 
 @pytest.mark.slow
 def test_tree_sampling_is_exact_t07_top_k(small_target):
     heads = random_heads(small_target, 2, seed=8, scale=1.0)
-    _check(small_target, Medusa(heads, tree=SMALL_TREE), SMALL_TREE.num_nodes, T07_TOPK)
+    check_exact(small_target, Medusa(heads, tree=SMALL_TREE), SMALL_TREE.num_nodes, T07_TOPK)
 
 
 @pytest.mark.slow
 def test_chain_sampling_is_exact_t07_top_k(small_target):
-    _check(small_target, Medusa(random_heads(small_target, 2, seed=6, scale=1.0)), 2, T07_TOPK)
+    check_exact(small_target, Medusa(random_heads(small_target, 2, seed=6, scale=1.0)), 2, T07_TOPK)
 
 
 def test_bad_arguments(tiny_model):
@@ -279,7 +279,7 @@ def test_chain_with_lookup_proposes_the_continuation_where_the_ngram_matched(tin
 def test_chain_with_lookup_sampling_is_exact_t1(small_target):
     # n = 1: most steps find the last token earlier, some do not, so both sources are drawn.
     heads = random_heads(small_target, 2, seed=9, scale=1.0)
-    _check(small_target, Medusa(heads, lookup_ngram=1), 2, T1)
+    check_exact(small_target, Medusa(heads, lookup_ngram=1), 2, T1)
 
 
 @pytest.mark.parametrize(

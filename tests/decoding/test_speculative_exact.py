@@ -109,7 +109,10 @@ def assert_matches(observed_pairs, expected):
     assert p_value > 1e-3, p_value
 
 
-def _check(target, draft, k, sampling):
+def check_exact(target, draft, k, sampling):
+    """Speculative sampling with ``draft`` drafting k tokens has the target's exact joint
+    distribution of the first two and of the second and third new tokens (chi-square tests);
+    returns the sampled tokens."""
     tokens = sample_new_tokens(target, draft, k=k, sampling=sampling)
     joint12, joint23 = exact_joints(target, sampling)
     assert_matches(tokens[:, :2], joint12)
@@ -122,18 +125,18 @@ T07_TOPK = SamplingConfig(temperature=0.7, top_k=5)
 
 
 def test_model_draft_t1(target, draft):
-    tokens = _check(target, draft, 2, T1)
+    tokens = check_exact(target, draft, 2, T1)
     # The test has power: the same samples are far from the draft's own distribution.
     with pytest.raises(AssertionError):
         assert_matches(tokens[:, 1:], exact_joints(draft, T1)[1])
 
 
 def test_model_draft_t07_top_k(target, draft):
-    _check(target, draft, 3, T07_TOPK)
+    check_exact(target, draft, 3, T07_TOPK)
 
 
 def test_prompt_lookup_t1(target):
-    _check(target, PromptLookup(), 2, T1)
+    check_exact(target, PromptLookup(), 2, T1)
 
 
 @pytest.mark.slow
@@ -148,4 +151,4 @@ def test_prompt_lookup_t1(target):
 )
 def test_other_kinds_and_filters(target, draft, kind, k, sampling):
     d = {"lookup": PromptLookup(max_ngram=2), "early-exit": EarlyExit(1), "model": draft}[kind]
-    _check(target, d, k, sampling)
+    check_exact(target, d, k, sampling)
