@@ -127,6 +127,9 @@ def test_completion_logprobs_streamed_and_not(code_setup):
     out, ref = reference(model, ids, 16, eos)
     kept = [t for t in out if t != eos]
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(kept)
+    # The trained code model's logits are larger than the random models': the paged steps and
+    # the full forward pass round them differently by about 1e-5 relative, so the bound is too.
+    close = dict(rtol=TOL, atol=TOL)
     text = choice.text
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     for j, (token, row) in enumerate(zip(kept, ref, strict=False)):
@@ -134,20 +137,20 @@ def test_completion_logprobs_streamed_and_not(code_setup):
         assert lp.tokens[j] == piece
         if token < 128:  # one character: it sits at its offset in the text
             assert text[lp.text_offset[j]] == piece
-        assert abs(lp.token_logprobs[j] - row[token]) < TOL
+        np.testing.assert_allclose(lp.token_logprobs[j], row[token], **close)
         top = lp.top_logprobs[j]  # the 3 most likely, the chosen (greedy: the first) among them
         assert len(top) == 3 and top[piece] == lp.token_logprobs[j]
         want = np.argsort(-row, kind="stable")[:3]
-        np.testing.assert_allclose(sorted(top.values(), reverse=True), row[want], atol=TOL)
+        np.testing.assert_allclose(sorted(top.values(), reverse=True), row[want], **close)
     chunks = list(client.completions.create(stream=True, **kw))
     parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for p in parts for t in p.tokens] == lp.tokens
     streamed = [t for p in parts for t in p.token_logprobs]
-    np.testing.assert_allclose(streamed, lp.token_logprobs, atol=TOL)
+    np.testing.assert_allclose(streamed, lp.token_logprobs, **close)
     tops = [t for p in parts for t in p.top_logprobs]
     assert [sorted(t) for t in tops] == [sorted(t) for t in lp.top_logprobs]
     for got, want in zip(tops, lp.top_logprobs, strict=True):
-        np.testing.assert_allclose([got[k] for k in want], list(want.values()), atol=TOL)
+        np.testing.assert_allclose([got[k] for k in want], list(want.values()), **close)
     assert [t for p in parts for t in p.text_offset] == lp.text_offset
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
 
