@@ -58,7 +58,11 @@ def _weights(linear, dtype, *, bias_ok: bool):
     if isinstance(linear, quant.QuantLinear):
         if linear.dtype != dtype or (linear.bias is not None and not bias_ok):
             return None
-        return panels, rows_matmul.FORMATS.index(linear.fmt)
+        # The kernel's fmt code, as QuantLinear's own call passes it (same activations).
+        q8 = rows_matmul.check_activations(linear.activations) == "q8"
+        return panels, rows_matmul.FORMATS.index(linear.fmt) + (
+            rows_matmul._Q8_ACTIVATIONS if q8 else 0
+        )
     if (linear.dtype or dtype) != dtype or (
         getattr(linear, "bias", None) is not None and not bias_ok
     ):

@@ -547,10 +547,7 @@ bool rows_matmul_packed(xla::ffi::ThreadPool& pool, int32_t kind, const float* x
     case kWeightBF16:
       run(pool, x, M, K, static_cast<const uint16_t*>(panels), P, y, N);
       return true;
-    case kWeightQ8_0: run_q<kQ8_0>(pool, x, M, K, wq, P, y, N); return true;
-    case kWeightQ4_0: run_q<kQ4_0>(pool, x, M, K, wq, P, y, N); return true;
-    case kWeightQ4_1: run_q<kQ4_1>(pool, x, M, K, wq, P, y, N); return true;
-    default: return false;
+    default: return run_quantized(pool, x, M, K, wq, P, y, N, kind);  // fmt [+ kQ8Activations]
   }
 }
 

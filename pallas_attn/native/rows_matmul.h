@@ -8,10 +8,10 @@
 
 namespace pallas_attn {
 
-// How a weight matrix is stored: the block-quantized formats are models/rows_matmul.py's FORMATS
-// indices (the `fmt` attribute of pallas_attn_rows_matmul_q); float panels are [P, K, 32].
-enum WeightKind : int32_t { kWeightQ8_0 = 0, kWeightQ4_0 = 1, kWeightQ4_1 = 2, kWeightF32 = 3,
-                            kWeightBF16 = 4 };
+// How a weight matrix is stored: float panels [P, K, 32] are kWeightF32 / kWeightBF16; any
+// other kind is the `fmt` attribute of pallas_attn_rows_matmul_q (models/rows_matmul.py's FORMATS
+// index, plus its 8-bit-activations flag).
+enum WeightKind : int32_t { kWeightF32 = 3, kWeightBF16 = 4 };
 
 // y [M, N] = x [M, K] @ W, float32 x and y, W the panels of `kind` (ceil(N / 32) of them; K a
 // multiple of 32 for the quantized kinds). The same arithmetic and threading as the FFI

@@ -125,11 +125,14 @@ def test_bfloat16_close_to_unfused():
     assert cache_err <= 0.05
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
-def test_quantized_matches_unfused(fmt):
-    # The same quantized products as the unfused layers: float32 reassociation only.
+def test_quantized_matches_unfused():
+    # Each format on attention and MLP projections of one model: the same quantized products
+    # (and activation handling) as the unfused layers, float32 reassociation only.
     config = _config(heads=6, kv_heads=2, head_dim=64, bias=True)
-    model = models.quantize(_model(config), fmt)
+    names = ("attn/qkv_proj", "attn/o_proj", "mlp/gate_up_proj", "mlp/down_proj")
+    paths = [f"layers/{i}/{n}" for i in range(config.num_layers) for n in names]
+    fmts = {p: ("q8_0", "q4_0", "q4_1")[j % 3] for j, p in enumerate(paths)}
+    model = models.quantize(_model(config), fmts)
     logit_err, cache_err = _compare(model, 3)
     assert logit_err <= 1e-4
     assert cache_err <= 1e-4
@@ -175,6 +178,7 @@ def _smollm2(path):
     return models.load_gguf(path, dtype=jnp.float32)
 
 
+@pytest.mark.slow  # two 30-layer programs compiled twice: about a minute on 2 cores
 def test_generate_smollm2(smollm2_gguf):
     model = _smollm2(smollm2_gguf)
     _, tok = models.pretrained("smollm2-135m-instruct")
