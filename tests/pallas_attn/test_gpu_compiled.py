@@ -23,7 +23,7 @@ from attn_utils import (
     check_fully_masked_rows,
     max_err,
 )
-from test_kvcache import HAND, INTERPRET, Case, _bits, _tol, call, make_inputs, sampled_cases
+from test_kvcache import HAND, INTERPRET, Case, as_bits, call, make_inputs, sampled_cases, tolerance
 
 from pallas_attn import BlockSizes
 
@@ -61,7 +61,7 @@ def test_flash_fully_masked_rows():
 
 def check_kvcache(case: Case, seed: int, **extra):
     """Out and lse within 2x the same-precision reference's error (against the ``highest``
-    oracle) plus ``_tol``; the caches within one unit in the last place of the reference's (Triton
+    oracle) plus ``tolerance``; the caches within one unit in the last place of the reference's (Triton
     and XLA contract the rotary ``x * cos + x' * sin`` into different FMAs, so a value on a
     rounding boundary of the cache dtype can land one step apart)."""
     inp = make_inputs(case, seed=seed)
@@ -72,7 +72,9 @@ def check_kvcache(case: Case, seed: int, **extra):
     for name in ("out", "lse"):
         err = max_err(getattr(got, name), getattr(oracle, name))
         base = max_err(getattr(same, name), getattr(oracle, name))
-        assert err <= 2 * base + _tol(case), f"{name}: {err:.3g} > 2 x {base:.3g} + {_tol(case)}"
+        assert err <= 2 * base + tolerance(case), (
+            f"{name}: {err:.3g} > 2 x {base:.3g} + {tolerance(case)}"
+        )
     for a, b in ((got.k_cache, same.k_cache), (got.v_cache, same.v_cache)):
         steps = ulp_steps(a, b)
         assert steps.max() <= 1 and np.mean(steps > 0) < 0.02, (steps.max(), np.mean(steps > 0))
@@ -82,7 +84,7 @@ def ulp_steps(a, b):
     """Per element, how many representable values of the dtype lie between a and b."""
 
     def ordered(x):  # sign-magnitude bits -> integers ordered like the values
-        bits = _bits(x).astype(np.int64)
+        bits = as_bits(x).astype(np.int64)
         sign = 1 << (8 * np.asarray(x).dtype.itemsize - 1)
         return np.where(bits & sign, sign - bits, bits)
 
@@ -110,11 +112,11 @@ def test_kvcache_paged_equals_contiguous():
         kwargs={k: w for k, w in paged.kwargs.items() if k != "block_table"},
     )
     a, b = call(paged, "pallas"), call(contiguous, "pallas")
-    assert max_err(a.out, b.out) <= _tol(case) and max_err(a.lse, b.lse) <= _tol(case)
+    assert max_err(a.out, b.out) <= tolerance(case) and max_err(a.lse, b.lse) <= tolerance(case)
 
 
 def test_kvcache_deterministic():
     inp = make_inputs(Case(Tq=5, Tn=5, S=400, page=16, causal=True), seed=15)
     a, b = call(inp, "pallas", num_splits=3), call(inp, "pallas", num_splits=3)
     for x, y in zip(a, b, strict=True):
-        np.testing.assert_array_equal(_bits(x), _bits(y))
+        np.testing.assert_array_equal(as_bits(x), as_bits(y))

@@ -246,15 +246,16 @@ def check_caches(case: Case, inp: Inputs, res, new_k, new_v):
     if case.page is None:  # cache rows that no batch row uses are untouched
         others = np.setdiff1d(np.arange(inp.k_cache.shape[0]), inp.rows)
         for got, orig in ((res.k_cache, inp.k_cache), (res.v_cache, inp.v_cache)):
-            np.testing.assert_array_equal(_bits(got)[others], _bits(orig)[others])
+            np.testing.assert_array_equal(as_bits(got)[others], as_bits(orig)[others])
     else:  # pages outside every table row are untouched
         table = np.asarray(inp.kwargs["block_table"])
         others = np.setdiff1d(np.arange(inp.k_cache.shape[0]), table[table >= 0])
         for got, orig in ((res.k_cache, inp.k_cache), (res.v_cache, inp.v_cache)):
-            np.testing.assert_array_equal(_bits(got)[others], _bits(orig)[others])
+            np.testing.assert_array_equal(as_bits(got)[others], as_bits(orig)[others])
 
 
-def _bits(x):
+def as_bits(x):
+    """``x``'s bits as unsigned integers of its width (for bit-exact comparisons)."""
     x = np.asarray(x)
     return x.view(np.uint8 if x.dtype.itemsize == 1 else np.dtype(f"u{x.dtype.itemsize}"))
 
@@ -265,7 +266,8 @@ def _ulp(case):
     return {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}[case.dtype]
 
 
-def _tol(case):
+def tolerance(case):
+    """The error bound of a case's dtype (wider for float32 with rotary embeddings)."""
     base = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 4e-3}[case.dtype]
     return max(base, 2e-3) if case.rotary is not None and case.dtype == "float32" else base
 
@@ -330,8 +332,8 @@ def check_impls(case: Case, seed: int):
     res = call(inp, "reference")
     out, lse, new_k, new_v = numpy_kvcache(case, inp)
     assert res.out.dtype == inp.q.dtype and res.lse.dtype == jnp.float32
-    assert max_err(res.out, out) <= _tol(case) * 4
-    assert max_err(res.lse, lse) <= _tol(case) * 4
+    assert max_err(res.out, out) <= tolerance(case) * 4
+    assert max_err(res.lse, lse) <= tolerance(case) * 4
     check_caches(case, inp, res, new_k, new_v)
     impls = ["xla"]
     if native.available():  # the C++ kernel, where it takes the shape
@@ -342,10 +344,10 @@ def check_impls(case: Case, seed: int):
                 call(inp, "native")
             continue
         got = call(inp, impl)
-        assert max_err(got.out, res.out) <= _tol(case)
-        assert max_err(got.lse, res.lse) <= _tol(case)
+        assert max_err(got.out, res.out) <= tolerance(case)
+        assert max_err(got.lse, res.lse) <= tolerance(case)
         for a, b in ((got.k_cache, res.k_cache), (got.v_cache, res.v_cache)):
-            np.testing.assert_array_equal(_bits(a), _bits(b))
+            np.testing.assert_array_equal(as_bits(a), as_bits(b))
 
 
 def _runs_native(impl: str, inp: Inputs) -> bool:
@@ -580,10 +582,10 @@ def check_interpret(case: Case, seed: int, **extra):
     inp = make_inputs(case, seed=seed)
     got, want = call(inp, "interpret", **extra), call(inp, "reference")
     assert got.out.dtype == want.out.dtype
-    assert max_err(got.out, want.out) <= _tol(case)
-    assert max_err(got.lse, want.lse) <= _tol(case)
+    assert max_err(got.out, want.out) <= tolerance(case)
+    assert max_err(got.lse, want.lse) <= tolerance(case)
     for a, b in ((got.k_cache, want.k_cache), (got.v_cache, want.v_cache)):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(as_bits(a), as_bits(b))
     return got
 
 
@@ -633,4 +635,4 @@ def test_interpret_is_deterministic():
     inp = make_inputs(Case(Tq=5, Tn=5, S=200, page=4, causal=True), seed=10)
     a, b = call(inp, "interpret", num_splits=3), call(inp, "interpret", num_splits=3)
     for x, y in zip(a, b, strict=True):
-        np.testing.assert_array_equal(_bits(x), _bits(y))
+        np.testing.assert_array_equal(as_bits(x), as_bits(y))

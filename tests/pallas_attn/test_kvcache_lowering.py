@@ -11,7 +11,9 @@ from pallas_attn import attention_with_kvcache
 B, Hq, Hkv = 2, 8, 2
 
 
-def _lower(*, Tq, paged, D=128, dtype=jnp.bfloat16, fp8=False, rotary=False, Tn=None, **opts):
+def lower_decode_step(
+    *, Tq, paged, D=128, dtype=jnp.bfloat16, fp8=False, rotary=False, Tn=None, **opts
+):
     """Lowers one decode step (append Tn new tokens, attend Tq queries) to CUDA; returns the text."""
     Tn = Tq if Tn is None else Tn
     S, P = 1024, 16
@@ -47,7 +49,7 @@ def _lower(*, Tq, paged, D=128, dtype=jnp.bfloat16, fp8=False, rotary=False, Tn=
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("Tq", [1, 5])
 def test_lowers_for_cuda(Tq, paged):
-    text = _lower(Tq=Tq, paged=paged, causal=True)
+    text = lower_decode_step(Tq=Tq, paged=paged, causal=True)
     assert "kvcache_decode" in text and "kvcache_append" in text
     # In place: both donated caches alias outputs of the program, and the append kernel's
     # outputs alias its cache operands (no copy of the cache on the way).
@@ -68,6 +70,6 @@ def test_lowers_for_cuda(Tq, paged):
     ids=["fp8-rotary-paged", "fp8-window-softcap", "neox-D80", "chunked-no-append", "f32-split3"],
 )
 def test_option_mixes_lower_for_cuda(opts):
-    text = _lower(**opts)
+    text = lower_decode_step(**opts)
     assert "kvcache_decode" in text
     assert ("kvcache_append" in text) == (opts.get("Tn", 1) != 0)

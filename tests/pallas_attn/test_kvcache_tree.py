@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kvcache_lowering import _lower
+from test_kvcache_lowering import lower_decode_step
 
 from pallas_attn import attention_with_kvcache
 
@@ -111,5 +111,5 @@ def test_bad_tree_mask_raises(bad):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_tree_mask_lowers_for_cuda(paged):
     tree = jax.ShapeDtypeStruct((2, 11, 11), jnp.bool_)
-    text = _lower(Tq=11, paged=paged, causal=True, tree_mask=tree)
+    text = lower_decode_step(Tq=11, paged=paged, causal=True, tree_mask=tree)
     assert "kvcache_decode" in text

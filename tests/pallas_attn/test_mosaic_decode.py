@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attn_utils import max_err
-from test_kvcache import Case, _bits, _tol, call, make_inputs
+from test_kvcache import Case, as_bits, call, make_inputs, tolerance
 
 IMPL = "mosaic_interpret"
 # PackGQA rows G * Tq of 8, 20, 6 and 64; paged with pages of 16 (four per tile) and 64, and
@@ -55,10 +55,10 @@ def check(case: Case, seed: int, **extra):
     inp = make_inputs(case, seed=seed)
     got, want = call(inp, IMPL, **extra), call(inp, "reference")
     assert got.out.dtype == want.out.dtype and got.lse.dtype == jnp.float32
-    assert max_err(got.out, want.out) <= _tol(case)
-    assert max_err(got.lse, want.lse) <= _tol(case)
+    assert max_err(got.out, want.out) <= tolerance(case)
+    assert max_err(got.lse, want.lse) <= tolerance(case)
     for a, b in ((got.k_cache, want.k_cache), (got.v_cache, want.v_cache)):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(as_bits(a), as_bits(b))
     return got
 
 
@@ -105,8 +105,8 @@ def test_mosaic_decode_ignores_unowned_memory():
         v_cache=jnp.where(unowned[..., None, None], jnp.nan, inp.v_cache).astype(inp.v_cache.dtype),
     )
     clean, dirty = call(inp, IMPL), call(poisoned, IMPL)
-    np.testing.assert_array_equal(_bits(clean.out), _bits(dirty.out))
-    np.testing.assert_array_equal(_bits(clean.lse), _bits(dirty.lse))
+    np.testing.assert_array_equal(as_bits(clean.out), as_bits(dirty.out))
+    np.testing.assert_array_equal(as_bits(clean.lse), as_bits(dirty.lse))
 
 
 @pytest.mark.parametrize(
