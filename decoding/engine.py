@@ -23,8 +23,8 @@ pool pages: each batch slot has a private ring of ``R = ring_pages_for(W, T, P)`
 sliding layer (``models.kv_cache``), T the longest step (the largest prefill chunk bucket, a
 verification's ``MAX_K + 1``), so their memory is O(W + T) per slot, not O(context); the pool,
 its pages, the prefix cache and the copies on write serve the global layers only. A model with
-no sliding layer (or whose rings would be no smaller than a row's pages) keeps every layer on
-the pool, with the same steps as before. A prefix hit at position h reuses the global layers'
+no sliding layer (or whose rings would be no smaller than a row's pages, or sharded by
+``models.shard``) keeps every layer on the pool, with the same steps as before. A prefix hit at position h reuses the global layers'
 pages; the slot's ring then lacks the keys before h, so the request first replays the last
 ``min(h, n_s * (W - 1))`` positions (``n_s`` sliding layers): a forward over them in which the
 global layers read their cached keys and write nothing and the sliding layers write their ring
@@ -96,7 +96,7 @@ from decoding.scheduler import Request, Scheduler
 from decoding.speculative import chosen_num_draft_tokens
 from models import KVCache
 from models.kv_cache import ring_pages_for
-from models.sharding import to_host
+from models.sharding import mesh_of, to_host
 
 _GREEDY = SamplingConfig()
 MIN_CHUNK = 16  # the smallest prefill chunk bucket
@@ -231,9 +231,13 @@ class Engine:
 
     def _plan_rings(self, speculative: bool) -> None:
         """Whether the sliding layers keep rings (module doc): ``ring_pages`` R or None, the
-        layers on the pool (``pool_layers``) and the positions a prefix hit replays."""
+        layers on the pool (``pool_layers``) and the positions a prefix hit replays. Not on a
+        sharded model (``models.shard``): its attention runs per device through
+        ``jax.shard_map``, which the replay's read-only global layers do not go through."""
         c, P = self.config, self.page_size
         sliding = [i for i in range(c.num_layers) if c.is_sliding(i)]
+        if mesh_of(self._model) is not None:
+            sliding = []
         self.ring_pages, self._replay_tokens = None, 0
         self.pool_layers = tuple(range(c.num_layers))
         if sliding:

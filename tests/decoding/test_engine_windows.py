@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import types
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
 from decoding import PromptLookup
 from decoding.engine import MIN_CHUNK, Engine
 from decoding.generate import generate
 from decoding.serve.metrics import Metrics
-from models import Transformer, TransformerConfig
+from models import Transformer, TransformerConfig, shard
 from models.kv_cache import ring_pages_for
 
 WINDOW, PAGE, BATCH, MAX_SEQ, POOL = 4, 4, 3, 64, 40
@@ -209,3 +211,13 @@ def test_a_failed_step_rebuilds_the_rings_and_the_pool(case):
     assert all(eng._k[i].shape[0] == BATCH * R + 1 for i in range(c.num_layers) if c.is_sliding(i))
     out = eng.run_until_done()
     assert [out[i] for i in ids] == want
+
+
+def test_a_sharded_model_keeps_every_layer_on_the_pool():
+    """models.shard runs attention per device (shard_map), which a ring replay does not go
+    through: the engine keeps the sliding layers on the pool there."""
+    model = Transformer(CONFIGS["gemma3"], rngs=nnx.Rngs(1))
+    shard(model, Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")))
+    eng = _engine(model)
+    assert eng.ring_pages is None and eng.pool_layers == (0, 1, 2)
+    assert eng.stats()["ring_bytes"] == 0
