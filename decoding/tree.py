@@ -228,8 +228,8 @@ def compact_path(spec: TreeSpec, cache: KVCache, start, best):
     depth`` in every layer; start [B] = the root's slot. Lengths are not changed."""
     src = start[:, None] + jnp.asarray(spec.tables["path"])[best]  # [B, depth]
     dst = start[:, None] + 1 + jnp.arange(spec.depth, dtype=jnp.int32)
-    s0, s1 = _slots(cache, src)
-    d0, d1 = _slots(cache, dst)
+    s0, s1 = cache_slots(cache, src)
+    d0, d1 = cache_slots(cache, dst)
 
     def move(x):
         return x.at[d0, d1].set(x[s0, s1], mode="drop")
@@ -237,7 +237,7 @@ def compact_path(spec: TreeSpec, cache: KVCache, start, best):
     return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
-def _slots(cache: KVCache, pos):
+def cache_slots(cache: KVCache, pos):
     """(idx0, idx1) [B, T] into a layer's cache array for logical positions pos [B, T]."""
     if cache.block_table is None:
         return jnp.broadcast_to(jnp.arange(pos.shape[0])[:, None], pos.shape), pos

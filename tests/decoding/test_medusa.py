@@ -13,7 +13,7 @@ from test_speculative import NEW, PROMPTS, reference  # noqa: F401 (a fixture)
 from test_speculative_exact import SMALL, T07_TOPK, T1, check_exact
 
 from decoding import Medusa, SamplingConfig, TreeSpec, generate, speculative_generate, tree
-from decoding.tree import _slots, compact_path
+from decoding.tree import cache_slots, compact_path
 from models import KVCache, MedusaHeads
 
 
@@ -164,7 +164,7 @@ def test_compact_path_moves_the_accepted_path(tiny_model, paged):
     else:
         cache = KVCache.contiguous(c, B, S)
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.float32), (B, S))
-    i0, i1 = _slots(cache, jnp.broadcast_to(jnp.arange(S), (B, S)))
+    i0, i1 = cache_slots(cache, jnp.broadcast_to(jnp.arange(S), (B, S)))
     fill = lambda x: x.at[i0, i1].set(pos[..., None, None] + 0 * x[i0, i1])  # noqa: E731
     cache = cache.replace(k=tuple(map(fill, cache.k)), v=tuple(map(fill, cache.v)))
     start, best = jnp.asarray([3, 7]), jnp.asarray([6, 4])  # node 6 = (1, 0, 0), 4 = (1, 0)
