@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn import masks, softmax
+from pallas_attn import heuristics, masks, softmax
 from pallas_attn.kernels import decode as triton_decode
 from pallas_attn.kernels.mosaic import common as mc
 
@@ -197,8 +197,6 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, *, cfg: DecodeStatic, n
     Returns:
       out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32.
     """
-    from pallas_attn import heuristics
-
     B, Tq, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
