@@ -265,7 +265,9 @@ def _decode_jit(
 
 
 def draft_kind(draft):
-    """(static draft kind, its params or None) for what ``speculative_generate`` accepts."""
+    """(static draft kind, its params or None) for what ``speculative_generate`` accepts: the
+    user's argument checked by its type, the one place types are looked at (the loop and the
+    choice of k reach the kind only through ``drafts.DraftKind``'s methods)."""
     if isinstance(draft, Transformer):
         return ModelDraft.split(draft)
     if isinstance(draft, PromptLookup | EarlyExit):
