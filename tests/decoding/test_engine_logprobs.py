@@ -15,19 +15,21 @@ from flax import nnx
 
 from decoding import PromptLookup, engine_steps
 from decoding.engine import Engine
-from decoding.generate import generate
 from decoding.sampling import MAX_LOGPROBS, SamplingConfig, TokenLogprob
 
 PAGE = 8
 MAX_SEQ = 64
 MAX_NEW = 10
+# One pool size for every engine here (one compiled shape), small enough that the preemption
+# test's requests do not all fit.
+POOL = 12
 TOL = 1e-5
 
 _rng = np.random.default_rng(7)
 PROMPTS = [_rng.integers(0, 256, n).tolist() for n in (5, 19, 12, 30)]
 
 
-def make_engine(model, num_pages=48, **kwargs) -> Engine:
+def make_engine(model, num_pages=POOL, **kwargs) -> Engine:
     return Engine(
         model,
         max_batch=4,
@@ -135,12 +137,12 @@ def test_speculative_rows_report_target_logprobs(model):
     positions (greedy and sampled-processed), and the same tokens as plain decoding."""
     rng = np.random.default_rng(3)
     base = rng.integers(0, 256, 9).tolist()
-    cont = generate(model, [base], max_new_tokens=12).tokens[0]
+    plain = make_engine(model)  # the plain steps, compiled already: the greedy continuation
+    rid = plain.submit(base, 12)
+    cont = plain.run_until_done()[rid]
     prompts = [base + cont + base + cont[:2], PROMPTS[1]]  # repeats: drafts get accepted
     cfg = SamplingConfig(temperature=0.8)
-    eng = make_engine(
-        model, num_pages=64, draft=PromptLookup(), num_draft_tokens=3, logprobs_mode="processed"
-    )
+    eng = make_engine(model, draft=PromptLookup(), num_draft_tokens=3, logprobs_mode="processed")
     greedy = [eng.submit(p, 12, logprobs=2) for p in prompts]
     sampled = eng.submit(prompts[0], 12, sampling=cfg, seed=5, logprobs=2)
     out = eng.run_until_done()
@@ -158,7 +160,7 @@ def test_speculative_rows_report_target_logprobs(model):
 def test_preemption_keeps_records_and_no_recompiles(model):
     """A pool too small for every request: preempted requests are recomputed, their records
     are those of their tokens, one per token; asking or not never retraces the steps."""
-    eng = make_engine(model, num_pages=12)
+    eng = make_engine(model)
     for p in PROMPTS:
         eng.submit(p, 2)
     eng.run_until_done()  # warm: every step (and chunk bucket) traced once
