@@ -19,7 +19,7 @@ from conftest import random_transformer
 from flax import nnx
 
 import models
-from decoding import Engine, generate
+from decoding import Engine
 from decoding.chat import encode_prompt, turn_end_id
 from decoding.serve.local import running_server
 
@@ -35,8 +35,7 @@ def chat_setup(smollm2_gguf):
     """A tiny random model over SmolLM2's vocabulary, its tokenizer, and a server of it."""
     tok = models.load_tokenizer(smollm2_gguf)
     model = random_transformer(1, scale=0.1, vocab_size=tok.vocab_size, max_position=SEQ)
-    engine = Engine(model, max_batch=2, num_pages=32, page_size=16, max_seq_len=SEQ)
-    with running_server(engine, tok, model_name=CHAT) as (url, _):
+    with running_server(make_engine(model), tok, model_name=CHAT) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
         yield model, tok, url, client
 
@@ -44,16 +43,22 @@ def chat_setup(smollm2_gguf):
 @pytest.fixture(scope="module")
 def code_setup():
     model, tok = models.pretrained(CODE)
-    engine = Engine(model, max_batch=2, num_pages=32, page_size=16, max_seq_len=SEQ)
-    with running_server(engine, tok, model_name=CODE) as (url, _):
+    with running_server(make_engine(model), tok, model_name=CODE) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
         yield model, tok, url, client
 
 
+def make_engine(model) -> Engine:
+    return Engine(model, max_batch=2, num_pages=32, page_size=16, max_seq_len=SEQ)
+
+
 def reference(model, prompt: list[int], n: int, eos_id) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens of ``prompt`` (``generate``) and the log-softmax [n, V] of a full forward
-    pass at the positions that predicted them."""
-    out = generate(model, [prompt], max_new_tokens=n, eos_id=eos_id).tokens[0]
+    """Greedy tokens of ``prompt`` and the log-softmax [n, V] of a full forward pass at the
+    positions that predicted them. The tokens come from an engine like the server's (its steps
+    are compiled already); the checks below make them the forward pass's argmax chain."""
+    eng = make_engine(model)
+    rid = eng.submit(prompt, n, eos_id=eos_id)
+    out = eng.run_until_done()[rid]
     lp = np.asarray(_log_softmax(*nnx.split(model), np.asarray([prompt + out], np.int32)))[0]
     return out, lp[len(prompt) - 1 : len(prompt) - 1 + len(out)]
 
@@ -139,7 +144,7 @@ def test_completion_logprobs_streamed_and_not(code_setup):
             assert text[lp.text_offset[j]] == piece
         np.testing.assert_allclose(lp.token_logprobs[j], row[token], **close)
         top = lp.top_logprobs[j]  # the 3 most likely, the chosen (greedy: the first) among them
-        assert len(top) == 3 and top[piece] == lp.token_logprobs[j]
+        assert len(top) == 3 and top[piece] == lp.token_logprobs[j] == max(top.values())
         want = np.argsort(-row, kind="stable")[:3]
         np.testing.assert_allclose(sorted(top.values(), reverse=True), row[want], **close)
     chunks = list(client.completions.create(stream=True, **kw))
