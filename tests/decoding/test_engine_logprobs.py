@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+import test_engine
 from conftest import random_transformer
 from flax import nnx
 
@@ -17,8 +18,7 @@ from decoding import PromptLookup, engine_steps
 from decoding.engine import Engine
 from decoding.sampling import MAX_LOGPROBS, SamplingConfig, TokenLogprob
 
-PAGE = 8
-MAX_SEQ = 64
+MAX_SEQ = test_engine.MAX_SEQ
 MAX_NEW = 10
 # One pool size for every engine here (one compiled shape), small enough that the preemption
 # test's requests do not all fit.
@@ -29,16 +29,9 @@ _rng = np.random.default_rng(7)
 PROMPTS = [_rng.integers(0, 256, n).tolist() for n in (5, 19, 12, 30)]
 
 
-def make_engine(model, num_pages=POOL, **kwargs) -> Engine:
-    return Engine(
-        model,
-        max_batch=4,
-        num_pages=num_pages,
-        page_size=PAGE,
-        max_prefill_tokens=32,
-        max_seq_len=MAX_SEQ,
-        **kwargs,
-    )
+def make_engine(model, **kwargs) -> Engine:
+    """``test_engine``'s engine (batch 4, pages of 8, chunks of 32, max_seq_len 64), pool POOL."""
+    return test_engine.make_engine(model, num_pages=POOL, **kwargs)
 
 
 @pytest.fixture(scope="module")
