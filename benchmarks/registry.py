@@ -38,6 +38,7 @@ SCRIPTS = (
     Script("engine"),
     Script("speculative", quick=("--quick", "--runs", "1", "--no-hf")),
     Script("real_model", quick=("--quick", "--runs", "1", "--no-llama-cpp"), backends=("cpu",)),
+    Script("fused_decode", quick=("--quick", "--runs", "1", "--warmup", "0"), backends=("cpu",)),
     Script("serve", backends=("cpu",)),
     Script("logprobs", quick=("--quick", "--runs", "1")),
     Script("medusa_real", quick=("--quick", "--runs", "1"), backends=("cpu",)),

@@ -161,6 +161,24 @@ def test_falls_back(monkeypatch):
     assert TARGET not in _cached_step(model, tokens, cache, fused=True)[2]
 
 
+@pytest.mark.parametrize("fmt", [None, "q4_1"])
+def test_lowers_for_cuda_without_the_native_kernels(fmt):
+    # A GPU program compiled from this CPU host (deviceless): the modules' XLA path, no CPU target.
+    model = _model(_config(heads=6, kv_heads=2, head_dim=64, bias=True))
+    model = model if fmt is None else models.quantize(model, fmt)
+    graphdef, params = nnx.split(model)
+    kernels = pack_decode_weights(model, params)
+    cache = KVCache.contiguous(model.config, 2, 16)
+
+    def step(params, kernels, tokens, cache):
+        return attach_decode_weights(nnx.merge(graphdef, params), kernels)(tokens, cache=cache)[0]
+
+    traced = jax.jit(step).trace(params, kernels, jnp.zeros((2, 1), jnp.int32), cache)
+    assert TARGET in traced.lower().as_text()
+    cuda_text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "pallas_attn_" not in cuda_text and "stablehlo.dot_general" in cuda_text
+
+
 def _generate(model, prompts, n, *, fused):
     model.fused_decode = fused
     return generate(model, prompts, max_new_tokens=n).tokens

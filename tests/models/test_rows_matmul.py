@@ -124,6 +124,7 @@ def test_decode_loop_lowers_for_cuda_without_the_native_kernels():
 
     config = TransformerConfig.preset("tiny", attn_impl="auto", dim=256, mlp_dim=512)
     model = Transformer(config, rngs=nnx.Rngs(0))
+    model.fused_decode = False  # the per-product targets (test_fused_decode: the fused layer's)
     kernels = pack_decode_weights(model)
     assert kernels  # the qkv, gate_up and down kernels are packed
     graphdef, params = nnx.split(model)
@@ -150,6 +151,7 @@ def test_quantized_decode_loop_lowers_for_cuda_without_the_native_kernels():
 
     config = TransformerConfig.preset("tiny", attn_impl="auto", dim=256, mlp_dim=512)
     model = models.quantize(Transformer(config, rngs=nnx.Rngs(0)), "q4_1")
+    model.fused_decode = False  # the per-product targets (test_fused_decode: the fused layer's)
     kernels = pack_decode_weights(model)
     graphdef, params = nnx.split(model)
     cache = KVCache.contiguous(config, 2, 16)
