@@ -106,7 +106,11 @@ def test_interactive_chat_prefills_only_the_new_turn(smollm2_gguf, monkeypatch, 
 
 
 def test_bfloat16_chat(smollm2_gguf, capsys):
-    argv = ["--chat", "What is the capital of France?", "--max-new-tokens", "8"]
+    # Not the plain question: in bfloat16 its first token is a near tie ("The" against "L",
+    # 0.005 nats apart), which any rounding change (the fused decode layer's) flips. This one
+    # leads by 1.4 nats, fused or not.
+    q = "What is the capital of France? Answer in one word."
+    argv = ["--chat", q, "--max-new-tokens", "8"]
     assert main([*argv, "--dtype", "bfloat16"]) == 0
     assert "Paris" in capsys.readouterr().out
 
