@@ -259,11 +259,14 @@ class DraftKind(Protocol):
 
     ``verify_width``: cache slots a verification writes past the last token where that is more
     than k (a token tree's nodes; 0 for a chain, which writes k). ``prefill_calls``: draft
-    forward calls its prefill makes.
+    forward calls its prefill makes. ``deterministic``: every proposed token is a function of
+    the context, not a draw (q is one-hot on it), so a verifier may build q from the tokens
+    (``jax.nn.one_hot``) instead of carrying ``Proposal.q``; every kind states it.
     """
 
     verify_width: int = 0
     prefill_calls: int = 0
+    deterministic: bool = False
 
     @property
     def default_num_draft_tokens(self) -> int:
@@ -370,6 +373,7 @@ class ModelDraft(DraftKind):
     graphdef: Any
     config: Any
     prefill_calls = 1  # its prefill is a forward call of the draft model
+    deterministic = False  # draws its tokens from its own distributions
 
     @property
     def default_num_draft_tokens(self) -> int:
@@ -435,6 +439,7 @@ class EarlyExit(DraftKind):
     """
 
     num_layers: int
+    deterministic = False  # draws its tokens from the shallow model's distributions
 
     @property
     def default_num_draft_tokens(self) -> int:
@@ -480,6 +485,7 @@ class PromptLookup(DraftKind):
 
     max_ngram: int = 3
     min_ngram: int = 1
+    deterministic = True  # copies tokens: q is one-hot
 
     @property
     def default_num_draft_tokens(self) -> int:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from decoding.acceptance import accept, accept_greedy
-from decoding.drafts import Context, PromptLookup
+from decoding.drafts import Context
 from decoding.packing import packed_model
 from decoding.sampling import (
     SamplingParams,
@@ -175,7 +175,7 @@ def verify_rows(
         rows = jax.tree.map(lambda x: x[:, None], sampling)  # [B, 1]: one per row's k + 1
         p = probabilities(logits, rows)  # [B, k + 1, V], each row under its own settings
         # A deterministic draft's q is one-hot: built here, so greedy steps never make it.
-        q = jax.nn.one_hot(prop.tokens, p.shape[-1]) if isinstance(draft, PromptLookup) else prop.q
+        q = jax.nn.one_hot(prop.tokens, p.shape[-1]) if draft.deterministic else prop.q
 
         def one(p, q, d, key):
             n, nxt = accept(p[None], q[None], d[None], key)

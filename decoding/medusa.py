@@ -116,6 +116,12 @@ class MedusaDraft(DraftKind):
         return min(default_k("medusa"), self.num_heads)
 
     @property
+    def deterministic(self) -> bool:
+        """A tree's nodes are the heads' top candidates (deterministic); a chain draws from the
+        heads' distributions (with ``lookup_ngram``, only where no n-gram matched)."""
+        return self.tree is not None
+
+    @property
     def verify_width(self) -> int:
         """Cache slots a verification writes past the last token."""
         return 0 if self.tree is None else self.tree.num_nodes

@@ -43,6 +43,15 @@ def test_every_kind_implements_the_protocol_and_states_its_costs(tiny_model):
     assert kinds["prompt-lookup"][0].verify_width == 0  # a chain writes k slots only
 
 
+def test_every_kind_states_whether_its_proposals_are_deterministic(tiny_model):
+    kinds = _kinds(tiny_model)
+    kinds["medusa+lookup"] = draft_kind(Medusa(random_heads(tiny_model, 3), lookup_ngram=2))
+    deterministic = {name for name, (kind, _) in kinds.items() if kind.deterministic is True}
+    assert deterministic == {"prompt-lookup", "tree"}
+    for name, (kind, _) in kinds.items():  # its own statement, not the protocol's default
+        assert "deterministic" in vars(type(kind)), name
+
+
 def test_options_are_one_definition_for_both_calls(tiny_model):
     names = {f.name for f in dataclasses.fields(GenerateOptions)}
     assert names == {"max_new_tokens", "sampling", "eos_id", "seed", "cache", "page_size"} | {
