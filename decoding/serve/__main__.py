@@ -19,7 +19,14 @@ OpenAI's (``decoding.serve.defaults``).
 
 SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish for up to
 ``--graceful-timeout`` seconds, then aborts the rest; the exit log line says how many KV pages
-were still held (0 when nothing leaked).
+were still held (0 when nothing leaked). After SIGTERM the process ends by SIGTERM (what
+supervisors expect); after Ctrl-C (SIGINT, at any time, loading included) it exits 130 with no
+traceback.
+
+Exit status: 2 for a usage error, checked before any model loads (a bad flag value, a
+``--host`` that does not resolve, a (host, port) that cannot be bound now, e.g. "--port 8000:
+address already in use"); 3 when uvicorn fails to start anyway (another process took the port
+meanwhile); 130 after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -33,7 +40,14 @@ import jax
 import uvicorn
 
 import models
-from decoding.cli import persistent_compilation_cache, positive_int
+from decoding.cli import (
+    check_bindable,
+    kv_pool_problem,
+    nonnegative_number,
+    persistent_compilation_cache,
+    port,
+    positive_int,
+)
 from decoding.distributed import DistributedEngine
 from decoding.drafts import MAX_K, PromptLookup
 from decoding.engine import Engine
@@ -55,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", default=None, help="the API's model id (default --model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000, help="0: the OS picks one (logged)")
     p.add_argument("--max-batch", type=positive_int, default=32, help="rows decoded together")
     p.add_argument("--max-seq-len", type=positive_int, default=2048, help="prompt + completion")
     p.add_argument("--page-size", type=positive_int, default=16)
@@ -67,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-prefill-tokens", type=positive_int, default=512)
     p.add_argument("--max-queue", type=positive_int, default=256, help="choices in flight")
-    p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
+    p.add_argument(
+        "--graceful-timeout", type=nonnegative_number, default=30.0, help="seconds, on SIGTERM"
+    )
     p.add_argument(
         "--draft",
         choices=sorted(DRAFTS),
@@ -101,26 +117,68 @@ def build_parser() -> argparse.ArgumentParser:
 IDLE_STEP_S = 0.5
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+# uvicorn's exit status when it cannot start (uvicorn.config.STARTUP_FAILURE).
+STARTUP_FAILURE = 3
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every check that needs no model, so that a bad command line fails in seconds (exit 2)
+    rather than after loading one."""
     if args.num_draft_tokens is not None and args.draft is None:
         parser.error("--num-draft-tokens needs --draft")
     if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_K:
         parser.error(f"--num-draft-tokens must be at most {MAX_K}, got {args.num_draft_tokens}")
+    if args.max_seq_len < 2:
+        parser.error("--max-seq-len must be >= 2 (a prompt token and one more), got 1")
+    if args.page_size > args.max_seq_len:
+        parser.error(
+            f"--page-size {args.page_size} is larger than --max-seq-len {args.max_seq_len}"
+        )
+    if args.num_pages is not None and args.max_batch > args.num_pages:
+        # Every running row writes into a page of its own: rows past num_pages never run.
+        parser.error(f"--max-batch {args.max_batch} is larger than --num-pages {args.num_pages}")
     if args.mesh is not None:
         if math.prod(args.mesh) != jax.device_count():
             parser.error(f"--mesh {args.mesh} must hold all {jax.device_count()} devices")
         if args.draft is not None and args.num_draft_tokens is None:
             parser.error("--mesh with --draft needs --num-draft-tokens (the same k everywhere)")
+    if args.mesh is None or jax.process_index() == 0:  # the other processes do not listen
+        problem = check_bindable(args.host, args.port)
+        if problem is not None:
+            parser.error(problem)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    model, tokenizer = models.pretrained(args.model)
+    try:
+        return serve(parser, args)
+    except KeyboardInterrupt:  # Ctrl-C while loading, or uvicorn's re-raised SIGINT after it
+        logging.getLogger("decoding.serve").info("interrupted")
+        return 130
+
+
+def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Loads the model, builds the engine and runs uvicorn until it stops -> exit status."""
+    try:
+        model, tokenizer = models.pretrained(args.model)
+    except ValueError as e:  # a checkpoint that lies (models.hf, models.gguf)
+        parser.error(f"--model {args.model}: {e}")
     if args.mesh is not None:
         model = models.shard(model, jax.make_mesh(args.mesh, ("data", "model")))
     max_seq_len = min(args.max_seq_len, model.config.max_position)
     num_pages = args.num_pages or args.max_batch * pages_for(
         max(max_seq_len // 4, 1), args.page_size
     )
+    problem = kv_pool_problem(model.config, num_pages, args.page_size)
+    if problem is not None:
+        parser.error(
+            problem
+            if args.num_pages
+            else f"{problem} (the default for --max-batch {args.max_batch})"
+        )
     engine = (Engine if args.mesh is None else DistributedEngine)(
         model,
         max_batch=args.max_batch,
@@ -136,7 +194,8 @@ def main(argv=None) -> int:
         engine.serve_followers()  # until process 0's server stops
         return 0
     defaults = generation_defaults(model_path(args.model))
-    logging.getLogger("decoding.serve").info("sampling defaults for omitted fields: %s", defaults)
+    log = logging.getLogger("decoding.serve")
+    log.info("sampling defaults for omitted fields: %s", defaults)
     app = create_app(
         engine,
         tokenizer,
@@ -145,14 +204,23 @@ def main(argv=None) -> int:
         defaults=defaults,
         idle_step_s=None if args.mesh is None else IDLE_STEP_S,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         timeout_graceful_shutdown=args.graceful_timeout,
         log_level="info",
     )
-    return 0
+    server = uvicorn.Server(config)
+    try:
+        server.run()  # returns after a graceful shutdown; re-raises a SIGINT it handled
+    except Exception as e:
+        if server.started:
+            raise
+        # uvicorn exits 3 itself on an OSError at startup; anything else would escape as a
+        # traceback. The app's lifespan has stopped the engine thread either way.
+        log.error("the server did not start: %s: %s", type(e).__name__, e)
+    return 0 if server.started else STARTUP_FAILURE
 
 
 if __name__ == "__main__":
