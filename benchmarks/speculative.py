@@ -26,9 +26,10 @@ calibrated rank accuracy, at its own depth) and k = 1..8:
 Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and prints a table.
 ``--quick``: one prompt, greedy, k in {2, 4}, 48 new tokens (results in ``*_quick.json``).
 ``--acceptance-of CHECKPOINT ...``: only the acceptance of draft checkpoints (k = 3, 4 prompts).
-``--real [--quick]``: SmolLM2-135M-Instruct (:func:`real_model`): prompt lookup at the chosen k
-against plain ``generate``, B = 1, 160 new tokens (48 quick), greedy and T = 0.7, on
-input-grounded and open-chat prompts; ``benchmarks/results/speculative_real.json``.
+``--real [--quick] [--ks K ..]``: SmolLM2-135M-Instruct (:func:`real_model`): prompt lookup at
+the chosen k (and at each ``--ks``) against plain ``generate``, B = 1, answers of up to 160 new
+tokens (96 quick) ending at the chat's end token, greedy and T = 0.7, on input-grounded and
+open-chat prompts; ``benchmarks/results/speculative_real.json``.
 """
 
 from __future__ import annotations
@@ -440,27 +441,55 @@ def sources(k: int = 3, ngrams=(1, 2, 3, 4)) -> list[dict]:
 
 # ----------------------------------------------------------------------------- the real model
 
-# Chat prompts for SmolLM2. Input-grounded: the answer copies much of the prompt (edit, rewrite,
-# extract); open chat: it does not.
-_CODE = """def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item.price * item.quantity
-    tax = subtotal * tax_rate
-    return subtotal + tax
+# Chat prompts for SmolLM2. Input-grounded: tasks whose answer copies the prompt (fix typos and
+# return the text, rewrite it, convert data between formats, annotate code), each one that this
+# 135M model does answer by copying long spans of its input (checked on its greedy answers; it
+# does not carry out a "rename this variable" edit, answering with a different function, so that
+# task is not among them). Open chat: answers that copy nothing. Every answer ends at the chat's
+# end token (``eos_id``), so what is timed is the answer, not a made-up next turn.
+_CODE = """def count_words(text):
+    counts = {}
+    for word in text.split():
+        word = word.lower().strip(".,!?")
+        if word:
+            counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def top_words(text, n):
+    counts = count_words(text)
+    ranked = sorted(counts.items(), key=lambda kv: kv[1], reverse=True)
+    return ranked[:n]
 """
 _TEXT = (
     "The meeting is moved from Tuesday to Thursday at 3 pm. Alice will present the budget, Bob "
     "the hiring plan and Carol the new office layout. Please send your slides to Dan by "
-    "Wednesday noon, and book the large room on the second floor."
+    "Wednesday noon, and book the large room on the second floor. After the meeting, the team "
+    "will have lunch at the Italian place across the street. Eve is in charge of the lunch "
+    "order, so tell her by Tuesday evening if you have any food allergies. The quarterly "
+    "report is due on Friday, and Frank will collect the numbers from every department."
 )
+_TYPOS = {"present": "presnt", "budget": "budgit", "allergies": "alergies", "quarterly": "quartely"}
+_JSON = (
+    '{"name": "server", "port": 8080, "debug": false, "hosts": ["alpha", "beta", "gamma", '
+    '"delta"], "limits": {"cpu": 2, "memory": "4GB", "disk": "20GB"}, "owner": {"name": '
+    '"Alice", "email": "alice@example.com"}, "tags": ["web", "internal", "prod"]}'
+)
+
+
+def _with_typos(text: str) -> str:
+    text = text.replace("meeting", "meetng", 1)
+    for right, wrong in _TYPOS.items():
+        text = text.replace(right, wrong)
+    return text
+
+
 REAL_PROMPTS = {
     "input-grounded": [
-        f"```python\n{_CODE}```\nRewrite this code with the variable `subtotal` renamed to `net`.",
-        f"Convert this function to use a list comprehension:\n\n```python\n{_CODE}```",
-        "Fix the spelling mistakes in this text and return it: "
-        + _TEXT.replace("meeting", "meetng").replace("present", "presnt"),
-        f"Extract the names and tasks from this text as a list: {_TEXT}",
+        f"Fix the spelling mistakes in this text and return it: {_with_typos(_TEXT)}",
+        f"Convert this JSON to YAML:\n{_JSON}",
+        f"Add comments to this code and return it:\n\n```python\n{_CODE}```",
+        f"Rewrite this text in the past tense: {_TEXT}",
     ],
     "open-chat": [
         "What are three tips for staying focused while studying?",
@@ -469,6 +498,17 @@ REAL_PROMPTS = {
         "Give me a simple recipe for a vegetable soup.",
     ],
 }
+
+
+def copied_fraction(prompt, answer, span: int = 4) -> float:
+    """The share of ``answer``'s tokens that lie in a run of >= ``span`` tokens which also
+    occurs in ``prompt``: how much of the answer is a copy of its input (0 for none)."""
+    grams = {tuple(prompt[i : i + span]) for i in range(len(prompt) - span + 1)}
+    covered = np.zeros(len(answer), bool)
+    for i in range(len(answer) - span + 1):
+        if tuple(answer[i : i + span]) in grams:
+            covered[i : i + span] = True
+    return float(covered.mean()) if len(answer) else 0.0
 
 
 def real_prompt_ids(tokenizer, workload: str, count: int | None = None) -> list[list[int]]:
@@ -481,55 +521,76 @@ def real_prompt_ids(tokenizer, workload: str, count: int | None = None) -> list[
 
 
 def real_model(args) -> None:
-    """SmolLM2-135M-Instruct, B = 1, 160 new tokens (48 quick), greedy and T = 0.7, prompt
-    lookup at the chosen k (``num_draft_tokens=None``) against plain ``generate``, per workload:
-    median of paired runs per prompt, summed over prompts; greedy rows checked identical."""
+    """SmolLM2-135M-Instruct, B = 1, up to 160 new tokens (96 quick), each answer ending at the
+    chat's end token, greedy and T = 0.7: prompt lookup at the chosen k (``num_draft_tokens=
+    None``; with ``--ks``, also at each of those k) against plain ``generate``, per workload:
+    median of paired runs per prompt, summed over prompts; greedy rows checked identical.
+    ``copied``: the share of the plain answers' tokens that copy a 4-token run of the prompt
+    (:func:`copied_fraction`); ``settings.step_ms``: the target's cached forward at Tq = 1 ..
+    MAX_K + 1 as the choice of k measured it (``decoding.drafts.measured_costs``)."""
     import models
     from decoding import PromptLookup, SamplingConfig, generate, speculative_generate
+    from decoding.drafts import measured_costs
 
     target, tok = models.pretrained("smollm2-135m-instruct")
-    new = 48 if args.quick else 160
+    new = 96 if args.quick else 160
     n_prompts = 1 if args.quick else 4
     timing = (1 if args.quick else 3, 1)  # (runs, warm-up)
     modes = {"greedy": SamplingConfig(), "T=0.7": SamplingConfig(temperature=0.7)}
+    ks = [None] + list(args.ks or [])
     rows = []
     for workload in REAL_PROMPTS:
         for mode, sampling in modes.items():
-            plain_s = spec_s = 0.0
-            match, acc, ks, tpc = [], [], set(), []
-            for ids in tqdm(real_prompt_ids(tok, workload, n_prompts), desc=f"{workload} {mode}"):
-                common_kw = dict(max_new_tokens=new, sampling=sampling, seed=0)
-                plain = functools.partial(generate, target, [ids], **common_kw)
-                spec = functools.partial(
-                    speculative_generate, target, PromptLookup(), [ids], **common_kw
+            for k in ks:
+                plain_s = spec_s = 0.0
+                match, acc, chosen, tpc, copied, lengths = [], [], set(), [], [], []
+                prompts = real_prompt_ids(tok, workload, n_prompts)
+                for ids in tqdm(prompts, desc=f"{workload} {mode} k={k or 'chosen'}"):
+                    kw = dict(max_new_tokens=new, sampling=sampling, seed=0, eos_id=tok.eos_id)
+                    plain = functools.partial(generate, target, [ids], **kw)
+                    spec = functools.partial(
+                        speculative_generate,
+                        target,
+                        PromptLookup(),
+                        [ids],
+                        num_draft_tokens=k,
+                        **kw,
+                    )
+                    a_s, b_s, b = timed_pair(plain, spec, timing)
+                    plain_s, spec_s = plain_s + a_s, spec_s + b_s
+                    ref = plain().tokens
+                    match.append(ref == b.tokens)
+                    copied.append(copied_fraction(ids, ref[0]))
+                    lengths.append(len(ref[0]))
+                    acc.append(b.stats["acceptance_rate"])
+                    tpc.append(b.stats["tokens_per_target_call"])
+                    chosen.add(b.stats["num_draft_tokens"])
+                row = dict(
+                    workload=workload,
+                    mode=mode,
+                    kind="prompt-lookup",
+                    k=sorted(chosen),
+                    k_chosen=k is None,
+                    speedup=plain_s / spec_s,
+                    plain_s=plain_s,
+                    spec_s=spec_s,
+                    acceptance=float(np.mean(acc)),
+                    tokens_per_call=float(np.mean(tpc)),
+                    new_tokens=float(np.mean(lengths)),
+                    copied=float(np.mean(copied)),
+                    match=float(np.mean(match)) if mode == "greedy" else None,
                 )
-                a_s, b_s, b = timed_pair(plain, spec, timing)
-                plain_s, spec_s = plain_s + a_s, spec_s + b_s
-                match.append(plain().tokens == b.tokens)
-                acc.append(b.stats["acceptance_rate"])
-                tpc.append(b.stats["tokens_per_target_call"])
-                ks.add(b.stats["num_draft_tokens"])
-            row = dict(
-                workload=workload,
-                mode=mode,
-                kind="prompt-lookup",
-                k=sorted(ks),
-                speedup=plain_s / spec_s,
-                plain_s=plain_s,
-                spec_s=spec_s,
-                acceptance=float(np.mean(acc)),
-                tokens_per_call=float(np.mean(tpc)),
-                match=float(np.mean(match)) if mode == "greedy" else None,
-            )
-            rows.append(row)
-            print(row)
+                rows.append(row)
+                print(row)
     settings = dict(
         model="smollm2-135m-instruct",
         batch=1,
-        new_tokens=new,
+        max_new_tokens=new,
+        eos="the chat's end token",
         prompts=n_prompts,
-        runs=timing[1],
+        runs=timing[0],
         quick=args.quick,
+        step_ms=[1e3 * c for c in measured_costs(target).target],
         loadavg=os.getloadavg(),
     )
     common.finish(args, "speculative_real", rows, list(rows[0]), settings=settings)

@@ -115,20 +115,31 @@ def choose_num_draft_tokens(
 
 
 class AcceptanceEstimate:
-    """A running acceptance rate: (accepted + prior * weight) / (proposed + weight), so it
-    starts at ``prior`` and follows what verification observed."""
+    """A running acceptance rate a, the chance that a drafted token is accepted given that the
+    ones before it were (what :func:`expected_tokens` assumes): accepted tokens over the draft
+    positions that verification actually tested, (accepted + prior * weight) / (tested +
+    weight), so it starts at ``prior`` and follows what verification observed.
+
+    A step that accepts n of k tested n + 1 positions when n < k (the first rejection ends it:
+    the positions after it were never judged) and k when n = k: the maximum-likelihood a of
+    the truncated geometric law. Accepted over proposed (k every step) would count the untested
+    positions as rejections and underrate a drafter whose runs are long, the more so the larger
+    k, pulling the choice of k down exactly where a larger k pays (copying spans).
+    """
 
     def __init__(self, prior: float, weight: float = PRIOR_WEIGHT):
         self.prior, self.weight = float(prior), float(weight)
-        self.accepted = self.proposed = 0
+        self.accepted = self.tested = 0
 
     def update(self, accepted: int, proposed: int) -> None:
-        self.accepted += int(accepted)
-        self.proposed += int(proposed)
+        """One row's verification step: ``accepted`` of its ``proposed`` (k) drafted tokens."""
+        accepted, proposed = int(accepted), int(proposed)
+        self.accepted += accepted
+        self.tested += accepted + (accepted < proposed)
 
     @property
     def rate(self) -> float:
-        return (self.accepted + self.prior * self.weight) / (self.proposed + self.weight)
+        return (self.accepted + self.prior * self.weight) / (self.tested + self.weight)
 
 
 _COSTS: dict = {}
@@ -143,9 +154,14 @@ def measure_step_costs(model, max_tq: int, *, batch: int = 1, context: int = 128
     """Seconds of one cached forward of ``model`` at Tq = 1 .. ``max_tq`` tokens per row for
     ``batch`` rows with ``context`` tokens already cached -> tuple, index t - 1 for Tq = t.
 
-    Each is the median of ``repeats`` calls after one warm-up (which compiles); the decode path's
-    packed weights are used as the decode loops use them. Cached per (config, dtypes, backend,
-    batch, max_tq, context): measured once per process for a model shape.
+    After one warm-up call per Tq (which compiles), ``repeats`` rounds each time every Tq once,
+    in turn, so a change in the machine's speed hits every Tq alike; each Tq keeps its fastest
+    call (on a shared machine a call is only ever slowed down), and the costs are then made
+    non-decreasing in Tq (a running maximum: verifying more tokens never costs less, and a
+    noisy cheap reading would otherwise pull k there). The decode path's packed weights are
+    used as the decode loops use them, so a Tq that the fused CPU decode layer
+    (``models.fused_decode``) serves is timed fused and one it does not unfused. Cached per
+    (config, dtypes, backend, batch, max_tq, context): measured once per process for a shape.
     """
     max_tq = check_int("max_tq", max_tq, 1)
     batch, context = check_int("batch", batch, 1), check_int("context", context, 1)
@@ -162,17 +178,16 @@ def measure_step_costs(model, max_tq: int, *, batch: int = 1, context: int = 128
 
     cache = KVCache.contiguous(model.config, batch, context + max_tq)
     cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
-    out = []
-    for t in range(1, max_tq + 1):
-        tokens = jnp.zeros((batch, t), jnp.int32)
-        jax.block_until_ready(run(params, packed, tokens, cache))
-        times = []
-        for _ in range(repeats):
+    tokens = [jnp.zeros((batch, t), jnp.int32) for t in range(1, max_tq + 1)]
+    for x in tokens:
+        jax.block_until_ready(run(params, packed, x, cache))
+    best = [float("inf")] * max_tq
+    for _ in range(repeats):
+        for i, x in enumerate(tokens):
             t0 = time.perf_counter()
-            jax.block_until_ready(run(params, packed, tokens, cache))
-            times.append(time.perf_counter() - t0)
-        out.append(float(np.median(times)))
-    _COSTS[key] = tuple(out)
+            jax.block_until_ready(run(params, packed, x, cache))
+            best[i] = min(best[i], time.perf_counter() - t0)
+    _COSTS[key] = tuple(float(c) for c in np.maximum.accumulate(best))
     return _COSTS[key]
 
 

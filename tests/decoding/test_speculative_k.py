@@ -4,6 +4,7 @@ function itself times every Tq once per shape; ``speculative_generate`` uses the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from conftest import random_transformer
 
@@ -55,10 +56,42 @@ def test_k_grows_with_acceptance_and_shrinks_with_draft_cost():
 def test_acceptance_estimate_starts_at_the_prior_and_follows_observations():
     est = AcceptanceEstimate(0.5, weight=10)
     assert est.rate == 0.5
-    est.update(90, 100)
-    assert est.rate == pytest.approx(95 / 110)
-    est.update(0, 1000)
-    assert est.rate < 0.1
+    for _ in range(30):
+        est.update(3, 3)  # every drafted token accepted: nothing rejected
+    assert est.rate == pytest.approx((90 + 5) / (90 + 10))
+    for _ in range(300):
+        est.update(0, 4)  # the first token rejected: one position tested
+    assert est.rate < 0.3
+
+
+def test_acceptance_estimate_recovers_the_per_token_rate_at_any_k():
+    # Steps that accept each token with probability a until the first rejection: the estimate
+    # is a (the rate expected_tokens assumes), where accepted / proposed falls with k.
+    rng, naive = np.random.default_rng(0), []
+    for k in (2, 6):
+        est, accepted = AcceptanceEstimate(0.5, weight=1.0), 0
+        for _ in range(4000):
+            n = 0
+            while n < k and rng.random() < 0.7:
+                n += 1
+            est.update(n, k)
+            accepted += n
+        assert est.rate == pytest.approx(0.7, abs=0.02)
+        naive.append(accepted / (4000 * k))
+    assert naive[0] < 0.65 and naive[1] < 0.4  # (a + .. + a^k) / k: 0.6 and 0.34
+
+
+def test_measured_costs_keep_each_tqs_fastest_call_and_never_fall_with_tq(monkeypatch):
+    model = random_transformer(seed=7, num_layers=1)
+    # Two rounds of (Tq = 1, Tq = 2): durations 3, 1 then 2, 5.
+    reads = iter([0.0, 3.0, 10.0, 11.0, 20.0, 22.0, 30.0, 35.0])
+    monkeypatch.setattr(drafts.time, "perf_counter", lambda: next(reads))
+    drafts._COSTS.clear()
+    try:
+        costs = measure_step_costs(model, 2, batch=1, context=8, repeats=2)
+    finally:
+        drafts._COSTS.clear()
+    assert costs == (2.0, 2.0)  # Tq = 1: min(3, 2); Tq = 2: min(1, 5) raised to Tq = 1's
 
 
 def test_measure_step_costs_times_each_tq_once_per_shape(monkeypatch):
