@@ -27,6 +27,7 @@ from flax import nnx
 from decoding.generate import generate
 from decoding.sampling import SamplingConfig
 from models import data
+from models.cli import Interrupted, report_interrupt, sigint_deferred
 from models.hf import load_hf_checkpoint
 from models.medusa import MedusaHeads, save_medusa
 from models.pretrained import SHIPPED, model_arg, pretrained, shipped_path
@@ -110,20 +111,25 @@ def train_medusa(target, corpus: data.Corpus, tc, num_heads: int, *, log=print):
     step_fn = make_medusa_step(graphdef, t_graphdef, tx)
     rng = np.random.default_rng(tc.seed)
     held = data.heldout_batches(corpus.heldout, tc.batch, tc.seq_len, tc.eval_batches)
-    history, start = [], time.perf_counter()
-    for i in range(1, tc.steps + 1):
-        inputs, targets, seg, w = data.random_batch(corpus.train, rng, tc.batch, tc.seq_len)
-        labels, lw = head_labels(targets, w, num_heads)
-        params, opt_state, loss = step_fn(params, opt_state, t_state, inputs, seg, labels, lw)
-        if i % tc.eval_every == 0 or i == tc.steps:
-            nnx.update(heads, params)
-            acc = head_accuracy(heads, target, held)
-            elapsed = time.perf_counter() - start
-            history.append(dict(step=i, train_loss=float(loss), head_top1=acc, seconds=elapsed))
-            accs = " ".join(f"{a:.3f}" for a in acc)
-            log(
-                f"step {i}: loss {float(loss):.4f}, held-out top-1 per head [{accs}], {elapsed:.0f}s"
-            )
+    history, start, done = [], time.perf_counter(), 0
+    try:
+        for i in range(1, tc.steps + 1):
+            inputs, targets, seg, w = data.random_batch(corpus.train, rng, tc.batch, tc.seq_len)
+            labels, lw = head_labels(targets, w, num_heads)
+            params, opt_state, loss = step_fn(params, opt_state, t_state, inputs, seg, labels, lw)
+            done = i
+            if i % tc.eval_every == 0 or i == tc.steps:
+                nnx.update(heads, params)
+                acc = head_accuracy(heads, target, held)
+                elapsed = time.perf_counter() - start
+                history.append(dict(step=i, train_loss=float(loss), head_top1=acc, seconds=elapsed))
+                accs = " ".join(f"{a:.3f}" for a in acc)
+                log(
+                    f"step {i}: loss {float(loss):.4f}, held-out top-1 per head [{accs}], "
+                    f"{elapsed:.0f}s"
+                )
+    except KeyboardInterrupt:  # the caller gets no heads: a run cut short is not saved
+        raise Interrupted(done, tc.steps) from None
     nnx.update(heads, params)
     summary = dict(
         num_heads=num_heads,
@@ -136,33 +142,41 @@ def train_medusa(target, corpus: data.Corpus, tc, num_heads: int, *, log=print):
     return heads, summary
 
 
-def main_medusa(args, tc, argv=None) -> None:
+def main_medusa(args, tc, argv=None) -> int:
     """``models.train``'s ``--medusa-heads`` mode: trains, saves with :func:`save_medusa` and
-    writes ``training.json`` (per-head held-out top-1 accuracy included)."""
+    writes ``training.json`` (per-head held-out top-1 accuracy included) -> exit status (130
+    after Ctrl-C, which saves nothing unless it comes after the heads were written)."""
 
     if args.init is None:
         raise ValueError("--medusa-heads needs --init (the frozen target: shipped name or path)")
     if args.medusa_heads < 1:
         raise ValueError(f"--medusa-heads must be >= 1, got {args.medusa_heads}")
     path = str(shipped_path(args.init)) if args.init in SHIPPED else args.init
-    target = load_hf_checkpoint(path, attn_impl=args.attn_impl)
-    corpus = data.Corpus.from_stdlib(max_bytes=args.max_corpus_bytes)
-    print(
-        f"{args.medusa_heads} Medusa heads on {args.init}; corpus {corpus.train.size:,} train / "
-        f"{corpus.heldout.size:,} held-out tokens; {jax.devices()[0].platform}",
-        flush=True,
-    )
-    heads, summary = train_medusa(
-        target, corpus, tc, args.medusa_heads, log=lambda s: print(s, flush=True)
-    )
-    command = " ".join(["python -m models.train", *(sys.argv[1:] if argv is None else argv)])
-    summary.update(command=command, init=args.init)
-    save_medusa(heads, args.out, extra=dict(base_model=args.init))
-    with open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    saved = f"nothing saved to {args.out}"
+    try:
+        target = load_hf_checkpoint(path, attn_impl=args.attn_impl)
+        corpus = data.Corpus.from_stdlib(max_bytes=args.max_corpus_bytes)
+        print(
+            f"{args.medusa_heads} Medusa heads on {args.init}; corpus {corpus.train.size:,} "
+            f"train / {corpus.heldout.size:,} held-out tokens; {jax.devices()[0].platform}",
+            flush=True,
+        )
+        heads, summary = train_medusa(
+            target, corpus, tc, args.medusa_heads, log=lambda s: print(s, flush=True)
+        )
+        command = " ".join(["python -m models.train", *(sys.argv[1:] if argv is None else argv)])
+        summary.update(command=command, init=args.init)
+        with sigint_deferred():  # never half the heads, nor heads without their summary
+            save_medusa(heads, args.out, extra=dict(base_model=args.init))
+            with open(os.path.join(args.out, "training.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+                f.write("\n")
+        saved = f"{args.out} saved"
+    except KeyboardInterrupt as e:
+        return report_interrupt(e, saved)
     accs = ", ".join(f"{a:.3f}" for a in summary["heldout_head_top1"])
     print(f"saved {args.out}: held-out top-1 per head [{accs}]", flush=True)
+    return 0
 
 
 # --- Self-distillation: heads trained on the frozen target's own continuations of chat prompts.

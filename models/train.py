@@ -26,6 +26,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from models import data
+from models.cli import Interrupted, report_interrupt, sigint_deferred
 from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.medusa_train import main_medusa
@@ -126,20 +127,27 @@ def train(
     history = []
     start = time.perf_counter()
     bar = tqdm(range(1, tc.steps + 1), disable=not progress, mininterval=5.0)
-    for i in bar:
-        batch = data.random_batch(corpus.train, rng, tc.batch, tc.seq_len)
-        params, opt_state, loss = step_fn(
-            params, rest, opt_state, batch, t_state, temperature=tc.distill_temperature
-        )
-        if i % tc.eval_every == 0 or i == tc.steps:
-            bpb = bits_per_byte(evaluate, params, rest, held)
-            loss = float(loss)
-            elapsed = time.perf_counter() - start
-            history.append(dict(step=i, train_loss=loss, heldout_bpb=bpb, seconds=elapsed))
-            bar.set_postfix(loss=f"{loss:.3f}", bpb=f"{bpb:.3f}")
-            log(
-                f"step {i}: train loss {loss:.4f} nats, held-out {bpb:.4f} bits/byte, {elapsed:.0f}s"
+    done = 0
+    try:
+        for i in bar:
+            batch = data.random_batch(corpus.train, rng, tc.batch, tc.seq_len)
+            params, opt_state, loss = step_fn(
+                params, rest, opt_state, batch, t_state, temperature=tc.distill_temperature
             )
+            done = i
+            if i % tc.eval_every == 0 or i == tc.steps:
+                bpb = bits_per_byte(evaluate, params, rest, held)
+                loss = float(loss)
+                elapsed = time.perf_counter() - start
+                history.append(dict(step=i, train_loss=loss, heldout_bpb=bpb, seconds=elapsed))
+                bar.set_postfix(loss=f"{loss:.3f}", bpb=f"{bpb:.3f}")
+                log(
+                    f"step {i}: train loss {loss:.4f} nats, held-out {bpb:.4f} bits/byte, "
+                    f"{elapsed:.0f}s"
+                )
+    except KeyboardInterrupt:  # the caller gets no model: a run cut short is not saved
+        bar.close()
+        raise Interrupted(done, tc.steps) from None
     nnx.update(model, params)
     summary = dict(
         params=config.num_params(),
@@ -184,7 +192,7 @@ def output_dir(text: str) -> str:
     return text
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default=None, help="TransformerConfig preset name (required)")
     p.add_argument("--steps", type=int, required=True)
@@ -249,6 +257,8 @@ def main(argv=None) -> None:
         if tc.batch % args.mesh[0]:
             p.error(f"--batch ({tc.batch}) must be a multiple of the --mesh data axis")
     if args.medusa_heads is not None:
+        if args.init is None:
+            p.error("--medusa-heads needs --init (the frozen target: a shipped name or a path)")
         return main_medusa(args, tc, argv)
     if args.preset is None:
         p.error("--preset is required (unless --medusa-heads)")
@@ -256,28 +266,55 @@ def main(argv=None) -> None:
         config = TransformerConfig.preset(args.preset, attn_impl=args.attn_impl)
     except ValueError as e:
         p.error(f"--preset: {e}")
-    corpus = data.Corpus.from_stdlib(max_bytes=args.max_corpus_bytes)
+    if tc.seq_len > config.max_position:
+        p.error(f"--seq-len {tc.seq_len} is longer than {args.preset}'s {config.max_position}")
+    saved = f"nothing saved to {args.out}"
+    try:
+        try:
+            init, teacher = _starting_models(args, config)
+        except ValueError as e:  # a checkpoint that lies, or one of another preset
+            p.error(str(e))
+        corpus = data.Corpus.from_stdlib(max_bytes=args.max_corpus_bytes)
+        if min(corpus.train.size, corpus.heldout.size) < tc.seq_len + 2:  # a window + 1
+            p.error(
+                f"--max-corpus-bytes {args.max_corpus_bytes}: {corpus.train.size} train / "
+                f"{corpus.heldout.size} held-out tokens, too few for --seq-len {tc.seq_len}"
+            )
+        print(
+            f"{args.preset}: {config.num_params():,} params; corpus {corpus.train.size:,} train "
+            f"/ {corpus.heldout.size:,} held-out tokens; {jax.devices()[0].platform}",
+            flush=True,
+        )
+        mesh = None if args.mesh is None else jax.make_mesh(args.mesh, ("data", "model"))
+        model, summary = train(
+            config,
+            corpus,
+            tc,
+            log=lambda s: print(s, flush=True),
+            init=init,
+            teacher=teacher,
+            mesh=mesh,
+        )
+        if mesh is not None:
+            nnx.update(model, to_host(nnx.state(model)))  # whole, on every process
+            if jax.process_index() != 0:
+                return 0  # process 0 writes the checkpoint
+        with sigint_deferred():  # never half a checkpoint
+            save_hf_checkpoint(model, args.out, dtype=jnp.dtype(args.save_dtype))
+        saved = f"{args.out} holds the trained weights, not yet its training.json"
+        _write_summary(args, argv, corpus, tc, summary)
+    except KeyboardInterrupt as e:
+        return report_interrupt(e, saved)
     print(
-        f"{args.preset}: {config.num_params():,} params; corpus {corpus.train.size:,} train / "
-        f"{corpus.heldout.size:,} held-out tokens; {jax.devices()[0].platform}",
+        f"saved {args.out}: held-out {summary['shipped_heldout_bpb']:.4f} bits/byte "
+        f"({args.save_dtype} weights), {summary['wall_seconds']:.0f}s",
         flush=True,
     )
-    init, teacher = _starting_models(args, config)
-    mesh = None if args.mesh is None else jax.make_mesh(args.mesh, ("data", "model"))
-    model, summary = train(
-        config,
-        corpus,
-        tc,
-        log=lambda s: print(s, flush=True),
-        init=init,
-        teacher=teacher,
-        mesh=mesh,
-    )
-    if mesh is not None:
-        nnx.update(model, to_host(nnx.state(model)))  # whole, on every process
-        if jax.process_index() != 0:
-            return  # process 0 writes the checkpoint
-    save_hf_checkpoint(model, args.out, dtype=jnp.dtype(args.save_dtype))
+    return 0
+
+
+def _write_summary(args, argv, corpus: data.Corpus, tc: TrainConfig, summary: dict) -> None:
+    """Measures the saved checkpoint and writes ``training.json`` beside it."""
     shipped = load_hf_checkpoint(args.out, attn_impl=args.attn_impl)
     graphdef, params, rest = nnx.split(shipped, nnx.Param, ...)
     held = data.heldout_batches(corpus.heldout, tc.batch, tc.seq_len, tc.eval_batches)
@@ -290,15 +327,10 @@ def main(argv=None) -> None:
         save_dtype=args.save_dtype,
         tokenizer=repr(ByteTokenizer()),
     )
-    with open(os.path.join(args.out, "training.json"), "w") as f:
+    with sigint_deferred(), open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
-    print(
-        f"saved {args.out}: held-out {summary['shipped_heldout_bpb']:.4f} bits/byte "
-        f"({args.save_dtype} weights), {summary['wall_seconds']:.0f}s",
-        flush=True,
-    )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -65,7 +65,7 @@ def test_schedule_warms_up_then_decays():
 
 
 @pytest.mark.slow
-def test_cli_writes_a_loadable_checkpoint_and_resumes_from_it(tmp_path):
+def test_cli_writes_a_loadable_checkpoint_and_resumes_from_it(tmp_path, capsys):
     args = ["--preset", "tiny", *TINY_TRAINING_ARGS]
     out = tmp_path / "ckpt"
     train.main([*args, "--steps", "2", "--out", str(out)])
@@ -77,7 +77,7 @@ def test_cli_writes_a_loadable_checkpoint_and_resumes_from_it(tmp_path):
     train.main([*args, "--steps", "1", "--init", str(out), "--out", str(resumed)])
     summary2 = json.loads((resumed / "training.json").read_text())
     assert summary2["init"] == str(out)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(SystemExit) as exit_info:  # a usage error, before the corpus is read
         train.main(
             [
                 *args,
@@ -91,6 +91,7 @@ def test_cli_writes_a_loadable_checkpoint_and_resumes_from_it(tmp_path):
                 str(tmp_path / "bad"),
             ]
         )
+    assert exit_info.value.code == 2 and "does not match" in capsys.readouterr().err
 
 
 def _no_work(*args, **kwargs):

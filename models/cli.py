@@ -1,0 +1,51 @@
+"""What the training and evaluation command lines (``models.train``, ``models.medusa_train``,
+``models.evaluate``) share: a Ctrl-C that stops them quietly, exit 130, never a traceback and
+never a half-written checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+
+# The shell's status for a process stopped by SIGINT (128 + 2).
+EXIT_INTERRUPTED = 130
+
+
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C inside a training loop after ``step`` of ``steps`` steps had been run."""
+
+    def __init__(self, step: int, steps: int):
+        super().__init__(f"interrupted at step {step} of {steps}")
+        self.step, self.steps = step, steps
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Holds a Ctrl-C (SIGINT) that arrives inside the block until the block ends, then raises
+    ``KeyboardInterrupt``: for writes that must not stop half-way. A no-op outside the main
+    thread (only it receives signals) or where SIGINT is not Python's default handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def report_interrupt(error: KeyboardInterrupt, saved: str) -> int:
+    """Prints one line to stderr: where a Ctrl-C stopped the run (the step, for
+    :class:`Interrupted`) and ``saved``, what was written (e.g. "nothing saved to DIR");
+    returns :data:`EXIT_INTERRUPTED`."""
+    where = str(error) if isinstance(error, Interrupted) else "interrupted"
+    print(f"\n{where}: {saved}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
