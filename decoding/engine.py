@@ -1,22 +1,33 @@
 """Continuous batching over the paged KV cache: requests join and leave between steps.
 
-``Engine.step()`` is one scheduler iteration; the host-side decisions (requests, pages, prefix
-cache) live in ``decoding.scheduler``, the device steps in ``decoding.engine_steps``, and this
-module runs the one on the other:
+``Engine.step()`` is three calls: the scheduler (``decoding.scheduler``, pure Python) plans
+the step, the runner (this module's ``_run``: the page pool, the CPU-packed weights and the
+jitted steps of ``decoding.engine_steps``) executes the plan on the device, and the scheduler
+post-processes what came back::
+
+    plan = self.scheduler.schedule(ahead)             # a scheduler.StepPlan
+    out = self._run(plan)                             # copies, prefill chunks, one decode step
+    emitted = self.scheduler.postprocess(plan, out.tokens)
+
+The plan is made in this order, before any device work:
 
 1. admit waiting requests (first come, first served) while a batch row is free and the pool can
    hold their tokens: full pages of the prompt seen before are taken from the prefix cache by
    reference (hash of the token-block chain), the rest are allocated; a request whose next page
    a running request is still prefilling waits for it instead of computing it twice;
-2. prefill admitted requests in chunks of at most ``max_prefill_tokens`` tokens per step, each
-   chunk one ``Tq > 1`` cached forward into the request's own pages (chunk boundaries depend only
-   on the request, never on what else is batched);
-3. grow every decoding row by the page its next token needs; when the pool runs out, preempt the
-   most recently admitted request (its pages are freed, it goes back to the head of the queue and
-   is recomputed from its prompt and the tokens it already has when readmitted);
-4. run one jitted decode step for all decoding rows at the fixed batch ``max_batch`` and feed each
-   sampled token back; a finished row (``eos_id`` or ``max_new_tokens``) is retired and its pages
-   released in the same step.
+2. cut prefill chunks of at most ``max_prefill_tokens`` tokens per step, each chunk one
+   ``Tq > 1`` cached forward into the request's own pages (chunk boundaries depend only on the
+   request, never on what else is batched);
+3. grow every decoding row (those whose prefill ends in this plan too) by the pages its next
+   token needs (``ahead`` = k + 1 tokens for a verification); when the pool runs out, preempt
+   the most recently admitted request (its pages are freed, it leaves the plan and goes back to
+   the head of the queue, recomputed from its prompt and the tokens it already has when
+   readmitted);
+4. the runner applies the plan's page copies (copy on write), runs its chunks, then one jitted
+   decode step for all decoding rows at the fixed batch ``max_batch``; post-processing feeds
+   each sampled token back, registers the newly computed full pages in the prefix cache and
+   retires finished rows (``eos_id`` or ``max_new_tokens``), their pages released in the same
+   step.
 
 Sliding-window layers (Gemma 3's local layers, every layer of a Mistral-style model) do not keep
 pool pages: each batch slot has a private ring of ``R = ring_pages_for(W, T, P)`` pages per
@@ -73,6 +84,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -92,7 +104,7 @@ from decoding.sampling import (
     check_logprobs_mode,
     logprob_records,
 )
-from decoding.scheduler import Request, Scheduler
+from decoding.scheduler import Chunk, Request, Scheduler, StepPlan
 from decoding.speculative import chosen_num_draft_tokens
 from models import KVCache
 from models.kv_cache import ring_pages_for
@@ -114,6 +126,15 @@ def _check_sampling(name: str, sampling) -> SamplingConfig | None:
     if sampling is not None and not isinstance(sampling, SamplingConfig):
         raise TypeError(f"{name} must be a SamplingConfig or None, got {type(sampling).__name__}")
     return sampling
+
+
+class RunOutput(NamedTuple):
+    """What running a ``StepPlan`` produced: ``tokens[i]``, the tokens ``plan.decode[i]``'s row
+    sampled (one; a verification's accepted drafts, then its next token); ``logprobs[i]``
+    their host ``sampling.Logprobs`` (leading axis: token), or None when no row asked."""
+
+    tokens: list[list[int]]
+    logprobs: list | None
 
 
 class Engine:
@@ -207,7 +228,7 @@ class Engine:
             page_size=page_size,
             max_pages=self.max_pages,
             prefix_caching=self.prefix_caching,
-            copy=self._apply,
+            max_prefill_tokens=self.max_prefill_tokens,
             counts=self._counts,
             replay_tokens=self._replay_tokens,
         )
@@ -377,9 +398,11 @@ class Engine:
         with deferred_interrupts():
             t0 = time.perf_counter()
             try:
-                self.scheduler.admit()
-                self._prefill()
-                self._decode()
+                ahead = self.num_draft_tokens + 1 if self.draft is not None else 1
+                plan = self.scheduler.schedule(ahead)
+                out = self._run(plan)
+                emitted = self.scheduler.postprocess(plan, out.tokens)
+                self._emit(plan, out, emitted)
             except BaseException:
                 self._rebuild()
                 raise
@@ -398,13 +421,13 @@ class Engine:
         out, self._logprobs = self._logprobs, {}
         return out
 
-    def _record_logprobs(self, req: Request, tokens: list[int], lp, rows) -> None:
+    def _record_logprobs(self, req: Request, tokens: list[int], lp) -> None:
         """Keeps the ``TokenLogprob`` of ``tokens`` (emitted by ``req`` this step) when it
-        asked; ``lp`` host ``Logprobs`` indexed by ``rows`` (one index per token)."""
+        asked; ``lp`` host ``Logprobs`` of the row's sampled tokens (leading axis: token)."""
         n = self._num_logprobs.get(req.rid)
         if n is None or not tokens:
             return
-        part = jax.tree.map(lambda x: x[rows], lp)
+        part = jax.tree.map(lambda x: x[: len(tokens)], lp)
         self._step_logprobs.setdefault(req.rid, []).extend(logprob_records(tokens, part, n))
         if req.done:
             del self._num_logprobs[req.rid]
@@ -461,50 +484,6 @@ class Engine:
             )
             raise
 
-    def _prefill(self) -> None:
-        """Chunks of at most ``max_prefill_tokens`` in admission order, within the step budget;
-        a request's ring replay (module doc) first."""
-        budget = self.max_prefill_tokens
-        for req in list(self.scheduler.running):
-            while not req.decoding:
-                left = req.replay or len(req.tokens) - 1 - req.computed
-                n = min(left, self.max_prefill_tokens)
-                if n > budget:
-                    return
-                self._prefill_chunk(req, n)
-                budget -= n
-
-    def _prefill_chunk(self, req: Request, n: int) -> None:
-        P, replay = self.page_size, req.replay > 0
-        if replay:  # rings only: nothing is written to the pool, no page is made writable
-            start = req.computed - req.replay
-            pages = self.tables.rows[req.row]
-        else:
-            start = req.computed
-            pages = self.scheduler.make_writable(req, start, start + n)
-        C = _chunk_bucket(n)
-        tokens = np.zeros((1, C), np.int32)
-        tokens[0, :n] = req.tokens[start : start + n]
-        table = np.full((1, self.max_pages), self._scratch, np.int32)
-        pages = pages[: pages_for(start + n, P)]
-        table[0, : len(pages)] = pages
-        self._k, self._v = self._call(
-            self._prefill_fn,
-            self._params,
-            self._k,
-            self._v,
-            tokens,
-            np.array([start], np.int32),
-            self._tables(table, [req.row], replay),
-        )
-        if replay:
-            req.replay -= n
-            self._counts["replay_tokens"] += n
-            return
-        req.computed += n
-        self._counts["prefill_tokens"] += n
-        self.scheduler.register(req)
-
     def _choose_k(self) -> None:
         """k for the next verification steps (fixed, or the rule on the running estimate)."""
         if self._fixed_k is None:
@@ -512,26 +491,70 @@ class Engine:
                 self._model, self.draft, None, batch=self.max_batch, acceptance=self.acceptance.rate
             )
 
-    def _decode(self) -> None:
+    # ----------------------------------------------------------------------------- running
+
+    def _run(self, plan: StepPlan) -> RunOutput:
+        """Executes ``plan`` on the device: its page copies, its prefill chunks, then one decode
+        (or verification) step for its decode rows."""
+        self._copy(plan.copies)
+        for chunk in plan.prefill:
+            self._run_chunk(chunk)
+        if not plan.decode:
+            return RunOutput([], None)
         if self.draft is not None:
-            return self._verify()
-        rows = self.scheduler.grow_decoding_rows()
-        if not rows:
-            return
+            return self._run_verify(plan.decode, plan.ahead - 1)
+        return self._run_decode(plan.decode)
+
+    def _copy(self, copies) -> None:
+        for i in range(0, len(copies), COPY_BATCH):
+            part = list(copies[i : i + COPY_BATCH])
+            pad = [(self._scratch, self._scratch)] * (COPY_BATCH - len(part))
+            src, dst = np.array(part + pad, np.int32).T
+            layers = None if self.ring_pages is None else self.pool_layers  # rings: never shared
+            self._k, self._v = self._call(
+                engine_steps.copy_pages, self._k, self._v, src, dst, layers
+            )
+            self._counts["page_copies"] += len(part)
+
+    def _run_chunk(self, chunk: Chunk) -> None:
+        """One prefill forward of ``chunk`` (padded to its bucket) into the row's pages."""
+        req, start, n = chunk.req, chunk.start, chunk.stop - chunk.start
+        tokens = np.zeros((1, _chunk_bucket(n)), np.int32)
+        tokens[0, :n] = req.tokens[start : chunk.stop]
+        table = np.full((1, self.max_pages), self._scratch, np.int32)
+        table[0, : len(chunk.pages)] = chunk.pages
+        self._k, self._v = self._call(
+            self._prefill_fn,
+            self._params,
+            self._k,
+            self._v,
+            tokens,
+            np.array([start], np.int32),
+            self._tables(table, [req.row], chunk.replay),
+        )
+
+    def _row_inputs(self, rows, width: int):
+        """The per-row arrays of a decode or verification step at the fixed batch B: block
+        table [B, width], seeds, new-token indices, sampling settings and whether logprobs
+        are wanted; padding rows read the scratch page and decode greedily (the cheapest)."""
         B = self.max_batch
-        last, lengths, index = (np.zeros(B, np.int32) for _ in range(3))
-        seeds = np.zeros(B, np.uint32)
-        table = np.full((B, self.max_pages), self._scratch, np.int32)
-        settings = [_GREEDY] * B  # padding rows: greedy, the cheapest
-        wanted = np.zeros(B, bool)
-        for req in rows:
-            b = req.row
-            wanted[b] = req.rid in self._num_logprobs
-            last[b], lengths[b], seeds[b] = req.tokens[-1], req.computed, req.seed
-            index[b] = len(req.tokens) - req.prompt_len
-            settings[b] = req.sampling
-            pages = self.tables.rows[b]
-            table[b, : len(pages)] = pages
+        table = np.full((B, width), self._scratch, np.int32)
+        seeds, index = np.zeros(B, np.uint32), np.zeros(B, np.int32)
+        settings, wanted = [_GREEDY] * B, np.zeros(B, bool)
+        for row in rows:
+            req, b = row.req, row.req.row
+            table[b, : len(row.pages)] = row.pages
+            seeds[b], index[b] = req.seed, len(req.tokens) - req.prompt_len
+            settings[b], wanted[b] = req.sampling, req.rid in self._num_logprobs
+        tables = self._tables(table, np.arange(B))
+        return tables, seeds, index, SamplingParams.rows(settings), wanted
+
+    def _run_decode(self, rows) -> RunOutput:
+        """One jitted decode step for every row (``engine_steps.decode_rows``)."""
+        last, lengths = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, np.int32)
+        for row in rows:
+            last[row.req.row], lengths[row.req.row] = row.req.tokens[-1], row.req.computed
+        tables, seeds, index, settings, wanted = self._row_inputs(rows, self.max_pages)
         new, lp, self._k, self._v = self._call(
             self._decode_fn,
             self._params,
@@ -540,49 +563,28 @@ class Engine:
             self._v,
             last,
             lengths,
-            self._tables(table, np.arange(B)),
+            tables,
             seeds,
             index,
-            SamplingParams.rows(settings),
+            settings,
             wanted,
         )
         new = to_host(new)  # whole on every process, also when rows span processes
-        lp = to_host(lp) if wanted.any() else None  # zeros otherwise: not worth a transfer
         self._counts["decode_steps"] += 1
-        for req in rows:
-            token = int(new[req.row])
-            self._events.setdefault(req.rid, []).append(token)
-            req.tokens.append(token)
-            req.computed += 1
-            self._counts["generated_tokens"] += 1
-            if lp is not None:
-                self._record_logprobs(req, [token], lp, [req.row])
-            self.scheduler.register(req)
-            if req.done:
-                self.scheduler.retire(req)
+        tokens = [[int(new[row.req.row])] for row in rows]
+        if not wanted.any():  # zeros: not worth a transfer
+            return RunOutput(tokens, None)
+        lp = to_host(lp)
+        return RunOutput(tokens, [jax.tree.map(lambda x, b=r.req.row: x[[b]], lp) for r in rows])
 
-    def _verify(self) -> None:
-        """One speculative step for every decoding row (``engine_steps.verify_rows``)."""
-        k = self.num_draft_tokens
-        rows = self.scheduler.grow_decoding_rows(ahead=k + 1)
-        if not rows:
-            return
-        B, L = self.max_batch, self.max_seq_len
-        seq = np.zeros((B, L), np.int32)
-        lengths, index = np.zeros(B, np.int32), np.zeros(B, np.int32)
-        seeds = np.zeros(B, np.uint32)
-        table = np.full((B, self._table_width), self._scratch, np.int32)
-        settings = [_GREEDY] * B
-        wanted = np.zeros(B, bool)
-        for req in rows:
-            b = req.row
-            wanted[b] = req.rid in self._num_logprobs
-            seq[b, : len(req.tokens)] = req.tokens
-            lengths[b], seeds[b] = req.computed, req.seed
-            index[b] = len(req.tokens) - req.prompt_len
-            settings[b] = req.sampling
-            pages = self.tables.rows[b]
-            table[b, : len(pages)] = pages
+    def _run_verify(self, rows, k: int) -> RunOutput:
+        """One speculative step of k drafts for every row (``engine_steps.verify_rows``)."""
+        seq = np.zeros((self.max_batch, self.max_seq_len), np.int32)
+        lengths = np.zeros(self.max_batch, np.int32)
+        for row in rows:
+            seq[row.req.row, : len(row.req.tokens)] = row.req.tokens
+            lengths[row.req.row] = row.req.computed
+        tables, seeds, index, settings, wanted = self._row_inputs(rows, self._table_width)
         fn = engine_steps.jitted_verify(self._graphdef, self.draft, k, self.logprobs_mode)
         drafted, n, nxt, lp, self._k, self._v = self._call(
             fn,
@@ -592,47 +594,37 @@ class Engine:
             self._v,
             seq,
             lengths,
-            self._tables(table, np.arange(B)),
+            tables,
             seeds,
             index,
-            SamplingParams.rows(settings),
+            settings,
             wanted,
         )
         drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
-        lp = to_host(lp) if wanted.any() else None
         self._counts["decode_steps"] += 1
-        for req in rows:
-            b = req.row
+        tokens = []
+        for row in rows:
+            b = row.req.row
             self._counts["draft_accepted"] += int(n[b])
             self._counts["draft_proposed"] += k
             self.acceptance.update(int(n[b]), k)
-            emitted = []
-            for token in [*drafted[b, : n[b]].tolist(), int(nxt[b])]:
-                self._events.setdefault(req.rid, []).append(token)
-                req.tokens.append(token)
-                emitted.append(token)
-                req.computed += 1
-                self._counts["generated_tokens"] += 1
-                if req.done:
-                    break
-            if lp is not None:  # emitted token j sits at verified position j of row b
-                self._record_logprobs(req, emitted, lp, (b, np.arange(len(emitted))))
-            self.scheduler.register(req)
-            if req.done:
-                self.scheduler.retire(req)
-        if self._counts["decode_steps"] % RECHOOSE_STEPS == 0:
-            self._choose_k()
+            tokens.append([*drafted[b, : n[b]].tolist(), int(nxt[b])])
+        if not wanted.any():
+            return RunOutput(tokens, None)
+        lp = to_host(lp)  # sampled token j sits at verified position j of row b
+        return RunOutput(tokens, [jax.tree.map(lambda x, b=r.req.row: x[b], lp) for r in rows])
 
-    def _apply(self, copies) -> None:
-        for i in range(0, len(copies), COPY_BATCH):
-            part = copies[i : i + COPY_BATCH]
-            pad = [(self._scratch, self._scratch)] * (COPY_BATCH - len(part))
-            src, dst = np.array(part + pad, np.int32).T
-            layers = None if self.ring_pages is None else self.pool_layers  # rings: never shared
-            self._k, self._v = self._call(
-                engine_steps.copy_pages, self._k, self._v, src, dst, layers
-            )
-            self._counts["page_copies"] += len(part)
+    def _emit(self, plan: StepPlan, out: RunOutput, emitted: list[list[int]]) -> None:
+        """Keeps the step's emitted tokens (and their logprobs) for ``step()``'s caller; every
+        ``RECHOOSE_STEPS`` verifications, chooses k again."""
+        for i, (row, tokens) in enumerate(zip(plan.decode, emitted, strict=True)):
+            if tokens:
+                self._events.setdefault(row.req.rid, []).extend(tokens)
+            if out.logprobs is not None:
+                self._record_logprobs(row.req, tokens, out.logprobs[i])
+        if plan.decode and self.draft is not None:
+            if self._counts["decode_steps"] % RECHOOSE_STEPS == 0:
+                self._choose_k()
 
     # ----------------------------------------------------------------------------- stats
 

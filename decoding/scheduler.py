@@ -1,17 +1,31 @@
 """The engine's scheduler: pure Python, no device work. Who runs this step, with which pages.
 
 It owns the requests (waiting, running, finished), the page allocator and block tables, and the
-prefix cache's bookkeeping (``decoding.paging``): admission with prefix hits, growth of decoding
-rows, preemption, retirement, abort, and the reset after a failed step. Page copies for copy on
-write go to the ``copy`` callback the engine gives it (the device side), at the point they are
-needed. See ``decoding.engine`` for the step these serve.
+prefix cache's bookkeeping (``decoding.paging``): admission with prefix hits, prefill chunks,
+growth of decoding rows, preemption, retirement, abort, and the reset after a failed step.
+
+One engine step is three calls (``decoding.engine``)::
+
+    plan = scheduler.schedule(ahead)        # host decisions, pages taken: a StepPlan
+    sampled = runner(plan)                  # device work only: copies, prefill chunks, decode
+    emitted = scheduler.postprocess(plan, sampled)  # tokens appended, pages registered, retired
+
+``schedule`` decides the whole step before any device work: it admits, cuts prefill chunks,
+grows the decoding rows and preempts, advancing each request's ``computed`` as if the plan had
+run (so a request whose prefill ends in this plan decodes in it too). What it returns is all the
+runner needs: the page copies (copy on write) to apply first, the prefill chunks in order, the
+rows to decode. A request preempted while planning leaves the plan with its chunks and copies:
+its pages may already serve another row in the same plan, so nothing of it may run.
+
+Pages are registered in the prefix cache only in ``postprocess``, once the plan ran: a page is
+promised to later prefix hits only when its keys and values are in the pool.
 
 Sliding-window layers that keep rings (``models.kv_cache``): a prefix hit shares only the global
 layers' pages, so the request's ring must be rebuilt for the positions before the hit that later
 queries still see through the window. A hit at position ``h`` leaves ``replay =
-min(h, replay_tokens)`` positions to recompute first (the engine replays them with the global
-layers reading their cached pages); the engine sets ``replay_tokens`` to ``n_s * (W - 1)`` for
-``n_s`` sliding layers of window W (why that many: ``decoding.engine``).
+min(h, replay_tokens)`` positions to recompute first (a replay chunk: the global layers read
+their cached pages); the engine sets ``replay_tokens`` to ``n_s * (W - 1)`` for ``n_s`` sliding
+layers of window W (why that many: ``decoding.engine``).
 
 Invariant kept for the engine's recovery (``reset``): at every bytecode a request is live
 (``live``: waiting, running or between the two) or finished, never neither.
@@ -21,9 +35,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
 
-from decoding.paging import BlockTables, PageAllocator, block_hashes
+from decoding.paging import BlockTables, PageAllocator, block_hashes, pages_for
 from decoding.sampling import SamplingConfig
 
 
@@ -59,12 +72,66 @@ class Request:
         return n >= self.max_new or (n > 0 and self.tokens[-1] == self.eos_id)
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Positions ``[start, stop)`` of ``req`` in one prefill forward (``Tq = stop - start``).
+
+    ``pages``: the row's pages for positions ``[0, stop)``, the ones being written private.
+    ``replay``: a ring replay (module doc): the sliding layers' rings are rewritten, nothing is
+    written to the pool and the request's ``computed`` does not move.
+    """
+
+    req: Request
+    start: int
+    stop: int
+    pages: tuple[int, ...]
+    replay: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+    """A decoding request's row in this step: it feeds ``req.tokens[-1]`` at position
+    ``req.computed`` (a verification: its last token and k drafts, positions up to
+    ``computed + ahead - 1``), reading and writing ``pages``, its row's pages."""
+
+    req: Request
+    pages: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One engine step, as the scheduler decided it: what the runner executes, in this order.
+
+    copies: ``(src, dst)`` page copies (copy on write), applied before any chunk or row; no two
+      share a ``dst`` and no ``src`` is written by this plan.
+    prefill: the prefill chunks, in admission order, at most ``max_prefill_tokens`` tokens.
+    decode: the decoding rows, in admission order (batch row ``row.req.row``).
+    ahead: positions each decode row may write (1; ``k + 1`` for a speculative verification).
+    admitted, preempted: requests that got a row, lost it (back at the head of the queue).
+    aborted: ids of the requests aborted since the last plan (their pages freed already).
+    """
+
+    copies: tuple[tuple[int, int], ...] = ()
+    prefill: tuple[Chunk, ...] = ()
+    decode: tuple[DecodeRow, ...] = ()
+    ahead: int = 1
+    admitted: tuple[Request, ...] = ()
+    preempted: tuple[Request, ...] = ()
+    aborted: tuple[int, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        """Nothing for the device to do."""
+        return not (self.copies or self.prefill or self.decode)
+
+
 class Scheduler:
     """Requests and pages for ``max_batch`` rows over ``num_pages`` pages of ``page_size``.
 
-    ``copy(copies)`` applies ``[(src, dst)]`` page copies on the device; ``counts`` is the
-    engine's counter (prefix_cache_hits, preemptions, finished, aborted); ``replay_tokens``:
-    positions before a prefix hit whose ring keys are recomputed (0: no rings; module doc).
+    ``counts`` is the engine's counter (prefix_cache_hits, preemptions, prefill_tokens,
+    replay_tokens, generated_tokens, finished, aborted); ``max_prefill_tokens`` bounds the
+    prefill tokens of one plan and each chunk; ``replay_tokens``: positions before a prefix hit
+    whose ring keys are recomputed (0: no rings; module doc).
     """
 
     def __init__(
@@ -75,18 +142,23 @@ class Scheduler:
         page_size: int,
         max_pages: int,
         prefix_caching: bool,
-        copy: Callable,
-        counts: collections.Counter,
+        max_prefill_tokens: int,
+        counts: collections.Counter | None = None,
         replay_tokens: int = 0,
     ):
         self.max_batch, self.num_pages, self.page_size = max_batch, num_pages, page_size
         self.max_pages, self.prefix_caching = max_pages, prefix_caching
-        self.copy, self.counts, self.replay_tokens = copy, counts, replay_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.counts = collections.Counter() if counts is None else counts
+        self.replay_tokens = replay_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order
         self.live: dict[int, Request] = {}  # submitted, neither finished nor aborted
         self.finished: dict[int, list[int]] = {}  # results not yet handed out
         self.admissions = 0
+        self._copies: list[tuple[Request, int, int]] = []  # the plan being made: (owner, src, dst)
+        self._preempted: list[Request] = []
+        self._aborted: list[int] = []  # since the last plan
         self.new_pages()
 
     def new_pages(self) -> None:
@@ -97,6 +169,56 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.live[req.rid] = req
         self.waiting.append(req)
+
+    # ----------------------------------------------------------------------------- the step
+
+    def schedule(self, ahead: int = 1) -> StepPlan:
+        """Plans one step (module doc): admission, prefill chunks, then the decoding rows' pages
+        for their next ``ahead`` positions, preempting while the pool is short."""
+        self._copies, self._preempted = [], []
+        running = set(self.running)
+        self.admit()
+        admitted = tuple(r for r in self.running if r not in running)
+        chunks = self._chunks()
+        rows = self.grow_decoding_rows(ahead)
+        live = set(self.running)  # a request preempted above leaves the plan
+        plan = StepPlan(
+            copies=tuple((s, d) for r, s, d in self._copies if r in live),
+            prefill=tuple(c for c in chunks if c.req in live),
+            decode=tuple(DecodeRow(r, tuple(self.tables.rows[r.row])) for r in rows),
+            ahead=ahead,
+            admitted=tuple(r for r in admitted if r in live),
+            preempted=tuple(self._preempted),
+            aborted=tuple(self._aborted),
+        )
+        self._copies, self._preempted, self._aborted = [], [], []
+        return plan
+
+    def postprocess(self, plan: StepPlan, sampled) -> list[list[int]]:
+        """After the runner ran ``plan``: ``sampled[i]``, the tokens ``plan.decode[i]``'s row
+        produced (one; a verification's accepted drafts and its next token), are appended up
+        to the request's end -> the tokens each row emitted. Registers the newly computed full
+        pages in the prefix cache, retires finished requests (pages released)."""
+        if len(sampled) != len(plan.decode):
+            raise ValueError(f"{len(sampled)} rows of tokens for {len(plan.decode)} decode rows")
+        for c in plan.prefill:
+            self.counts["replay_tokens" if c.replay else "prefill_tokens"] += c.stop - c.start
+            self.register(c.req)
+        emitted = []
+        for row, tokens in zip(plan.decode, sampled, strict=True):
+            req, out = row.req, []
+            for token in tokens:
+                req.tokens.append(int(token))
+                req.computed += 1
+                out.append(int(token))
+                if req.done:
+                    break
+            self.counts["generated_tokens"] += len(out)
+            emitted.append(out)
+            self.register(req)
+            if req.done:
+                self.retire(req)
+        return emitted
 
     # ----------------------------------------------------------------------------- admission
 
@@ -131,8 +253,9 @@ class Scheduler:
             self.tables.free(row)
         else:
             return False
-        self.copy(self.tables.make_writable(row, start, n))
-        req.row, req.computed, req.registered = row, start, use
+        req.row = row
+        self._make_writable(req, start, n)
+        req.computed, req.registered = start, use
         req.replay = min(start, self.replay_tokens)
         req.admitted, self.admissions = self.admissions, self.admissions + 1
         self.counts["prefix_cache_hits"] += use
@@ -161,12 +284,43 @@ class Scheduler:
             self.allocator.register(pages[i], req.hashes[i])
         req.registered = full
 
+    # ----------------------------------------------------------------------------- prefill
+
+    def _chunks(self) -> list[Chunk]:
+        """Chunks of at most ``max_prefill_tokens`` in admission order, within the step's
+        budget of as many tokens; a request's ring replay (module doc) first. A chunk's bounds
+        depend only on its request, never on what else is batched."""
+        budget, out = self.max_prefill_tokens, []
+        for req in list(self.running):
+            while not req.decoding:
+                left = req.replay or len(req.tokens) - 1 - req.computed
+                n = min(left, self.max_prefill_tokens)
+                if n > budget:
+                    return out
+                out.append(self._chunk(req, n))
+                budget -= n
+        return out
+
+    def _chunk(self, req: Request, n: int) -> Chunk:
+        """The next ``n`` positions of ``req`` (its replay first), ``computed`` advanced."""
+        if req.replay:  # rings only: nothing is written to the pool, no page is made writable
+            start = req.computed - req.replay
+            req.replay -= n
+            replay = True
+        else:
+            start, replay = req.computed, False
+            self._make_writable(req, start, start + n)
+            req.computed += n
+        pages = tuple(self.tables.rows[req.row][: pages_for(start + n, self.page_size)])
+        return Chunk(req, start, start + n, pages, replay)
+
     # ----------------------------------------------------------------------------- pages
 
-    def make_writable(self, req: Request, start: int, stop: int) -> list[int]:
-        """Pages of ``req``'s row readied for writing positions [start, stop) (copies applied)."""
-        self.copy(self.tables.make_writable(req.row, start, stop))
-        return self.tables.rows[req.row]
+    def _make_writable(self, req: Request, start: int, stop: int) -> None:
+        """Readies positions [start, stop) of ``req``'s row for writing; the page copies go to
+        the plan."""
+        copies = self.tables.make_writable(req.row, start, stop)
+        self._copies += [(req, src, dst) for src, dst in copies]
 
     def grow_decoding_rows(self, ahead: int = 1) -> list[Request]:
         """Gives each decoding row (oldest first) the pages its next ``ahead`` positions need
@@ -178,7 +332,7 @@ class Scheduler:
                 pos = req.computed
                 stop = max(min(pos + ahead, req.prompt_len + req.max_new - 1), pos + 1)
                 if self.tables.pages_to_write(req.row, pos, stop) <= self.allocator.num_available:
-                    self.make_writable(req, pos, stop)
+                    self._make_writable(req, pos, stop)
                     break
                 self.preempt(max(self.running, key=lambda r: r.admitted))
         return [r for r in self.running if r.decoding]
@@ -200,6 +354,7 @@ class Scheduler:
         self.waiting.appendleft(req)
         self._release_row(req)
         req.computed = req.registered = req.replay = 0
+        self._preempted.append(req)
         self.counts["preemptions"] += 1
 
     def abort(self, rid) -> list[int]:
@@ -215,6 +370,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         del self.live[rid]
+        self._aborted.append(rid)
         self.counts["aborted"] += 1
         return req.out
 
@@ -229,3 +385,4 @@ class Scheduler:
             r.computed = r.registered = r.replay = 0
             r.row, r.hashes = -1, []
         self.running, self.waiting = [], collections.deque(order)
+        self._copies, self._preempted = [], []
