@@ -1,10 +1,11 @@
 """Jitted KV-cache generation, speculative decoding, sampling, the paged cache's page allocator
-and the continuous-batching engine."""
+and the continuous-batching engine (its scheduler and step plans)."""
 
-from decoding.drafts import EarlyExit, PromptLookup
+from decoding.drafts import DraftKind, EarlyExit, PromptLookup
 from decoding.engine import Engine
 from decoding.generate import (
     DecodeState,
+    GenerateOptions,
     GenerateResult,
     compiled_count,
     decode,
@@ -15,14 +16,17 @@ from decoding.generate import (
 from decoding.medusa import Medusa
 from decoding.paging import BlockTables, OutOfPagesError, PageAllocator
 from decoding.sampling import SamplingConfig, SamplingParams, filtered_logits, probabilities, sample
+from decoding.scheduler import Scheduler, StepPlan
 from decoding.speculative import speculative_generate
 from decoding.tree import TreeSpec
 
 __all__ = [
     "BlockTables",
     "DecodeState",
+    "DraftKind",
     "EarlyExit",
     "Engine",
+    "GenerateOptions",
     "GenerateResult",
     "Medusa",
     "OutOfPagesError",
@@ -30,6 +34,8 @@ __all__ = [
     "PromptLookup",
     "SamplingConfig",
     "SamplingParams",
+    "Scheduler",
+    "StepPlan",
     "TreeSpec",
     "compiled_count",
     "decode",

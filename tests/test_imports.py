@@ -1,6 +1,7 @@
 """Import hygiene of the library (pallas_attn/, models/, decoding/), read from the source:
-imports point down (a function-level import that would close a cycle at module level is a cycle
-dodged, not removed), and no module imports another module's ``_private`` name."""
+imports point down (no cycle among module-level imports, and no function-level import that would
+close one: a cycle dodged, not removed), and no module imports or reads another module's
+``_private`` name."""
 
 from __future__ import annotations
 
@@ -111,4 +112,70 @@ def test_no_private_name_is_imported_across_modules():
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 if private and not node.module.startswith("__"):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {private}")
+    assert not bad, "\n".join(bad)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (module -> modules it imports) as a path, or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                return [*path[path.index(t) :], t]
+            if t not in state and (found := visit(t)):
+                return found
+        path.pop()
+        state[m] = 2
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return []
+
+
+def test_module_level_imports_have_no_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) == []
+    cycle = _cycle({m: top for m, (top, _) in GRAPH.items()})
+    assert not cycle, " -> ".join(cycle)
+
+
+def _private_attributes(source: str, here: str) -> list[str]:
+    """``line: mod._name`` for each use in ``source`` (module ``here``) of a ``_private``
+    attribute of a project module bound by an import (``from decoding import engine_steps``;
+    ``import models.rows_matmul as rm``)."""
+    tree, bound = ast.parse(source), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound |= {a.asname: a.name for a in node.names if a.asname and a.name in MODULES}
+        elif isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                target = f"{node.module}.{a.name}"
+                if target in MODULES and target != here:
+                    bound[a.asname or a.name] = target
+    return [
+        f"{node.lineno}: {node.value.id}.{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in bound
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    ]
+
+
+def test_no_private_attribute_of_another_module_is_used():
+    probe = "from decoding import engine_steps\nimport models.rows_matmul as rm\n"
+    probe += "engine_steps._x, rm._y, engine_steps.TRACES, rm.__name__\n"
+    assert _private_attributes(probe, "decoding.engine") == ["3: engine_steps._x", "3: rm._y"]
+    bad = [
+        f"{path.relative_to(ROOT)}:{use}"
+        for name, path in MODULES.items()
+        for use in _private_attributes(path.read_text(), name)
+    ]
     assert not bad, "\n".join(bad)
