@@ -40,7 +40,6 @@ from pallas_attn import masks, native
 ENV = "PALLAS_ATTN_FUSED_DECODE"
 MAX_TOKENS = 8  # new tokens per row: a decode step (1) or a short speculative verification
 MAX_ROWS = rows_matmul.MAX_ROWS  # B * T
-_FLOAT_KINDS = {jnp.dtype(jnp.float32): 3, jnp.dtype(jnp.bfloat16): 4}  # rows_matmul.h WeightKind
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -59,16 +58,16 @@ def _weights(linear, dtype, *, bias_ok: bool):
         if linear.dtype != dtype or (linear.bias is not None and not bias_ok):
             return None
         # The kernel's fmt code, as QuantLinear's own call passes it (same activations).
-        q8 = rows_matmul.check_activations(linear.activations) == "q8"
-        return panels, rows_matmul.FORMATS.index(linear.fmt) + (
-            rows_matmul._Q8_ACTIVATIONS if q8 else 0
-        )
+        return panels, rows_matmul.kernel_format(linear.fmt, linear.activations)
     if (linear.dtype or dtype) != dtype or (
         getattr(linear, "bias", None) is not None and not bias_ok
     ):
         return None
-    kind = _FLOAT_KINDS.get(jnp.dtype(panels.dtype))
-    return None if kind is None else (panels, kind)
+    fmt = jnp.dtype(panels.dtype).name
+    # The layer's rows have the in_features stride; bfloat16 panels pad an odd K to even.
+    if fmt not in ("float32", "bfloat16") or panels.shape[1] != linear.in_features:
+        return None
+    return panels, rows_matmul.kernel_format(fmt)  # as Linear's own call (default activations)
 
 
 def applies(block, x, kv, *, tree_mask=None, segment_ids=None, mesh=None) -> bool:

@@ -15,6 +15,7 @@ XLA's product).
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -34,14 +35,24 @@ def available() -> bool:
 
 
 def pack(w, transpose: bool = False) -> jax.Array:
-    """Weights ``w [K, N]`` (``[N, K]`` with ``transpose``) -> panels ``[ceil(N / PANEL), K,
-    PANEL]`` (zero-padded columns), float32 or bfloat16 (other dtypes are stored as float32)."""
+    """Weights ``w [K, N]`` (``[N, K]`` with ``transpose``) -> panels, float32 or bfloat16
+    (other dtypes are stored as float32), zero-padded columns:
+
+    * float32: ``[ceil(N / PANEL), K, PANEL]``, panel ``p`` row ``k`` = ``w[k, 32 p : 32 p + 32]``;
+    * bfloat16: ``[ceil(N / PANEL), K2, PANEL]`` with ``K2`` = K rounded up to even (a zero pad
+      row), rows in pairs: the ``2 PANEL`` values of rows ``2 j, 2 j + 1`` are stored as
+      ``[PANEL columns, 2]`` (the operand layout of the bfloat16 pair dot products).
+    """
     if transpose:
         w = w.T
     K, N = w.shape
     if w.dtype not in (jnp.float32, jnp.bfloat16):
         w = w.astype(jnp.float32)
     P = -(-N // PANEL)
+    if w.dtype == jnp.bfloat16:
+        K2 = K + K % 2
+        w = jnp.pad(w, ((0, K2 - K), (0, P * PANEL - N)))
+        return w.reshape(K2 // 2, 2, P, PANEL).transpose(2, 0, 3, 1).reshape(P, K2, PANEL)
     w = jnp.pad(w, ((0, 0), (0, P * PANEL - N)))
     return w.reshape(K, P, PANEL).transpose(1, 0, 2)
 
@@ -60,22 +71,54 @@ def packed(w: jax.Array, transpose: bool = False) -> jax.Array:
     return hit
 
 
-def matmul(x, panels, n: int) -> jax.Array:
+def matmul(x, panels, n: int, activations: str | None = None) -> jax.Array:
     """``x [..., K] @ W`` -> float32 ``[..., n]`` for ``panels = pack(W)``, ``W [K, n]``; at most
-    MAX_ROWS rows, accumulated in float32. Needs :func:`available`."""
+    MAX_ROWS rows, accumulated in float32. Needs :func:`available`.
+
+    ``activations`` (bfloat16 panels; float32 panels take only ``"f32"`` or None):
+
+    * ``"f32"``: each weight widened to float32 and multiplied by the float32 activation: the
+      sums of float32 panels of the same values, bit for bit;
+    * ``"bf16"``: bfloat16 pair dot products (AVX-512 BF16 ``vdpbf16ps``, where
+      :func:`bf16_dot_available`; elsewhere the same as ``"f32"``). Each activation is split as
+      ``x = hi + lo``, both bfloat16, and multiplied in two passes; activations that are already
+      bfloat16 (every bfloat16 model's) have ``lo = 0`` and take one pass, with exact products.
+      Otherwise ``|x - hi - lo| <= 2^-17 |x|``, so an output moves by at most
+      ``2^-17 sum_k |x_k w_k|`` beyond float32 rounding (tests/models/test_rows_matmul.py);
+    * None: :data:`DEFAULT_BF16_ACTIVATIONS`.
+    """
     lead, K = x.shape[:-1], x.shape[-1]
     P, Kp, panel = panels.shape
-    if Kp != K or panel != PANEL or -(-n // PANEL) != P:
+    bf16 = panels.dtype == jnp.bfloat16
+    if Kp != K + (K % 2 if bf16 else 0) or panel != PANEL or -(-n // PANEL) != P:
         raise ValueError(f"panels {panels.shape} do not fit x [..., {K}] and n = {n}")
+    code = kernel_format("bfloat16" if bf16 else "float32", activations)
     M = math.prod(lead)
     if not available():
         raise RuntimeError("the native CPU kernels are not built (pallas_attn.native.available)")
     if M > MAX_ROWS:
         raise ValueError(f"x has {M} rows; rows_matmul is for at most {MAX_ROWS}")
     y = jax.ffi.ffi_call(native.ROWS_MATMUL, jax.ShapeDtypeStruct((M, n), jnp.float32))(
-        x.reshape(M, K).astype(jnp.float32), panels
+        x.reshape(M, K).astype(jnp.float32), panels, kind=np.int32(code)
     )
     return y.reshape(*lead, n)
+
+
+def bf16_dot_available() -> bool:
+    """Whether this CPU has AVX-512 BF16 (``avx512_bf16``), which the ``"bf16"`` activations of
+    :func:`matmul` need to differ from ``"f32"``: the kernels are built with ``-march=native``
+    and check the feature at run time as well."""
+    return "avx512_bf16" in _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((s for s in f if s.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
 # Block-quantized weights (models/quant.py): the same product over panels of GGUF-style blocks.
@@ -86,6 +129,34 @@ ACTIVATIONS = ("f32", "q8")
 # (docs/quantization.md has the figures and the error the 8-bit blocks add).
 DEFAULT_ACTIVATIONS = "q8"
 _Q8_ACTIVATIONS = 16  # added to the kernel's format number (kQ8Activations in rows_matmul.cc)
+BF16_ACTIVATIONS = ("f32", "bf16")
+DEFAULT_BF16_ACTIVATIONS = "bf16"  # exact for bfloat16 activations, and half the instructions
+# rows_matmul.h WeightKind: float32 panels, bfloat16 with pair dot products, bfloat16 widened.
+_FLOAT_KINDS = {("float32", "f32"): 3, ("bfloat16", "bf16"): 4, ("bfloat16", "f32"): 5}
+
+
+def kernel_format(fmt: str, activations: str | None = None) -> int:
+    """The native kernels' number for weights of ``fmt`` (``"float32"``, ``"bfloat16"`` or one
+    of :data:`FORMATS`) multiplied with ``activations`` (None: the format's default, as
+    :func:`matmul` and :func:`matmul_quantized` take it): the ``kind`` the fused decode layer
+    passes for each product. ValueError naming a bad ``fmt`` or ``activations``."""
+    if fmt in FORMATS:
+        q8 = check_activations(activations) == "q8"
+        return FORMATS.index(fmt) + (_Q8_ACTIVATIONS if q8 else 0)
+    if fmt == "float32":
+        if activations not in (None, "f32"):
+            raise ValueError(f"activations must be 'f32' for float32 weights, got {activations!r}")
+        return _FLOAT_KINDS[fmt, "f32"]
+    if fmt == "bfloat16":
+        if activations is None:
+            activations = DEFAULT_BF16_ACTIVATIONS
+        if activations not in BF16_ACTIVATIONS:
+            raise ValueError(
+                f"activations must be one of {BF16_ACTIVATIONS} for bfloat16 weights, "
+                f"got {activations!r}"
+            )
+        return _FLOAT_KINDS[fmt, activations]
+    raise ValueError(f"fmt must be 'float32', 'bfloat16' or one of {FORMATS}, got {fmt!r}")
 
 
 def block_bytes(fmt: str) -> int:
@@ -178,7 +249,7 @@ def matmul_quantized(x, panels, n: int, fmt: str, activations: str | None = None
         raise RuntimeError("the native CPU kernels are not built (pallas_attn.native.available)")
     if M > MAX_ROWS:
         raise ValueError(f"x has {M} rows; rows_matmul is for at most {MAX_ROWS}")
-    code = FORMATS.index(fmt) + (_Q8_ACTIVATIONS if activations == "q8" else 0)
+    code = kernel_format(fmt, activations)
     y = jax.ffi.ffi_call(native.ROWS_MATMUL_Q, jax.ShapeDtypeStruct((M, n), jnp.float32))(
         x.reshape(M, K).astype(jnp.float32), panels, fmt=np.int32(code)
     )

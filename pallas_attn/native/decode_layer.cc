@@ -129,8 +129,9 @@ ffi::Error DecodeLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   L.max_blocks = td[1];
   L.F = (L.Hq + 2 * L.Hkv) * L.D;
   // The MLP width: the down projection's K (float panels [P, K, 32]; quantized [P, K / 32, ..]).
-  const bool float_down =
-      kind_down == pallas_attn::kWeightF32 || kind_down == pallas_attn::kWeightBF16;
+  const bool float_down = kind_down == pallas_attn::kWeightF32 ||
+                          kind_down == pallas_attn::kWeightBF16 ||
+                          kind_down == pallas_attn::kWeightBF16Exact;
   L.mlp = float_down ? dd[1] : dd[1] * 32;
   L.eps = eps, L.scale = scale, L.softcap = softcap, L.left = left, L.right = right;
   L.bf16 = x.element_type() == ffi::DataType::BF16;

@@ -8,6 +8,18 @@
 // thread and XLA's intra-op thread pool. An XLA FFI handler: pallas_attn/native.py builds it,
 // models/rows_matmul.py is the Python side.
 //
+// bfloat16 panels hold their rows in pairs, [P, K2 / 2, 32 columns, 2] (K2 = K rounded up to
+// even, the pad row zero): one 32-bit lane per column holds weights k = 2j and 2j + 1, the
+// operand of AVX-512 BF16's vdpbf16ps (two bfloat16 products summed into a float32 lane). Two
+// ways (the kind attribute, rows_matmul.h):
+// * kWeightBF16Exact (panel_bf16_exact): each weight widened to float32 and multiplied by the
+//   float32 activation, in the order k = 0, 1, ...: the float kernel's sums bit for bit;
+// * kWeightBF16 (bf16_dot_panel, where the CPU has avx512_bf16; else the exact way): the
+//   activations split once per call as x = hi + lo, both bfloat16 (hi = x rounded, lo = x - hi
+//   rounded), and one vdpbf16ps per pair and part. Where every lo is zero (activations already
+//   bfloat16, as every bfloat16 model's are) the lo pass is skipped and the products are exact;
+//   otherwise x is represented to 2^-16 of itself (|x - hi - lo| <= 2^-18 |x| roughly).
+//
 // PallasAttnRowsMatmulQ is the same product over GGUF-style block-quantized weights (Q8_0, Q4_0,
 // Q4_1: blocks of 32 weights along K with a float16 scale, and a float16 minimum for Q4_1; see
 // models/quant.py), panels wq[P, K / 32, bytes per block] in uint8 (layout at block_bytes), at
@@ -35,6 +47,7 @@
 
 #include "parallel.h"
 #include "rows.h"
+#include "rows_matmul.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -58,13 +71,16 @@ inline vf load(const float* p) {
   return v;
 }
 
-inline vf load(const uint16_t* p) {  // bfloat16 is the high half of a float32
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  const vu u = __builtin_convertvector(h, vu) << 16;
+inline vf as_float(vu u) {
   vf v;
   std::memcpy(&v, &u, sizeof(v));
   return v;
+}
+
+inline vu load_pairs(const uint16_t* p) {  // kLanes 32-bit lanes of bfloat16 pairs
+  vu u;
+  std::memcpy(&u, p, sizeof(u));
+  return u;
 }
 
 // Keeps the panel row in registers: left alone, GCC folds its load into every row's FMA as a
@@ -73,6 +89,16 @@ inline void in_registers(vf& a, vf& b) {
 #if defined(__AVX512F__)  // a 64-byte vector is one register only with AVX-512
   asm("" : "+v"(a), "+v"(b));
 #endif
+}
+
+template <int MB>
+inline void store_rows(vf (&acc)[MB][2], float* y, int64_t ldy, int64_t cols) {
+  for (int m = 0; m < MB; ++m) {
+    float out[kNB];
+    std::memcpy(out, &acc[m][0], sizeof(vf));
+    std::memcpy(out + kLanes, &acc[m][1], sizeof(vf));
+    std::memcpy(y + m * ldy, out, cols * sizeof(float));
+  }
 }
 
 // Rows [0, MB) of x (row stride K) times one panel w [K, kNB] -> y[:, 0:cols] (row stride ldy).
@@ -89,25 +115,54 @@ void panel(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t
       acc[m][1] += xv * w1;
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    float out[kNB];
-    std::memcpy(out, &acc[m][0], sizeof(vf));
-    std::memcpy(out + kLanes, &acc[m][1], sizeof(vf));
-    std::memcpy(y + m * ldy, out, cols * sizeof(float));
+  store_rows<MB>(acc, y, ldy, cols);
+}
+
+// The same over one bfloat16 pair panel w [K2 / 2, kNB, 2]: weights widened to float32 (a pair
+// lane's low half is k = 2j, its high half 2j + 1), multiplied in panel()'s order.
+template <int MB>
+void panel_bf16_exact(const float* x, int64_t K, const uint16_t* w, float* y, int64_t ldy,
+                      int64_t cols) {
+  vf acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vf{};
+  for (int64_t j = 0; 2 * j < K; ++j) {
+    const vu u0 = load_pairs(w + j * 2 * kNB), u1 = load_pairs(w + j * 2 * kNB + 2 * kLanes);
+    vf e0 = as_float(u0 << 16), e1 = as_float(u1 << 16);
+    vf o0 = as_float(u0 & 0xffff0000u), o1 = as_float(u1 & 0xffff0000u);
+    in_registers(e0, e1);
+    in_registers(o0, o1);
+    const bool odd = 2 * j + 1 < K;
+    for (int m = 0; m < MB; ++m) {
+      const float xe = x[m * K + 2 * j];
+      acc[m][0] += xe * e0;
+      acc[m][1] += xe * e1;
+      if (odd) {
+        const float xo = x[m * K + 2 * j + 1];
+        acc[m][0] += xo * o0;
+        acc[m][1] += xo * o1;
+      }
+    }
   }
+  store_rows<MB>(acc, y, ldy, cols);
 }
 
 // Panels [p0, p1) for all M rows.
 template <typename W>
 void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p0,
             int64_t p1) {
+  const int64_t K2 = sizeof(W) == 2 ? K + (K & 1) : K;  // bfloat16 rows come in pairs
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
-    const W* w = wp + p * K * kNB;
+    const W* w = wp + p * K2 * kNB;
     for (int64_t m0 = 0; m0 < M; m0 += kMB) {
       const float* xm = x + m0 * K;
       float* ym = y + m0 * N + n0;
-      pallas_attn::with_rows(M - m0, [&](auto MB) { panel<MB>(xm, K, w, ym, N, cols); });
+      pallas_attn::with_rows(M - m0, [&](auto MB) {
+        if constexpr (sizeof(W) == 2)
+          panel_bf16_exact<MB>(xm, K, w, ym, N, cols);
+        else
+          panel<MB>(xm, K, w, ym, N, cols);
+      });
     }
   }
 }
@@ -120,34 +175,149 @@ void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t
 constexpr int64_t kParallelBytes = 1 << 18;
 
 template <typename W>
-ffi::Error run(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const W* wp, int64_t P,
-               float* y, int64_t N) {
+void run(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const W* wp, int64_t P,
+         float* y, int64_t N) {
   const int64_t bytes = P * K * kNB * int64_t(sizeof(W));
   const bool parallel = bytes >= kParallelBytes;
   pallas_attn::parallel_for(pool, P, parallel, [&](int64_t p0, int64_t p1) {
     panels(x, M, K, wp, y, N, p0, p1);
   });
-  return ffi::Error::Success();
+}
+
+// ---- bfloat16 dot products (vdpbf16ps) ---------------------------------------------------------
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The activations of one call as bfloat16 pairs: hi [M, K2 / 2] and lo [M, K2 / 2] 32-bit lanes
+// (low half k = 2j, high half 2j + 1; the pad k = K is zero); exact when every lo is zero.
+struct BF16Acts {
+  std::vector<uint32_t> hi, lo;
+  bool exact = true;
+};
+
+void split_activations(const float* x, int64_t M, int64_t K, BF16Acts& a) {
+  const int64_t J = (K + 1) / 2;
+  a.hi.resize(M * J);
+  a.lo.resize(M * J);
+  a.exact = true;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < J; ++j) {
+      uint32_t hi = 0, lo = 0;
+      for (int i = 0; i < 2 && 2 * j + i < K; ++i) {
+        const float v = x[m * K + 2 * j + i];
+        const uint16_t h = float_to_bf16(v), l = float_to_bf16(v - bf16_to_float(h));
+        hi |= uint32_t(h) << (16 * i);
+        lo |= uint32_t(l) << (16 * i);
+      }
+      a.hi[m * J + j] = hi;
+      a.lo[m * J + j] = lo;
+      a.exact &= (lo & 0x7fff7fffu) == 0;  // +-0 halves add nothing
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kBF16DotBuilt = true;
+
+// Rows [0, MB) of the split activations (row stride J pairs) times one bfloat16 pair panel ->
+// y[:, 0:cols]: hi (and, unless kExact, lo) pair dot products per lane, float32 accumulators.
+template <int MB, bool kExact>
+void bf16_dot_panel(const uint32_t* hi, const uint32_t* lo, int64_t J, const uint16_t* w,
+                    float* y, int64_t ldy, int64_t cols) {
+  __m512 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < J; ++j) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + j * 2 * kNB);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + j * 2 * kNB + 2 * kLanes);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xh = (__m512bh)_mm512_set1_epi32(int32_t(hi[m * J + j]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xh);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xh);
+      if (!kExact) {
+        const __m512bh xl = (__m512bh)_mm512_set1_epi32(int32_t(lo[m * J + j]));
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xl);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xl);
+      }
+    }
+  }
+  vf v[MB][2];
+  std::memcpy(v, acc, sizeof(v));
+  store_rows<MB>(v, y, ldy, cols);
+}
+#else
+constexpr bool kBF16DotBuilt = false;
+#endif
+
+// Whether kWeightBF16 runs the dot products: built for them (-march=native on a CPU with
+// avx512_bf16) and the CPU running this has them (a library built elsewhere).
+bool bf16_dot() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool has = kBF16DotBuilt && __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+void run_bf16(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const uint16_t* wp,
+              int64_t P, float* y, int64_t N, bool exact_kind) {
+  if (exact_kind || !bf16_dot()) return run(pool, x, M, K, wp, P, y, N);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  thread_local BF16Acts acts;  // the calling thread's; pool tasks only read it during the call
+  split_activations(x, M, K, acts);
+  const BF16Acts& a = acts;
+  const int64_t J = (K + 1) / 2, panel_elems = 2 * J * kNB;
+  const bool parallel = P * panel_elems * 2 >= kParallelBytes;
+  pallas_attn::parallel_for(pool, P, parallel, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
+      for (int64_t m0 = 0; m0 < M; m0 += kMB) {
+        pallas_attn::with_rows(M - m0, [&](auto MB) {
+          const uint32_t *hi = a.hi.data() + m0 * J, *lo = a.lo.data() + m0 * J;
+          float* ym = y + m0 * N + n0;
+          if (a.exact)
+            bf16_dot_panel<MB, true>(hi, lo, J, wp + p * panel_elems, ym, N, cols);
+          else
+            bf16_dot_panel<MB, false>(hi, lo, J, wp + p * panel_elems, ym, N, cols);
+        });
+      }
+    }
+  });
+#endif
 }
 
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wp,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
   const auto xd = x.dimensions(), wd = wp.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kNB || wd[1] != xd[1] ||
+  const bool bf16 = wp.element_type() == ffi::DataType::BF16;
+  const int64_t K2 = xd.size() == 2 && bf16 ? xd[1] + (xd[1] & 1) : xd.size() == 2 ? xd[1] : -1;
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kNB || wd[1] != K2 ||
       yd[0] != xd[0] || (yd[1] + kNB - 1) / kNB != wd[0])
     return ffi::Error::InvalidArgument(
-        "rows_matmul: want x [M, K], wp [ceil(N / 32), K, 32], y [M, N]");
+        "rows_matmul: want x [M, K], wp [ceil(N / 32), K (bfloat16: even), 32], y [M, N]");
   const int64_t M = xd[0], K = xd[1], P = wd[0], N = yd[1];
-  switch (wp.element_type()) {
-    case ffi::DataType::F32:
-      return run(pool, x.typed_data(), M, K, static_cast<const float*>(wp.untyped_data()), P,
-                 y->typed_data(), N);
-    case ffi::DataType::BF16:
-      return run(pool, x.typed_data(), M, K, static_cast<const uint16_t*>(wp.untyped_data()), P,
-                 y->typed_data(), N);
-    default:
-      return ffi::Error::InvalidArgument("rows_matmul: weights must be float32 or bfloat16");
+  const void* w = wp.untyped_data();
+  if (wp.element_type() == ffi::DataType::F32 && kind == pallas_attn::kWeightF32) {
+    run(pool, x.typed_data(), M, K, static_cast<const float*>(w), P, y->typed_data(), N);
+  } else if (bf16 && (kind == pallas_attn::kWeightBF16 || kind == pallas_attn::kWeightBF16Exact)) {
+    run_bf16(pool, x.typed_data(), M, K, static_cast<const uint16_t*>(w), P, y->typed_data(), N,
+             kind == pallas_attn::kWeightBF16Exact);
+  } else {
+    return ffi::Error::InvalidArgument("rows_matmul: weights float32 or bfloat16 of their kind");
   }
+  return ffi::Error::Success();
 }
 
 // ---- Block-quantized weights -------------------------------------------------------------------
@@ -522,7 +692,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasAttnRowsMatmul, RowsMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("kind"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasAttnRowsMatmulQ, RowsMatmulQ,
                               ffi::Ffi::Bind()
@@ -534,8 +705,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasAttnRowsMatmulQ, RowsMatmulQ,
 
 // ---- Entry points for other kernels (rows_matmul.h; decode_layer.cc owns this block) ----------
 
-#include "rows_matmul.h"
-
 namespace pallas_attn {
 
 bool rows_matmul_packed(xla::ffi::ThreadPool& pool, int32_t kind, const float* x, int64_t M,
@@ -545,7 +714,9 @@ bool rows_matmul_packed(xla::ffi::ThreadPool& pool, int32_t kind, const float* x
   switch (kind) {
     case kWeightF32: run(pool, x, M, K, static_cast<const float*>(panels), P, y, N); return true;
     case kWeightBF16:
-      run(pool, x, M, K, static_cast<const uint16_t*>(panels), P, y, N);
+    case kWeightBF16Exact:
+      run_bf16(pool, x, M, K, static_cast<const uint16_t*>(panels), P, y, N,
+               kind == kWeightBF16Exact);
       return true;
     default: return run_quantized(pool, x, M, K, wq, P, y, N, kind);  // fmt [+ kQ8Activations]
   }

@@ -25,10 +25,44 @@ def _case(M, K, N, wdtype, seed=0):
 @pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
 def test_matches_reference(M, K, N, wdtype):
     x, w, ref = _case(M, K, N, wdtype)
-    y = jax.jit(rows_matmul.matmul, static_argnums=2)(x, rows_matmul.pack(w), N)
+    f = jax.jit(rows_matmul.matmul, static_argnums=(2, 3))
+    panels = rows_matmul.pack(w)
+    y = f(x, panels, N, "f32")
     assert y.shape == (M, N) and y.dtype == jnp.float32
     # float32 accumulation over K terms of unit variance: errors ~ sqrt(K) * 2^-24 * |x||w|
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    if wdtype == jnp.bfloat16:
+        # "f32" widens each weight: the float32 panels' sums of the same values, bit for bit
+        w32 = rows_matmul.pack(w.astype(jnp.float32))
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(f(x, w32, N, "f32")))
+        # "bf16" (the default): x = hi + lo in bfloat16, |x - hi - lo| <= 2^-17 |x|
+        bound = 2.0**-17 * np.abs(np.asarray(x, np.float64)) @ np.abs(_f64(w))
+        err = np.abs(np.asarray(f(x, panels, N, None)) - ref)
+        assert np.all(err <= bound + 1e-5 * np.abs(ref) + 1e-5 * np.sqrt(K))
+
+
+def _f64(w):
+    return np.asarray(w.astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 576, 200), (5, 81, 64), (8, 256, 1000)])
+def test_bf16_dot_products(M, K, N):
+    """The bfloat16 pair dot products: exact products (float32 sums) for activations that are
+    already bfloat16; two passes for float32 ones, which differ from the widened "f32" sums
+    where the CPU runs vdpbf16ps (and equal them bit for bit where it falls back)."""
+    x, w, _ = _case(M, K, N, jnp.bfloat16, seed=3)
+    panels = rows_matmul.pack(w)
+    f = jax.jit(rows_matmul.matmul, static_argnums=(2, 3))
+    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
+    ref = np.asarray(xb, np.float64) @ _f64(w)
+    scale = np.abs(np.asarray(xb, np.float64)) @ np.abs(_f64(w))
+    err = np.abs(np.asarray(f(xb, panels, N, "bf16")) - ref)
+    assert np.all(err <= 2.0**-20 * scale)  # float32 sums over exact products
+    dot, exact = np.asarray(f(x, panels, N, "bf16")), np.asarray(f(x, panels, N, "f32"))
+    if rows_matmul.bf16_dot_available():
+        assert not np.array_equal(dot, exact)
+    else:
+        np.testing.assert_array_equal(dot, exact)
 
 
 @pytest.mark.parametrize("M", [1, 4, 8, 13])
@@ -69,6 +103,14 @@ def test_pack_layout():
     np.testing.assert_array_equal(p[1, :, :8], w[:, 32:])
     assert not np.any(p[1, :, 8:])
     assert rows_matmul.pack(w.astype(jnp.float16)).dtype == jnp.float32
+    # bfloat16: rows in pairs [32 columns, 2], an odd K padded with a zero row
+    b = rows_matmul.pack(w.astype(jnp.bfloat16))
+    assert b.shape == (2, 4, 32) and b.dtype == jnp.bfloat16
+    pairs = np.asarray(b.astype(jnp.float32)).reshape(2, 2, 32, 2)
+    np.testing.assert_array_equal(pairs[0, 0], np.asarray(w[0:2, :32]).T)
+    np.testing.assert_array_equal(pairs[0, 1, :, 0], np.asarray(w[2, :32]))
+    np.testing.assert_array_equal(pairs[1, 0, :8], np.asarray(w[0:2, 32:]).T)
+    assert not np.any(pairs[:, 1, :, 1]) and not np.any(pairs[1, :, 8:])
 
 
 def test_bad_arguments():
@@ -80,6 +122,28 @@ def test_bad_arguments():
         rows_matmul.matmul(x[:, :7], panels, 40)
     with pytest.raises(ValueError, match="at most 64"):
         rows_matmul.matmul(jnp.zeros((65, 8)), panels, 40)
+    with pytest.raises(ValueError, match="activations"):
+        rows_matmul.matmul(x, panels, 40, activations="bf16")  # float32 weights
+    with pytest.raises(ValueError, match="activations"):
+        rows_matmul.matmul(x, rows_matmul.pack(w.astype(jnp.bfloat16)), 40, activations="q8")
+
+
+def test_kernel_format():
+    """The kernel numbers the fused layer passes: distinct per (format, activations), the
+    defaults where activations is None, ValueErrors naming a bad argument."""
+    codes = {
+        (f, a): rows_matmul.kernel_format(f, a)
+        for f, acts in [("float32", ["f32"]), ("bfloat16", ["f32", "bf16"])]
+        + [(q, list(rows_matmul.ACTIVATIONS)) for q in rows_matmul.FORMATS]
+        for a in acts
+    }
+    assert len(set(codes.values())) == len(codes)
+    assert rows_matmul.kernel_format("bfloat16") == codes["bfloat16", "bf16"]
+    assert rows_matmul.kernel_format("q4_0") == codes["q4_0", rows_matmul.DEFAULT_ACTIVATIONS]
+    with pytest.raises(ValueError, match="fmt"):
+        rows_matmul.kernel_format("float16")
+    with pytest.raises(ValueError, match="activations"):
+        rows_matmul.kernel_format("q8_0", "bf16")
 
 
 def test_unavailable_without_compiler(monkeypatch, tmp_path):
