@@ -16,7 +16,10 @@ answering for S seconds (it died, or its host did) makes the others exit with an
 of waiting in a collective for ever. ``--init-timeout S`` bounds the wait for all processes to
 join. Without flags, JAX's own environment detection (SLURM, Open MPI, ...) is used.
 
-Exit status: the command's; 2 for a usage error (no command, a bad flag).
+Exit status: the command's; 2 for a usage error (no command, a bad flag). The command runs in
+this process, so a Ctrl-C (SIGINT) reaches it directly: a command that handles it (every one of
+this project's) stops as it documents; one that does not stops with no traceback; either way the
+launcher exits 130. A Ctrl-C while waiting for the other processes to join exits 130 at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ import argparse
 import os
 import runpy
 import sys
+import threading
+
+# The shell's status for a process stopped by SIGINT (128 + 2).
+EXIT_INTERRUPTED = 130
+# How long an interrupted process waits for the others in jax.distributed.shutdown (they may
+# not have been interrupted) before it exits anyway.
+INTERRUPTED_SHUTDOWN_S = 10.0
 
 
 def _address(text: str) -> str:
@@ -90,13 +100,48 @@ def initialize(args: argparse.Namespace) -> None:
 
     if args.local_devices is not None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=args.init_timeout,
-        heartbeat_timeout_seconds=args.heartbeat_timeout,
+    _interruptible(
+        lambda: jax.distributed.initialize(
+            coordinator_address=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            initialization_timeout=args.init_timeout,
+            heartbeat_timeout_seconds=args.heartbeat_timeout,
+        ),
+        "waiting for the other processes to join",
     )
+
+
+def _interruptible(fn, doing: str, timeout: float | None = None) -> None:
+    """Runs ``fn()`` in a thread while this (main) thread waits: a call blocked in C++ for
+    minutes (joining, or the shutdown barrier) never lets Python's SIGINT handler run, so
+    Ctrl-C would wait it out. On Ctrl-C, or past ``timeout`` seconds, the process exits at once
+    (130): the thread cannot be stopped, and a normal exit would wait for it. ``fn``'s own
+    exception is re-raised here."""
+    failure = []
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # handed to the main thread
+            failure.append(e)
+
+    thread = threading.Thread(target=target, name="launch-" + doing.split()[0], daemon=True)
+    thread.start()
+    try:
+        thread.join(timeout)
+    except KeyboardInterrupt:
+        _exit_now(f"interrupted while {doing}")
+    if thread.is_alive():
+        _exit_now(f"gave up {doing} after {timeout:.0f} s")
+    if failure:
+        raise failure[0]
+
+
+def _exit_now(message: str) -> None:
+    print(f"\npython -m decoding.launch: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 def run(command: list[str]) -> int:
@@ -116,6 +161,9 @@ def run(command: list[str]) -> int:
             return e.code or 0
         print(e.code, file=sys.stderr)  # sys.exit("message"), as the interpreter would
         return 1
+    except KeyboardInterrupt:  # a command that does not handle Ctrl-C itself
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0
 
 
@@ -125,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     code = run(command)
     import jax
 
-    jax.distributed.shutdown()
+    if code == EXIT_INTERRUPTED:  # the other processes may still be running: do not wait long
+        _interruptible(jax.distributed.shutdown, "shutting down", INTERRUPTED_SHUTDOWN_S)
+    else:
+        jax.distributed.shutdown()
     return code
 
 

@@ -1,10 +1,12 @@
 """What the training and evaluation command lines (``models.train``, ``models.medusa_train``,
-``models.evaluate``) share: a Ctrl-C that stops them quietly, exit 130, never a traceback and
-never a half-written checkpoint."""
+``models.evaluate``) share: an output directory checked before any work, and a Ctrl-C that
+stops them quietly, exit 130, never a traceback and never a half-written checkpoint."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -19,6 +21,20 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, step: int, steps: int):
         super().__init__(f"interrupted at step {step} of {steps}")
         self.step, self.steps = step, steps
+
+
+def output_dir(text: str) -> str:
+    """An ``argparse`` type: a directory that exists and is writable, or can be created (its
+    nearest existing parent is a writable directory). Nothing is created here."""
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable ({parent!r} is not)")
+    return text
 
 
 @contextlib.contextmanager

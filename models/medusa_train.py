@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from flax import nnx
 from decoding.generate import generate
 from decoding.sampling import SamplingConfig
 from models import data
-from models.cli import Interrupted, report_interrupt, sigint_deferred
+from models.cli import Interrupted, output_dir, report_interrupt, sigint_deferred
 from models.hf import load_hf_checkpoint
 from models.medusa import MedusaHeads, save_medusa
 from models.pretrained import SHIPPED, model_arg, pretrained, shipped_path
@@ -434,26 +435,29 @@ def train_shared_heads(
     opt_state = tx.init(params)
     step_fn = make_shared_step(graphdef, tx, target.config.final_softcap)
     rng = np.random.default_rng(tc.seed)
-    history, start, first_loss = [], time.perf_counter(), None
-    for i in range(1, tc.steps + 1):
-        idx = rng.integers(0, len(h), tc.batch)
-        ht = None
-        if soft:
-            tidx = idx[:, None] + 1 + np.arange(num_heads)[None]  # [M, N]
-            ht = h[np.where(lab[idx] >= 0, tidx, idx[:, None])]
-        params, opt_state, loss = step_fn(params, opt_state, w, h[idx], lab[idx], ht)
-        if first_loss is None:
-            first_loss = float(loss)  # the untrained heads' loss (computed before the update)
-        if i % tc.eval_every == 0 or i == tc.steps:
-            nnx.update(heads, params)
-            entry = dict(step=i, train_loss=float(loss), seconds=time.perf_counter() - start)
-            if heldout is not None:
-                entry["head_top1"] = hidden_accuracy(heads, target, *heldout)
-            history.append(entry)
-            acc = " ".join(f"{a:.3f}" for a in entry.get("head_top1", []))
-            log(
-                f"step {i}: loss {float(loss):.4f}, held-out top-1 [{acc}], {entry['seconds']:.0f}s"
-            )
+    history, start, first_loss, done = [], time.perf_counter(), None, 0
+    try:
+        for i in range(1, tc.steps + 1):
+            idx = rng.integers(0, len(h), tc.batch)
+            ht = None
+            if soft:
+                tidx = idx[:, None] + 1 + np.arange(num_heads)[None]  # [M, N]
+                ht = h[np.where(lab[idx] >= 0, tidx, idx[:, None])]
+            params, opt_state, loss = step_fn(params, opt_state, w, h[idx], lab[idx], ht)
+            done = i
+            if first_loss is None:
+                first_loss = float(loss)  # the untrained heads' loss (computed before the update)
+            if i % tc.eval_every == 0 or i == tc.steps:
+                nnx.update(heads, params)
+                entry = dict(step=i, train_loss=float(loss), seconds=time.perf_counter() - start)
+                if heldout is not None:
+                    entry["head_top1"] = hidden_accuracy(heads, target, *heldout)
+                history.append(entry)
+                acc = " ".join(f"{a:.3f}" for a in entry.get("head_top1", []))
+                seconds = entry["seconds"]
+                log(f"step {i}: loss {float(loss):.4f}, held-out top-1 [{acc}], {seconds:.0f}s")
+    except KeyboardInterrupt:  # the caller gets no heads: a run cut short is not saved
+        raise Interrupted(done, tc.steps) from None
     nnx.update(heads, params)
     summary = dict(
         num_heads=num_heads,
@@ -477,7 +481,7 @@ def _cache_dir(key: dict) -> str:
     return os.path.join(tempfile.gettempdir(), "pallas_attn_medusa", digest)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     """``python -m models.medusa_train``: self-distilled shared-head Medusa heads (see the
     section comment above). Exit status 2 with a usage error for bad arguments."""
 
@@ -488,12 +492,12 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m models.medusa_train", description=main.__doc__)
     p.add_argument("--target", type=model_arg, default="smollm2-135m-instruct")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, type=output_dir)
     p.add_argument("--num-heads", type=pos, default=4)
     p.add_argument("--prompts", type=pos, default=96, help="distinct training prompts")
     p.add_argument("--max-new-tokens", type=pos, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    p.add_argument("--gen-batch", type=pos, default=16)
+    p.add_argument("--gen-batch", type=pos, default=16, help="capped at --prompts")
     p.add_argument("--steps", type=pos, default=600)
     p.add_argument("--batch", type=pos, default=256, help="hidden-state rows per step")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -507,15 +511,54 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-dtype", choices=("float16", "float32"), default="float16")
     args = p.parse_args(argv)
-    if any(t < 0 for t in args.temperatures):
-        p.error(f"--temperatures must be >= 0, got {args.temperatures}")
+    # Every flag is checked before the target loads: generating the data takes minutes.
+    if not all(math.isfinite(t) and t >= 0 for t in args.temperatures):
+        p.error(f"--temperatures must be finite and >= 0, got {args.temperatures}")
     if not 0 <= args.heldout < 1:
         p.error(f"--heldout must be in [0, 1), got {args.heldout}")
     if args.prompts > len(DISTILL_TASKS) * len(DISTILL_SUBJECTS):
         p.error(f"--prompts must be <= {len(DISTILL_TASKS) * len(DISTILL_SUBJECTS)}")
+    try:
+        tc = TrainConfig(
+            steps=args.steps,
+            batch=args.batch,
+            lr=args.lr,
+            warmup=min(50, args.steps),
+            eval_every=max(args.steps // 4, 1),
+            seed=args.seed,
+        )
+    except ValueError as e:
+        p.error(f"--{str(e).replace('_', '-')}")
     log = lambda s: print(s, flush=True)  # noqa: E731
+    saved = f"nothing saved to {args.out}"
+    try:
+        summary = _distill(p, args, argv, tc, log)
+        saved = f"{args.out} saved"
+    except KeyboardInterrupt as e:
+        return report_interrupt(e, saved)
+    log(
+        f"saved {args.out}: held-out top-1 per head {summary['heldout_head_top1']}, "
+        f"{summary['total_seconds']:.0f}s in all"
+    )
+    return 0
+
+
+def _distill(p: argparse.ArgumentParser, args, argv, tc: TrainConfig, log) -> dict:
+    """:func:`main`'s work: the data (or its cache), the heads, the saved directory ->
+    the summary written to its ``training.json``."""
     t0 = time.perf_counter()
-    target, tokenizer = pretrained(args.target)
+    try:
+        target, tokenizer = pretrained(args.target)
+    except (OSError, ValueError) as e:  # a checkpoint that lies
+        p.error(f"--target {args.target}: {e}")
+    if tokenizer.chat_template is None:
+        p.error(f"--target {args.target}: the model has no chat template to format prompts with")
+    if args.max_new_tokens >= target.config.max_position:
+        p.error(
+            f"--max-new-tokens {args.max_new_tokens}: the target holds "
+            f"{target.config.max_position} tokens, prompt included"
+        )
+    log(f"{args.target}: {args.prompts} prompts x temperatures {args.temperatures}")
     key = dict(
         target=args.target,
         prompts=args.prompts,
@@ -525,7 +568,7 @@ def main(argv=None) -> None:
         heads=args.num_heads,
     )
     cache = _cache_dir(key)
-    if os.path.isfile(os.path.join(cache, "labels.npy")):
+    if os.path.isfile(os.path.join(cache, "data.json")):  # written last
         log(f"hidden states from the cache {cache}")
         with open(os.path.join(cache, "data.json")) as f:
             data_meta = json.load(f)
@@ -537,7 +580,7 @@ def main(argv=None) -> None:
             messages,
             max_new_tokens=args.max_new_tokens,
             temperatures=args.temperatures,
-            batch=args.gen_batch,
+            batch=min(args.gen_batch, args.prompts),
             seed=args.seed,
             log=log,
         )
@@ -549,10 +592,6 @@ def main(argv=None) -> None:
         split = np.concatenate(
             [np.full(len(c) + 1, (i % args.prompts) in held_ids) for i, (_, c) in enumerate(pairs)]
         )
-        os.makedirs(cache, exist_ok=True)
-        np.save(os.path.join(cache, "hidden.npy"), h)
-        np.save(os.path.join(cache, "labels.npy"), labels)
-        np.save(os.path.join(cache, "heldout.npy"), split)
         data_meta = dict(
             pairs=len(pairs),
             new_tokens=int(sum(len(c) for _, c in pairs)),
@@ -560,20 +599,17 @@ def main(argv=None) -> None:
             generate_seconds=round(gen_s, 1),
             hidden_seconds=round(time.perf_counter() - t0 - gen_s, 1),
         )
-        with open(os.path.join(cache, "data.json"), "w") as f:
-            json.dump(data_meta, f)
+        with sigint_deferred():  # a cache is whole or absent
+            os.makedirs(cache, exist_ok=True)
+            np.save(os.path.join(cache, "hidden.npy"), h)
+            np.save(os.path.join(cache, "labels.npy"), labels)
+            np.save(os.path.join(cache, "heldout.npy"), split)
+            with open(os.path.join(cache, "data.json"), "w") as f:
+                json.dump(data_meta, f)
         log(f"data: {data_meta} cached in {cache}")
     h = np.load(os.path.join(cache, "hidden.npy"))
     labels = np.load(os.path.join(cache, "labels.npy"))
     split = np.load(os.path.join(cache, "heldout.npy"))
-    tc = TrainConfig(
-        steps=args.steps,
-        batch=args.batch,
-        lr=args.lr,
-        warmup=min(50, args.steps),
-        eval_every=max(args.steps // 4, 1),
-        seed=args.seed,
-    )
     heldout = (h[split], labels[split]) if split.any() else None
     heads, summary = train_shared_heads(
         target,
@@ -593,15 +629,13 @@ def main(argv=None) -> None:
         data=data_meta,
         total_seconds=round(time.perf_counter() - t0, 1),
     )
-    save_medusa(heads, args.out, extra=dict(base_model=args.target), dtype=args.save_dtype)
-    with open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
-    log(
-        f"saved {args.out}: held-out top-1 per head {summary['heldout_head_top1']}, "
-        f"{summary['total_seconds']:.0f}s in all"
-    )
+    with sigint_deferred():  # never half the heads, nor heads without their summary
+        save_medusa(heads, args.out, extra=dict(base_model=args.target), dtype=args.save_dtype)
+        with open(os.path.join(args.out, "training.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+    return summary
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

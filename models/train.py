@@ -26,7 +26,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from models import data
-from models.cli import Interrupted, report_interrupt, sigint_deferred
+from models.cli import Interrupted, output_dir, report_interrupt, sigint_deferred
 from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.medusa_train import main_medusa
@@ -178,20 +178,6 @@ def _starting_models(args, config: TransformerConfig):
     return init, teacher
 
 
-def output_dir(text: str) -> str:
-    """An ``argparse`` type: a directory that exists and is writable, or can be created (its
-    nearest existing parent is a writable directory). Nothing is created here."""
-    path = os.path.abspath(text)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
-    parent = path
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r} is not writable ({parent!r} is not)")
-    return text
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default=None, help="TransformerConfig preset name (required)")
@@ -279,6 +265,12 @@ def main(argv=None) -> int:
             p.error(
                 f"--max-corpus-bytes {args.max_corpus_bytes}: {corpus.train.size} train / "
                 f"{corpus.heldout.size} held-out tokens, too few for --seq-len {tc.seq_len}"
+            )
+        if tc.batch * tc.eval_batches * tc.seq_len > corpus.heldout.size:
+            # Evenly spaced windows past the stream's length only repeat it (and fill memory).
+            p.error(
+                f"--eval-batches {tc.eval_batches} x --batch {tc.batch} x --seq-len "
+                f"{tc.seq_len} tokens exceed the {corpus.heldout.size:,} held-out tokens"
             )
         print(
             f"{args.preset}: {config.num_params():,} params; corpus {corpus.train.size:,} train "
