@@ -25,8 +25,10 @@ launcher exits 130. A Ctrl-C while waiting for the other processes to join exits
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
+import socket
 import sys
 import threading
 
@@ -38,10 +40,22 @@ INTERRUPTED_SHUTDOWN_S = 10.0
 
 
 def _address(text: str) -> str:
+    """``HOST:PORT`` with a port in [1, 65535] and a host that resolves (else joining would
+    wait for ``--init-timeout`` and then abort); an IPv6 host in brackets, ``[::1]:1234``."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    try:
+        socket.getaddrinfo(host.removeprefix("[").removesuffix("]"), int(port))
+    except (socket.gaierror, UnicodeError) as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the host cannot be resolved ({getattr(e, 'strerror', None) or e})"
+        ) from None
     return text
+
+
+# JAX's distributed runtime takes its timeouts as C ints (seconds).
+MAX_SECONDS = 2**31 - 1
 
 
 def _positive(text: str) -> int:
@@ -51,6 +65,13 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_SECONDS} seconds, got {text!r}")
     return value
 
 
@@ -70,8 +91,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         metavar="K",
         help="CPU: K host devices for this process, gloo collectives",
     )
-    p.add_argument("--heartbeat-timeout", type=_positive, default=30, metavar="S")
-    p.add_argument("--init-timeout", type=_positive, default=300, metavar="S")
+    p.add_argument("--heartbeat-timeout", type=_seconds, default=30, metavar="S")
+    p.add_argument("--init-timeout", type=_seconds, default=300, metavar="S")
     if "--" not in argv:
         p.error("the command to run comes after --, e.g. -- python -m decoding --help")
     cut = argv.index("--")
@@ -85,6 +106,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         command = command[1:]
     if not command or command[0] == "-m" and len(command) < 2:
         p.error("no command after -- (python -m MODULE ARGS, -m MODULE ARGS or SCRIPT ARGS)")
+    if command[0] != "-m" and not os.path.isfile(command[0]):
+        p.error(f"{command[0]!r} is not a script (the command is -m MODULE ARGS or SCRIPT ARGS)")
     return args, command
 
 
@@ -144,9 +167,19 @@ def _exit_now(message: str) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
+def _find_module(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package that is missing, or a bad name
+        return None
+
+
 def run(command: list[str]) -> int:
     """Runs ``command`` (``-m MODULE ARGS`` or ``SCRIPT ARGS``) as ``__main__`` -> exit status."""
     module = command[1] if command[0] == "-m" else None
+    if module and _find_module(module) is None:  # looked up only now: it imports its package
+        print(f"python -m decoding.launch: error: no module named {module!r}", file=sys.stderr)
+        return 2
     sys.argv = command[1:] if module else list(command)
     if module:
         sys.argv[0] = module

@@ -164,7 +164,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Loads the model, builds the engine and runs uvicorn until it stops -> exit status."""
     try:
         model, tokenizer = models.pretrained(args.model)
-    except ValueError as e:  # a checkpoint that lies (models.hf, models.gguf)
+    except (OSError, ValueError) as e:  # a checkpoint that lies (models.hf, models.gguf)
         parser.error(f"--model {args.model}: {e}")
     if args.mesh is not None:
         model = models.shard(model, jax.make_mesh(args.mesh, ("data", "model")))
