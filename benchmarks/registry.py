@@ -37,6 +37,7 @@ SCRIPTS = (
     Script("generate", quick=("--quick", "--runs", "1")),
     Script("engine"),
     Script("speculative", quick=("--quick", "--runs", "1", "--no-hf")),
+    Script("bandwidth", backends=("cpu",)),
     Script("real_model", quick=("--quick", "--runs", "1", "--no-llama-cpp"), backends=("cpu",)),
     Script("fused_decode", quick=("--quick", "--runs", "1", "--warmup", "0"), backends=("cpu",)),
     Script("serve", backends=("cpu",)),
