@@ -104,7 +104,8 @@ def _library() -> ctypes.CDLL:
 def read_passes(mb: int = 512, threads: int | None = None, runs: int = 10) -> list[float]:
     """Seconds of each of ``runs`` streaming reads of an ``mb`` MiB buffer by ``threads``
     threads (None: the cores). ValueError naming a bad argument."""
-    threads = os.cpu_count() or 1 if threads is None else threads
+    if threads is None:
+        threads = os.cpu_count() or 1
     for name, value in (("mb", mb), ("threads", threads), ("runs", runs)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -117,6 +118,8 @@ def read_passes(mb: int = 512, threads: int | None = None, runs: int = 10) -> li
 def read_bandwidth(mb: int = 512, threads: int | None = None, runs: int = 10) -> dict:
     """``best_gb_s`` (the fastest pass) and ``median_gb_s`` of :func:`read_passes`, in 1e9
     bytes/s, with the arguments used."""
+    if threads is None:
+        threads = os.cpu_count() or 1
     seconds = read_passes(mb, threads, runs)
     nbytes = mb << 20
     ordered = sorted(seconds)
@@ -124,7 +127,7 @@ def read_bandwidth(mb: int = 512, threads: int | None = None, runs: int = 10) ->
         best_gb_s=nbytes / ordered[0] / 1e9,
         median_gb_s=nbytes / ordered[len(ordered) // 2] / 1e9,
         mb=mb,
-        threads=threads or os.cpu_count(),
+        threads=threads,
         runs=runs,
     )
 
