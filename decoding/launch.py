@@ -123,6 +123,13 @@ def initialize(args: argparse.Namespace) -> None:
 
     if args.local_devices is not None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.coordinator is not None:  # joining can take up to --init-timeout: say what it waits for
+        print(
+            f"python -m decoding.launch: process {args.process_id} of {args.num_processes} "
+            f"joining {args.coordinator}",
+            file=sys.stderr,
+            flush=True,
+        )
     _interruptible(
         lambda: jax.distributed.initialize(
             coordinator_address=args.coordinator,
@@ -202,14 +209,17 @@ def run(command: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args, command = parse(sys.argv[1:] if argv is None else argv)
-    initialize(args)
+    try:
+        initialize(args)
+    except KeyboardInterrupt:  # before the wait itself (importing jax, say)
+        _exit_now("interrupted before the command started")
     code = run(command)
     import jax
 
-    if code == EXIT_INTERRUPTED:  # the other processes may still be running: do not wait long
-        _interruptible(jax.distributed.shutdown, "shutting down", INTERRUPTED_SHUTDOWN_S)
-    else:
-        jax.distributed.shutdown()
+    # The shutdown barrier waits for every process: after a Ctrl-C (others may run on), not
+    # for long; otherwise as long as it takes, but a Ctrl-C still ends it.
+    timeout = INTERRUPTED_SHUTDOWN_S if code == EXIT_INTERRUPTED else None
+    _interruptible(jax.distributed.shutdown, "shutting down", timeout)
     return code
 
 
