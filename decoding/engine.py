@@ -1,12 +1,13 @@
 """Continuous batching over the paged KV cache: requests join and leave between steps.
 
 ``Engine.step()`` is three calls: the scheduler (``decoding.scheduler``, pure Python) plans
-the step, the runner (this module's ``_run``: the page pool, the CPU-packed weights and the
-jitted steps of ``decoding.engine_steps``) executes the plan on the device, and the scheduler
-post-processes what came back::
+the step, the runner (``decoding.runner``: the page pool, the CPU-packed weights and the jitted
+steps of ``decoding.engine_steps``) executes the plan on the device, and the scheduler
+post-processes what came back; this module holds the requests' streams, logprobs, the choice of
+k and the recovery::
 
     plan = self.scheduler.schedule(ahead)             # a scheduler.StepPlan
-    out = self._run(plan)                             # copies, prefill chunks, one decode step
+    out = self.runner.run(plan, wants_logprobs)       # copies, prefill chunks, one decode step
     emitted = self.scheduler.postprocess(plan, out.tokens)
 
 The plan is made in this order, before any device work:
@@ -84,57 +85,33 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import NamedTuple
 
 import jax
 import numpy as np
-from flax import nnx
 
-from decoding import engine_steps
 from decoding.checks import check_bool, check_int, check_model, check_optional_int, is_int
 from decoding.drafts import MAX_K, PRIOR_ACCEPTANCE, AcceptanceEstimate, PromptLookup
 from decoding.interrupts import deferred_interrupts
-from decoding.packing import packed_weights
 from decoding.paging import pages_for
+from decoding.runner import Runner, RunOutput
 from decoding.sampling import (
     MAX_LOGPROBS,
     SamplingConfig,
-    SamplingParams,
     TokenLogprob,
     check_logprobs_mode,
     logprob_records,
 )
-from decoding.scheduler import Chunk, Request, Scheduler, StepPlan
+from decoding.scheduler import Request, Scheduler, StepPlan
 from decoding.speculative import chosen_num_draft_tokens
-from models import KVCache
-from models.kv_cache import ring_pages_for
-from models.sharding import mesh_of, to_host
 
-_GREEDY = SamplingConfig()
-MIN_CHUNK = 16  # the smallest prefill chunk bucket
-COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
 # Verification steps between re-choices of k (num_draft_tokens=None): each k compiles once.
 RECHOOSE_STEPS = 16
-
-
-def _chunk_bucket(n: int) -> int:
-    """The prefill chunk length C compiled for n tokens (a power of two, >= MIN_CHUNK)."""
-    return max(MIN_CHUNK, 1 << (n - 1).bit_length())
 
 
 def _check_sampling(name: str, sampling) -> SamplingConfig | None:
     if sampling is not None and not isinstance(sampling, SamplingConfig):
         raise TypeError(f"{name} must be a SamplingConfig or None, got {type(sampling).__name__}")
     return sampling
-
-
-class RunOutput(NamedTuple):
-    """What running a ``StepPlan`` produced: ``tokens[i]``, the tokens ``plan.decode[i]``'s row
-    sampled (one; a verification's accepted drafts, then its next token); ``logprobs[i]``
-    their host ``sampling.Logprobs`` (leading axis: token), or None when no row asked."""
-
-    tokens: list[list[int]]
-    logprobs: list | None
 
 
 class Engine:
@@ -166,9 +143,10 @@ class Engine:
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
 
-    Attributes (besides the arguments): ``ring_pages``, R pages per batch slot of each
-    sliding-window layer's ring, or None when every layer is on the pool; ``pool_layers``, the
-    layers whose keys and values the pool's pages hold (module doc).
+    Attributes (besides the arguments): ``scheduler``, its ``scheduler.Scheduler`` (requests,
+    pages); ``runner``, its ``runner.Runner`` (the device side); ``ring_pages``, R pages per
+    batch slot of each sliding-window layer's ring, or None when every layer is on the pool;
+    ``pool_layers``, the layers whose keys and values the pool's pages hold (module doc).
     """
 
     def __init__(
@@ -207,21 +185,24 @@ class Engine:
         max_seq_len = check_optional_int("max_seq_len", max_seq_len, 2, limit + 1)
         self.max_seq_len = limit if max_seq_len is None else max_seq_len
         self.max_pages = min(num_pages, pages_for(self.max_seq_len - 1, page_size))
-        self._scratch = num_pages
-        graphdef, self._params = nnx.split(model)
-        self._kernels = packed_weights(model, self._params)  # few-row steps (CPU)
-        self._prefill_fn, self._decode_fn = engine_steps.jitted(graphdef, self.logprobs_mode)
-        self._model, self._graphdef, self.draft = model, graphdef, draft
+        self._model, self.draft = model, draft
         self._fixed_k, self.num_draft_tokens = k, k
-        # A verification writes up to k positions past a row's last needed one (dropped later),
-        # so the device block table is wider, its extra entries the scratch page.
-        self._table_width = pages_for(self.max_seq_len - 1 + (MAX_K if draft else 0), page_size)
         if draft is not None:
             self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE["prompt-lookup"])
             self._choose_k()
-        self._plan_rings(draft is not None)
-        self._k, self._v = self._new_pool()
         self._counts = collections.Counter()
+        self.runner = Runner(
+            model,
+            max_batch=self.max_batch,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_pages=self.max_pages,
+            max_seq_len=self.max_seq_len,
+            max_prefill_tokens=self.max_prefill_tokens,
+            draft=draft,
+            logprobs_mode=self.logprobs_mode,
+            counts=self._counts,
+        )
         self.scheduler = Scheduler(
             max_batch=self.max_batch,
             num_pages=num_pages,
@@ -230,7 +211,7 @@ class Engine:
             prefix_caching=self.prefix_caching,
             max_prefill_tokens=self.max_prefill_tokens,
             counts=self._counts,
-            replay_tokens=self._replay_tokens,
+            replay_tokens=self.runner.replay_tokens,
         )
         self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
         self._num_logprobs: dict[int, int] = {}  # live requests that asked: rid -> n
@@ -238,7 +219,7 @@ class Engine:
         self._logprobs: dict[int, list[TokenLogprob]] = {}  # of returned tokens, not popped
         self._broken: str | None = None
         self._next_rid = 0
-        self._busy_s = self._compile_s = 0.0
+        self._busy_s = 0.0
 
     @property
     def allocator(self):
@@ -250,44 +231,16 @@ class Engine:
         """The ``paging.BlockTables`` of the batch rows."""
         return self.scheduler.tables
 
-    def _plan_rings(self, speculative: bool) -> None:
-        """Whether the sliding layers keep rings (module doc): ``ring_pages`` R or None, the
-        layers on the pool (``pool_layers``) and the positions a prefix hit replays. Not on a
-        sharded model (``models.shard``): its attention runs per device through
-        ``jax.shard_map``, which the replay's read-only global layers do not go through."""
-        c, P = self.config, self.page_size
-        sliding = [i for i in range(c.num_layers) if c.is_sliding(i)]
-        if mesh_of(self._model) is not None:
-            sliding = []
-        self.ring_pages, self._replay_tokens = None, 0
-        self.pool_layers = tuple(range(c.num_layers))
-        if sliding:
-            longest = max(_chunk_bucket(self.max_prefill_tokens), MAX_K + 1 if speculative else 1)
-            R = ring_pages_for(c.sliding_window, longest, P)
-            if R < self.max_pages:
-                self.ring_pages, self._replay_tokens = R, len(sliding) * (c.sliding_window - 1)
-                self.pool_layers = tuple(i for i in range(c.num_layers) if i not in sliding)
-        self._ring_scratch = self.max_batch * (self.ring_pages or 0)
+    @property
+    def ring_pages(self) -> int | None:
+        """R, the pages per batch slot of each sliding-window layer's ring, or None when every
+        layer is on the pool (module doc)."""
+        return self.runner.ring_pages
 
-    def _new_pool(self):
-        """Zeroed K and V pools of ``num_pages + 1`` pages (the last one scratch); with rings,
-        each sliding layer's entry is its ``max_batch * R + 1`` ring pages (the last scratch)."""
-        rows = np.zeros((self.max_batch, 1), np.int32)
-        ring = dict(ring_pages=self.ring_pages, ring_scratch=True) if self.ring_pages else {}
-        pool = KVCache.paged(self.config, self._scratch + 1, self.page_size, rows, **ring)
-        return pool.k, pool.v
-
-    def _tables(self, table, slots, replay: bool = False):
-        """A step's tables: the block table [B', W] itself, or with rings an
-        ``engine_steps.RingTables`` whose window table maps row b's real pages (those not
-        scratch) to its slot ``slots[b]``'s ring, ``slot * R + i % R``, the rest to the rings'
-        scratch page."""
-        if self.ring_pages is None:
-            return table
-        R = self.ring_pages
-        ring = np.asarray(slots, np.int32)[:, None] * R + np.arange(table.shape[1]) % R
-        window = np.where(table != self._scratch, ring, self._ring_scratch).astype(np.int32)
-        return engine_steps.RingTables(table, window, R, replay)
+    @property
+    def pool_layers(self) -> tuple[int, ...]:
+        """The layers whose keys and values the pool's pages hold (module doc)."""
+        return self.runner.pool_layers
 
     # ----------------------------------------------------------------------------- requests
 
@@ -400,7 +353,7 @@ class Engine:
             try:
                 ahead = self.num_draft_tokens + 1 if self.draft is not None else 1
                 plan = self.scheduler.schedule(ahead)
-                out = self._run(plan)
+                out = self.runner.run(plan, set(self._num_logprobs))
                 emitted = self.scheduler.postprocess(plan, out.tokens)
                 self._emit(plan, out, emitted)
             except BaseException:
@@ -454,27 +407,12 @@ class Engine:
         if self._broken is not None:
             raise RuntimeError(self._broken)
 
-    def _call(self, fn, *args):
-        """``fn(*args)``, its time counted as compilation when it traced (``engine_steps.TRACES``)."""
-        traces, t0 = engine_steps.TRACES.total(), time.perf_counter()
-        out = fn(*args)
-        if engine_steps.TRACES.total() != traces:
-            self._compile_s += time.perf_counter() - t0
-        return out
-
     def _rebuild(self) -> None:
         """After an exception inside ``step``: a fresh allocator, block tables and (when the pool's
         buffers were donated and lost, or failed) pool; every unfinished request back to the
         queue, running ones first in admission order, to be recomputed from its tokens."""
         try:
-            try:
-                jax.block_until_ready((self._k, self._v))
-                lost = any(x.is_deleted() for x in (*self._k, *self._v))
-            except Exception:  # an execution error surfaced in the pool's buffers
-                lost = True
-            if lost:
-                self._k = self._v = ()
-                self._k, self._v = self._new_pool()
+            self.runner.recover()
             self.scheduler.reset()
             self._counts["rebuilds"] += 1
         except BaseException as e:
@@ -484,147 +422,31 @@ class Engine:
             )
             raise
 
+    def _emit(self, plan: StepPlan, out: RunOutput, emitted: list[list[int]]) -> None:
+        """Keeps the step's emitted tokens (and their logprobs) for ``step()``'s caller; with a
+        draft, counts what each row accepted and every ``RECHOOSE_STEPS`` verifications
+        chooses k again."""
+        for i, (row, tokens) in enumerate(zip(plan.decode, emitted, strict=True)):
+            if tokens:
+                self._events.setdefault(row.req.rid, []).extend(tokens)
+            if out.logprobs is not None:
+                self._record_logprobs(row.req, tokens, out.logprobs[i])
+        if not plan.decode or self.draft is None:
+            return
+        k = plan.ahead - 1
+        for n in out.accepted:
+            self._counts["draft_accepted"] += n
+            self._counts["draft_proposed"] += k
+            self.acceptance.update(n, k)
+        if self._counts["decode_steps"] % RECHOOSE_STEPS == 0:
+            self._choose_k()
+
     def _choose_k(self) -> None:
         """k for the next verification steps (fixed, or the rule on the running estimate)."""
         if self._fixed_k is None:
             self.num_draft_tokens = chosen_num_draft_tokens(
                 self._model, self.draft, None, batch=self.max_batch, acceptance=self.acceptance.rate
             )
-
-    # ----------------------------------------------------------------------------- running
-
-    def _run(self, plan: StepPlan) -> RunOutput:
-        """Executes ``plan`` on the device: its page copies, its prefill chunks, then one decode
-        (or verification) step for its decode rows."""
-        self._copy(plan.copies)
-        for chunk in plan.prefill:
-            self._run_chunk(chunk)
-        if not plan.decode:
-            return RunOutput([], None)
-        if self.draft is not None:
-            return self._run_verify(plan.decode, plan.ahead - 1)
-        return self._run_decode(plan.decode)
-
-    def _copy(self, copies) -> None:
-        for i in range(0, len(copies), COPY_BATCH):
-            part = list(copies[i : i + COPY_BATCH])
-            pad = [(self._scratch, self._scratch)] * (COPY_BATCH - len(part))
-            src, dst = np.array(part + pad, np.int32).T
-            layers = None if self.ring_pages is None else self.pool_layers  # rings: never shared
-            self._k, self._v = self._call(
-                engine_steps.copy_pages, self._k, self._v, src, dst, layers
-            )
-            self._counts["page_copies"] += len(part)
-
-    def _run_chunk(self, chunk: Chunk) -> None:
-        """One prefill forward of ``chunk`` (padded to its bucket) into the row's pages."""
-        req, start, n = chunk.req, chunk.start, chunk.stop - chunk.start
-        tokens = np.zeros((1, _chunk_bucket(n)), np.int32)
-        tokens[0, :n] = req.tokens[start : chunk.stop]
-        table = np.full((1, self.max_pages), self._scratch, np.int32)
-        table[0, : len(chunk.pages)] = chunk.pages
-        self._k, self._v = self._call(
-            self._prefill_fn,
-            self._params,
-            self._k,
-            self._v,
-            tokens,
-            np.array([start], np.int32),
-            self._tables(table, [req.row], chunk.replay),
-        )
-
-    def _row_inputs(self, rows, width: int):
-        """The per-row arrays of a decode or verification step at the fixed batch B: block
-        table [B, width], seeds, new-token indices, sampling settings and whether logprobs
-        are wanted; padding rows read the scratch page and decode greedily (the cheapest)."""
-        B = self.max_batch
-        table = np.full((B, width), self._scratch, np.int32)
-        seeds, index = np.zeros(B, np.uint32), np.zeros(B, np.int32)
-        settings, wanted = [_GREEDY] * B, np.zeros(B, bool)
-        for row in rows:
-            req, b = row.req, row.req.row
-            table[b, : len(row.pages)] = row.pages
-            seeds[b], index[b] = req.seed, len(req.tokens) - req.prompt_len
-            settings[b], wanted[b] = req.sampling, req.rid in self._num_logprobs
-        tables = self._tables(table, np.arange(B))
-        return tables, seeds, index, SamplingParams.rows(settings), wanted
-
-    def _run_decode(self, rows) -> RunOutput:
-        """One jitted decode step for every row (``engine_steps.decode_rows``)."""
-        last, lengths = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, np.int32)
-        for row in rows:
-            last[row.req.row], lengths[row.req.row] = row.req.tokens[-1], row.req.computed
-        tables, seeds, index, settings, wanted = self._row_inputs(rows, self.max_pages)
-        new, lp, self._k, self._v = self._call(
-            self._decode_fn,
-            self._params,
-            self._kernels,
-            self._k,
-            self._v,
-            last,
-            lengths,
-            tables,
-            seeds,
-            index,
-            settings,
-            wanted,
-        )
-        new = to_host(new)  # whole on every process, also when rows span processes
-        self._counts["decode_steps"] += 1
-        tokens = [[int(new[row.req.row])] for row in rows]
-        if not wanted.any():  # zeros: not worth a transfer
-            return RunOutput(tokens, None)
-        lp = to_host(lp)
-        return RunOutput(tokens, [jax.tree.map(lambda x, b=r.req.row: x[[b]], lp) for r in rows])
-
-    def _run_verify(self, rows, k: int) -> RunOutput:
-        """One speculative step of k drafts for every row (``engine_steps.verify_rows``)."""
-        seq = np.zeros((self.max_batch, self.max_seq_len), np.int32)
-        lengths = np.zeros(self.max_batch, np.int32)
-        for row in rows:
-            seq[row.req.row, : len(row.req.tokens)] = row.req.tokens
-            lengths[row.req.row] = row.req.computed
-        tables, seeds, index, settings, wanted = self._row_inputs(rows, self._table_width)
-        fn = engine_steps.jitted_verify(self._graphdef, self.draft, k, self.logprobs_mode)
-        drafted, n, nxt, lp, self._k, self._v = self._call(
-            fn,
-            self._params,
-            self._kernels,
-            self._k,
-            self._v,
-            seq,
-            lengths,
-            tables,
-            seeds,
-            index,
-            settings,
-            wanted,
-        )
-        drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
-        self._counts["decode_steps"] += 1
-        tokens = []
-        for row in rows:
-            b = row.req.row
-            self._counts["draft_accepted"] += int(n[b])
-            self._counts["draft_proposed"] += k
-            self.acceptance.update(int(n[b]), k)
-            tokens.append([*drafted[b, : n[b]].tolist(), int(nxt[b])])
-        if not wanted.any():
-            return RunOutput(tokens, None)
-        lp = to_host(lp)  # sampled token j sits at verified position j of row b
-        return RunOutput(tokens, [jax.tree.map(lambda x, b=r.req.row: x[b], lp) for r in rows])
-
-    def _emit(self, plan: StepPlan, out: RunOutput, emitted: list[list[int]]) -> None:
-        """Keeps the step's emitted tokens (and their logprobs) for ``step()``'s caller; every
-        ``RECHOOSE_STEPS`` verifications, chooses k again."""
-        for i, (row, tokens) in enumerate(zip(plan.decode, emitted, strict=True)):
-            if tokens:
-                self._events.setdefault(row.req.rid, []).extend(tokens)
-            if out.logprobs is not None:
-                self._record_logprobs(row.req, tokens, out.logprobs[i])
-        if plan.decode and self.draft is not None:
-            if self._counts["decode_steps"] % RECHOOSE_STEPS == 0:
-                self._choose_k()
 
     # ----------------------------------------------------------------------------- stats
 
@@ -646,13 +468,14 @@ class Engine:
         prefix hits.
         """
         alloc, P, L = self.allocator, self.page_size, self.config.num_layers
+        k = self.runner.k
         used = {}
         for req in self.scheduler.running:
             for i, page in enumerate(self.tables.rows[req.row]):
                 used[page] = max(used.get(page, 0), min(P, max(req.computed - i * P, 0)))
         pages_used = alloc.num_pages - alloc.num_available
         c = self._counts
-        run_s = self._busy_s - self._compile_s
+        run_s = self._busy_s - self.runner.compile_s
         return dict(
             pages_total=alloc.num_pages,
             pages_free=alloc.num_free,
@@ -671,16 +494,16 @@ class Engine:
             generated_tokens=c["generated_tokens"],
             page_copies=c["page_copies"],
             evictions=alloc.evictions,
-            compile_s=self._compile_s,
+            compile_s=self.runner.compile_s,
             tokens_per_s=c["generated_tokens"] / run_s if run_s > 0 else 0.0,
             num_draft_tokens=self.num_draft_tokens,
             draft_accepted=c["draft_accepted"],
             draft_proposed=c["draft_proposed"],
             pool_layers=len(self.pool_layers),
             ring_pages=self.ring_pages or 0,
-            page_bytes=sum(self._k[i].nbytes // self._k[i].shape[0] * 2 for i in self.pool_layers),
+            page_bytes=sum(k[i].nbytes // k[i].shape[0] * 2 for i in self.pool_layers),
             ring_bytes=sum(
-                x.nbytes for i, x in enumerate(self._k + self._v) if i % L not in self.pool_layers
+                x.nbytes for i, x in enumerate(k + self.runner.v) if i % L not in self.pool_layers
             ),
             replay_tokens=c["replay_tokens"],
         )

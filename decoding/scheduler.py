@@ -7,8 +7,8 @@ growth of decoding rows, preemption, retirement, abort, and the reset after a fa
 One engine step is three calls (``decoding.engine``)::
 
     plan = scheduler.schedule(ahead)        # host decisions, pages taken: a StepPlan
-    sampled = runner(plan)                  # device work only: copies, prefill chunks, decode
-    emitted = scheduler.postprocess(plan, sampled)  # tokens appended, pages registered, retired
+    out = runner.run(plan)                  # device work only (decoding.runner)
+    emitted = scheduler.postprocess(plan, out.tokens)  # tokens fed back, pages registered
 
 ``schedule`` decides the whole step before any device work: it admits, cuts prefill chunks,
 grows the decoding rows and preempts, advancing each request's ``computed`` as if the plan had

@@ -104,7 +104,7 @@ def test_packed_weights_greedy_equals_generate():
     model = random_transformer(seed=3, scale=0.1, dim=256, mlp_dim=512)
     refs = [generate(model, [p], max_new_tokens=12).tokens[0] for p in PROMPTS]
     eng = make_engine(model)
-    assert eng._kernels or jax.default_backend() != "cpu" or not rows_matmul.available()
+    assert eng.runner.kernels or jax.default_backend() != "cpu" or not rows_matmul.available()
     ids = [eng.submit(p, 12) for p in PROMPTS]
     out = eng.run_until_done()
     assert [out[r] for r in ids] == refs

@@ -19,8 +19,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from decoding import PromptLookup
-from decoding.engine import MIN_CHUNK, Engine
+from decoding.engine import Engine
 from decoding.generate import generate
+from decoding.runner import MIN_CHUNK
 from decoding.serve.metrics import Metrics
 from models import Transformer, TransformerConfig, shard
 from models.kv_cache import ring_pages_for
@@ -96,9 +97,13 @@ def test_sliding_layers_keep_rings_and_the_pool_serves_global_layers(case):
     assert eng.pool_layers == tuple(glob) and sliding
     D, item = c.resolved_head_dim, np.dtype(c.jnp_dtype).itemsize
     for i in sliding:  # a ring of R pages per slot and a scratch page, whatever the pool size
-        assert eng._k[i].shape == eng._v[i].shape == (BATCH * R + 1, PAGE, c.num_kv_heads, D)
+        assert (
+            eng.runner.k[i].shape
+            == eng.runner.v[i].shape
+            == (BATCH * R + 1, PAGE, c.num_kv_heads, D)
+        )
     for i in glob:  # the pool: num_pages and a scratch page
-        assert eng._k[i].shape == (POOL + 1, PAGE, c.num_kv_heads, D)
+        assert eng.runner.k[i].shape == (POOL + 1, PAGE, c.num_kv_heads, D)
     s = eng.stats()
     page = PAGE * c.num_kv_heads * D * item * 2  # K and V of one page of one layer
     assert s["ring_pages"] == R and s["pool_layers"] == len(glob)
@@ -106,7 +111,7 @@ def test_sliding_layers_keep_rings_and_the_pool_serves_global_layers(case):
     assert s["ring_bytes"] == page * len(sliding) * (BATCH * R + 1)
     # O(window) per slot: a bigger pool or a longer max_seq_len leaves the rings as they are
     big = _engine(model, num_pages=2 * POOL)
-    assert [big._k[i].shape for i in sliding] == [eng._k[i].shape for i in sliding]
+    assert [big.runner.k[i].shape for i in sliding] == [eng.runner.k[i].shape for i in sliding]
     if name == "mistral":
         assert eng.pool_layers == () and s["page_bytes"] == 0
     metrics = Metrics()  # /metrics reads the worker's published stats
@@ -149,7 +154,9 @@ def _ring_keys(eng, slot: int, stop: int):
     pos = np.arange(stop - WINDOW + 1, stop)
     pages = slot * R + (pos // PAGE) % R
     return [
-        np.asarray(eng._k[i])[pages, pos % PAGE] for i in range(c.num_layers) if c.is_sliding(i)
+        np.asarray(eng.runner.k[i])[pages, pos % PAGE]
+        for i in range(c.num_layers)
+        if c.is_sliding(i)
     ]
 
 
@@ -190,7 +197,7 @@ def test_a_failed_step_rebuilds_the_rings_and_the_pool(case):
     rebuilds both and recomputes every request from its tokens, with the same outputs."""
     _, model, want = case
     eng = _engine(model)
-    real, calls = eng._prefill_fn, []
+    real, calls = eng.runner.prefill_fn, []
 
     def fails_once(*args):
         out = real(*args)
@@ -199,16 +206,18 @@ def test_a_failed_step_rebuilds_the_rings_and_the_pool(case):
             raise RuntimeError("injected")
         return out
 
-    eng._prefill_fn = fails_once
+    eng.runner.prefill_fn = fails_once
     ids = [eng.submit(p, MAX_NEW) for p in PROMPTS]
     with pytest.raises(RuntimeError, match="injected"):
         while eng.busy:
             eng.step()
     assert eng.stats()["rebuilds"] == 1
-    assert all(not x.is_deleted() for x in (*eng._k, *eng._v))
+    assert all(not x.is_deleted() for x in (*eng.runner.k, *eng.runner.v))
     R = eng.ring_pages
     c = model.config
-    assert all(eng._k[i].shape[0] == BATCH * R + 1 for i in range(c.num_layers) if c.is_sliding(i))
+    assert all(
+        eng.runner.k[i].shape[0] == BATCH * R + 1 for i in range(c.num_layers) if c.is_sliding(i)
+    )
     out = eng.run_until_done()
     assert [out[i] for i in ids] == want
 

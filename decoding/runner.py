@@ -1,0 +1,256 @@
+"""The engine's device side: runs a ``scheduler.StepPlan`` on the page pool.
+
+A :class:`Runner` owns what lives on the device or feeds it: the model's parameters and their
+CPU-packed copies (``decoding.packing``), the jitted steps (``decoding.engine_steps``), the K and
+V page pools (one scratch page more, for padding writes) and, where sliding-window layers keep
+rings (``models.kv_cache``), their per-slot rings. It makes no decision: which request runs,
+with which pages, is the plan's (``decoding.scheduler``); the engine (``decoding.engine``) feeds
+the sampled tokens back to the scheduler.
+
+One :meth:`Runner.run` applies the plan's page copies (``COPY_BATCH`` per call, padded, so one
+compiled shape), runs each prefill chunk as one ``Tq = C`` forward (C the chunk's power-of-two
+bucket, at least ``MIN_CHUNK``), then one decode step (or, with a draft, one verification of k
+drafts) for every decoding row at the fixed batch ``max_batch``: padding rows read the scratch
+page and decode greedily, the cheapest.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+
+from decoding import engine_steps
+from decoding.drafts import MAX_K
+from decoding.packing import packed_weights
+from decoding.paging import pages_for
+from decoding.sampling import SamplingConfig, SamplingParams
+from decoding.scheduler import Chunk, DecodeRow, StepPlan
+from models import KVCache
+from models.kv_cache import ring_pages_for
+from models.sharding import mesh_of, to_host
+
+GREEDY = SamplingConfig()
+MIN_CHUNK = 16  # the smallest prefill chunk bucket
+COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
+
+
+def chunk_bucket(n: int) -> int:
+    """The prefill chunk length C compiled for n tokens (a power of two, >= MIN_CHUNK)."""
+    return max(MIN_CHUNK, 1 << (n - 1).bit_length())
+
+
+class RunOutput(NamedTuple):
+    """What running a ``StepPlan`` produced: ``tokens[i]``, the tokens ``plan.decode[i]``'s row
+    sampled (one; a verification's accepted drafts, then its next token); ``accepted[i]`` the
+    drafts it accepted (0 without a draft); ``logprobs[i]`` their host ``sampling.Logprobs``
+    (leading axis: token), or None when no row asked."""
+
+    tokens: list[list[int]]
+    accepted: list[int]
+    logprobs: list | None
+
+
+class Runner:
+    """Device state and steps for ``max_batch`` rows over a pool of ``num_pages`` pages of
+    ``page_size`` (page ``num_pages`` is the scratch page); block tables ``max_pages`` wide
+    (``table_width`` for verifications, which write up to ``MAX_K`` positions more).
+
+    Attributes: ``ring_pages``, R pages per batch slot of each sliding layer's ring, or None
+    when every layer is on the pool; ``pool_layers``, the layers the pool's pages hold;
+    ``replay_tokens``, the positions a prefix hit replays to rebuild a ring (``decoding.engine``
+    says why); ``k``, ``v``, the pools (per layer); ``compile_s``, seconds spent in calls that
+    traced a step.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch: int,
+        num_pages: int,
+        page_size: int,
+        max_pages: int,
+        max_seq_len: int,
+        max_prefill_tokens: int,
+        draft=None,
+        logprobs_mode: str = "raw",
+        counts: collections.Counter | None = None,
+    ):
+        self.config, self.max_batch, self.page_size = model.config, max_batch, page_size
+        self.max_pages, self.max_seq_len, self.draft = max_pages, max_seq_len, draft
+        self.logprobs_mode, self.scratch = logprobs_mode, num_pages
+        self.counts = collections.Counter() if counts is None else counts
+        self.graphdef, self.params = nnx.split(model)
+        self.kernels = packed_weights(model, self.params)  # few-row steps (CPU)
+        self.prefill_fn, self.decode_fn = engine_steps.jitted(self.graphdef, logprobs_mode)
+        # A verification writes up to k positions past a row's last needed one (dropped later),
+        # so the device block table is wider, its extra entries the scratch page.
+        self.table_width = pages_for(max_seq_len - 1 + (MAX_K if draft else 0), page_size)
+        self._plan_rings(model, max_prefill_tokens)
+        self.k, self.v = self.new_pool()
+        self.compile_s = 0.0
+
+    def _plan_rings(self, model, max_prefill_tokens: int) -> None:
+        """Whether the sliding layers keep rings (``decoding.engine``'s module doc): R or None,
+        the layers on the pool and the positions a prefix hit replays. Not on a sharded model
+        (``models.shard``): its attention runs per device through ``jax.shard_map``, which the
+        replay's read-only global layers do not go through."""
+        c, P = self.config, self.page_size
+        sliding = [i for i in range(c.num_layers) if c.is_sliding(i)]
+        if mesh_of(model) is not None:
+            sliding = []
+        self.ring_pages, self.replay_tokens = None, 0
+        self.pool_layers = tuple(range(c.num_layers))
+        if sliding:
+            longest = max(chunk_bucket(max_prefill_tokens), MAX_K + 1 if self.draft else 1)
+            R = ring_pages_for(c.sliding_window, longest, P)
+            if R < self.max_pages:
+                self.ring_pages, self.replay_tokens = R, len(sliding) * (c.sliding_window - 1)
+                self.pool_layers = tuple(i for i in range(c.num_layers) if i not in sliding)
+        self._ring_scratch = self.max_batch * (self.ring_pages or 0)
+
+    def new_pool(self):
+        """Zeroed K and V pools of ``num_pages + 1`` pages (the last one scratch); with rings,
+        each sliding layer's entry is its ``max_batch * R + 1`` ring pages (the last scratch)."""
+        rows = np.zeros((self.max_batch, 1), np.int32)
+        ring = dict(ring_pages=self.ring_pages, ring_scratch=True) if self.ring_pages else {}
+        pool = KVCache.paged(self.config, self.scratch + 1, self.page_size, rows, **ring)
+        return pool.k, pool.v
+
+    def recover(self) -> None:
+        """After an exception in a step: a fresh pool when the old one's buffers were donated
+        and lost (or hold an execution error)."""
+        try:
+            jax.block_until_ready((self.k, self.v))
+            lost = any(x.is_deleted() for x in (*self.k, *self.v))
+        except Exception:  # an execution error surfaced in the pool's buffers
+            lost = True
+        if lost:
+            self.k = self.v = ()
+            self.k, self.v = self.new_pool()
+
+    def _call(self, fn, *args):
+        """``fn(*args)``, its time counted as compilation when it traced (``engine_steps.TRACES``)."""
+        traces, t0 = engine_steps.TRACES.total(), time.perf_counter()
+        out = fn(*args)
+        if engine_steps.TRACES.total() != traces:
+            self.compile_s += time.perf_counter() - t0
+        return out
+
+    def _tables(self, table, slots, replay: bool = False):
+        """A step's tables: the block table [B', W] itself, or with rings an
+        ``engine_steps.RingTables`` whose window table maps row b's real pages (those not
+        scratch) to its slot ``slots[b]``'s ring, ``slot * R + i % R``, the rest to the rings'
+        scratch page."""
+        if self.ring_pages is None:
+            return table
+        R = self.ring_pages
+        ring = np.asarray(slots, np.int32)[:, None] * R + np.arange(table.shape[1]) % R
+        window = np.where(table != self.scratch, ring, self._ring_scratch).astype(np.int32)
+        return engine_steps.RingTables(table, window, R, replay)
+
+    # ----------------------------------------------------------------------------- a plan
+
+    def run(self, plan: StepPlan, logprobs: set[int] = frozenset()) -> RunOutput:
+        """Executes ``plan``: its page copies, its prefill chunks, then one decode (or
+        verification of ``plan.ahead - 1`` drafts) step for its decode rows; logprobs are
+        computed for the rows of the request ids in ``logprobs``."""
+        self.copy(plan.copies)
+        for chunk in plan.prefill:
+            self.prefill(chunk)
+        if not plan.decode:
+            return RunOutput([], [], None)
+        if self.draft is not None:
+            return self.verify(plan.decode, plan.ahead - 1, logprobs)
+        return self.decode(plan.decode, logprobs)
+
+    def copy(self, copies) -> None:
+        """Applies ``[(src, dst)]`` page copies to the pool's layers (rings are never shared)."""
+        for i in range(0, len(copies), COPY_BATCH):
+            part = list(copies[i : i + COPY_BATCH])
+            pad = [(self.scratch, self.scratch)] * (COPY_BATCH - len(part))
+            src, dst = np.array(part + pad, np.int32).T
+            layers = None if self.ring_pages is None else self.pool_layers
+            self.k, self.v = self._call(engine_steps.copy_pages, self.k, self.v, src, dst, layers)
+            self.counts["page_copies"] += len(part)
+
+    def prefill(self, chunk: Chunk) -> None:
+        """One prefill forward of ``chunk`` (padded to its bucket) into the row's pages."""
+        req, start, n = chunk.req, chunk.start, chunk.stop - chunk.start
+        tokens = np.zeros((1, chunk_bucket(n)), np.int32)
+        tokens[0, :n] = req.tokens[start : chunk.stop]
+        table = np.full((1, self.max_pages), self.scratch, np.int32)
+        table[0, : len(chunk.pages)] = chunk.pages
+        self.k, self.v = self._call(
+            self.prefill_fn,
+            self.params,
+            self.k,
+            self.v,
+            tokens,
+            np.array([start], np.int32),
+            self._tables(table, [req.row], chunk.replay),
+        )
+
+    def _row_inputs(self, rows: tuple[DecodeRow, ...], width: int, logprobs: set[int]):
+        """The per-row inputs of a decode or verification step at the fixed batch B, in the
+        steps' order: tables (block table [B, width]), seeds, new-token indices, sampling
+        settings, whether logprobs are wanted [B] bool; padding rows read the scratch page and
+        decode greedily (the cheapest)."""
+        B = self.max_batch
+        table = np.full((B, width), self.scratch, np.int32)
+        seeds, index = np.zeros(B, np.uint32), np.zeros(B, np.int32)
+        settings, wanted = [GREEDY] * B, np.zeros(B, bool)
+        for row in rows:
+            req, b = row.req, row.req.row
+            table[b, : len(row.pages)] = row.pages
+            seeds[b], index[b] = req.seed, len(req.tokens) - req.prompt_len
+            settings[b], wanted[b] = req.sampling, req.rid in logprobs
+        tables = self._tables(table, np.arange(B))
+        return tables, seeds, index, SamplingParams.rows(settings), wanted
+
+    def decode(self, rows: tuple[DecodeRow, ...], logprobs: set[int]) -> RunOutput:
+        """One jitted decode step for every row (``engine_steps.decode_rows``)."""
+        last, lengths = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, np.int32)
+        for row in rows:
+            last[row.req.row], lengths[row.req.row] = row.req.tokens[-1], row.req.computed
+        inputs = self._row_inputs(rows, self.max_pages, logprobs)
+        new, lp, self.k, self.v = self._call(
+            self.decode_fn, self.params, self.kernels, self.k, self.v, last, lengths, *inputs
+        )
+        wanted = inputs[-1]
+        new = to_host(new)  # whole on every process, also when rows span processes
+        self.counts["decode_steps"] += 1
+        tokens = [[int(new[row.req.row])] for row in rows]
+        if not wanted.any():  # zeros: not worth a transfer
+            return RunOutput(tokens, [0] * len(rows), None)
+        lp = to_host(lp)
+        parts = [jax.tree.map(lambda x, b=r.req.row: x[[b]], lp) for r in rows]
+        return RunOutput(tokens, [0] * len(rows), parts)
+
+    def verify(self, rows: tuple[DecodeRow, ...], k: int, logprobs: set[int]) -> RunOutput:
+        """One speculative step of k drafts for every row (``engine_steps.verify_rows``)."""
+        seq = np.zeros((self.max_batch, self.max_seq_len), np.int32)
+        lengths = np.zeros(self.max_batch, np.int32)
+        for row in rows:
+            seq[row.req.row, : len(row.req.tokens)] = row.req.tokens
+            lengths[row.req.row] = row.req.computed
+        inputs = self._row_inputs(rows, self.table_width, logprobs)
+        fn = engine_steps.jitted_verify(self.graphdef, self.draft, k, self.logprobs_mode)
+        drafted, n, nxt, lp, self.k, self.v = self._call(
+            fn, self.params, self.kernels, self.k, self.v, seq, lengths, *inputs
+        )
+        wanted = inputs[-1]
+        drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
+        self.counts["decode_steps"] += 1
+        bs = [row.req.row for row in rows]
+        tokens = [[*drafted[b, : n[b]].tolist(), int(nxt[b])] for b in bs]
+        accepted = [int(n[b]) for b in bs]
+        if not wanted.any():
+            return RunOutput(tokens, accepted, None)
+        lp = to_host(lp)  # sampled token j sits at verified position j of row b
+        return RunOutput(tokens, accepted, [jax.tree.map(lambda x, b=b: x[b], lp) for b in bs])
