@@ -2,8 +2,13 @@
 
 Decode steps, speculative verification, draft proposals and the engine's steps multiply each
 weight matrix by a few rows per call; on CPU those products run faster on packed copies of the
-weights (``models.linear``, ``models.rows_matmul``). Packing is eager and attaching happens
-inside the jitted loop, where the weights are arguments, so the view has two halves:
+weights (``models.linear``, ``models.rows_matmul``). How a model is packed is the model's
+(``models.transformer.pack_decode_weights``: which layers, which format); when and where the
+decode paths pack is this module's, and no other module of the library calls the models' packing
+(``tests/test_imports.py`` checks it): ``generate`` and ``speculative_generate`` once per call,
+the engine once, in its runner (``decoding.runner.Runner``), the drafts' cost measurement and
+Medusa's heads. Packing is eager and attaching happens inside the jitted loop, where the
+weights are arguments, so the view has two halves:
 
 * :func:`packed_weights` (host side, before the jitted call): the packed copies, a dict to pass
   into the jitted function as an argument; ``{}`` where packing does not apply (not CPU, no C++

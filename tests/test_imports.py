@@ -179,3 +179,18 @@ def test_no_private_attribute_of_another_module_is_used():
         for use in _private_attributes(path.read_text(), name)
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_only_decoding_packing_packs_weights_for_the_decode_paths():
+    """The CPU packing (``models.transformer.pack_decode_weights`` / ``attach_decode_weights``)
+    is reached through one module, ``decoding.packing``; the decode paths (generate,
+    speculative, the drafts, the engine's runner) call that."""
+    names = {"pack_decode_weights", "attach_decode_weights"}
+    users = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            imported = isinstance(node, ast.ImportFrom) and {a.name for a in node.names} & names
+            read = isinstance(node, ast.Attribute) and node.attr in names
+            if imported or read:
+                users.add(name)
+    assert users == {"decoding.packing"}
