@@ -37,6 +37,7 @@ Kinds here: :class:`ModelDraft` (a smaller ``models.Transformer`` with its own c
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -68,6 +69,9 @@ MAX_K = 8
 # starting point of the running estimate; weighed as PRIOR_WEIGHT proposed tokens.
 PRIOR_ACCEPTANCE = {"model": 0.6, "prompt-lookup": 0.5, "early-exit": 0.5, "medusa": 0.5}
 PRIOR_WEIGHT = 16.0
+# Tested draft positions over which the running estimate's observations fade (by 1/e): a few
+# requests' worth, so k follows the workload running now.
+HORIZON = 256.0
 
 
 def default_k(kind: str) -> int:
@@ -125,17 +129,23 @@ class AcceptanceEstimate:
     the truncated geometric law. Accepted over proposed (k every step) would count the untested
     positions as rejections and underrate a drafter whose runs are long, the more so the larger
     k, pulling the choice of k down exactly where a larger k pays (copying spans).
+
+    Observations fade with ``horizon`` tested positions (each update scales the earlier counts
+    by exp(-tested / horizon)), so the rate follows the requests running now (an engine serving
+    a copy task after open chat) instead of everything since it started.
     """
 
-    def __init__(self, prior: float, weight: float = PRIOR_WEIGHT):
-        self.prior, self.weight = float(prior), float(weight)
-        self.accepted = self.tested = 0
+    def __init__(self, prior: float, weight: float = PRIOR_WEIGHT, horizon: float = HORIZON):
+        self.prior, self.weight, self.horizon = float(prior), float(weight), float(horizon)
+        self.accepted = self.tested = 0.0
 
     def update(self, accepted: int, proposed: int) -> None:
         """One row's verification step: ``accepted`` of its ``proposed`` (k) drafted tokens."""
         accepted, proposed = int(accepted), int(proposed)
-        self.accepted += accepted
-        self.tested += accepted + (accepted < proposed)
+        tested = accepted + (accepted < proposed)
+        fade = math.exp(-tested / self.horizon)
+        self.accepted = self.accepted * fade + accepted
+        self.tested = self.tested * fade + tested
 
     @property
     def rate(self) -> float:

@@ -54,11 +54,11 @@ def test_k_grows_with_acceptance_and_shrinks_with_draft_cost():
 
 
 def test_acceptance_estimate_starts_at_the_prior_and_follows_observations():
-    est = AcceptanceEstimate(0.5, weight=10)
+    est = AcceptanceEstimate(0.5, weight=10, horizon=1e9)
     assert est.rate == 0.5
     for _ in range(30):
         est.update(3, 3)  # every drafted token accepted: nothing rejected
-    assert est.rate == pytest.approx((90 + 5) / (90 + 10))
+    assert est.rate == pytest.approx((90 + 5) / (90 + 10), rel=1e-6)
     for _ in range(300):
         est.update(0, 4)  # the first token rejected: one position tested
     assert est.rate < 0.3
@@ -69,7 +69,7 @@ def test_acceptance_estimate_recovers_the_per_token_rate_at_any_k():
     # is a (the rate expected_tokens assumes), where accepted / proposed falls with k.
     rng, naive = np.random.default_rng(0), []
     for k in (2, 6):
-        est, accepted = AcceptanceEstimate(0.5, weight=1.0), 0
+        est, accepted = AcceptanceEstimate(0.5, weight=1.0, horizon=1e9), 0
         for _ in range(4000):
             n = 0
             while n < k and rng.random() < 0.7:
@@ -79,6 +79,16 @@ def test_acceptance_estimate_recovers_the_per_token_rate_at_any_k():
         assert est.rate == pytest.approx(0.7, abs=0.02)
         naive.append(accepted / (4000 * k))
     assert naive[0] < 0.65 and naive[1] < 0.4  # (a + .. + a^k) / k: 0.6 and 0.34
+
+
+def test_acceptance_estimate_follows_the_workload_running_now():
+    est = AcceptanceEstimate(0.5, weight=4, horizon=64)
+    for _ in range(500):
+        est.update(0, 4)  # open chat: nothing copies
+    assert est.rate < 0.1
+    for _ in range(100):
+        est.update(4, 4)  # then a copy task: every token accepted
+    assert est.rate > 0.9  # the old rejections have faded (without fading: 400 / 900)
 
 
 def test_measured_costs_keep_each_tqs_fastest_call_and_never_fall_with_tq(monkeypatch):
