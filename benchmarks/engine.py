@@ -148,9 +148,10 @@ SPEC_BATCHES = (1, 8, 32)
 SPEC_MAX_SEQ = 384
 
 
-def spec_pass(model, requests, batch: int, draft):
-    """One pass of the engine (``draft`` or none) with every request submitted at once ->
-    (tokens per request, seconds inside ``step`` less compilation, mean latency, stats)."""
+def spec_pass(model, requests, batch: int, draft, eos_id=None):
+    """One pass of the engine (``draft`` or none) with every request submitted at once, each
+    stopping at ``eos_id`` or its ``max_new_tokens`` -> (tokens per request, seconds inside
+    ``step`` less compilation, mean latency, stats)."""
     from decoding import Engine
 
     eng = Engine(
@@ -161,7 +162,7 @@ def spec_pass(model, requests, batch: int, draft):
         max_seq_len=SPEC_MAX_SEQ,
         draft=draft,
     )
-    ids = [eng.submit(p, n) for p, n in requests]
+    ids = [eng.submit(p, n, eos_id=eos_id) for p, n in requests]
     t0, done, compile_before = time.perf_counter(), {}, eng.stats()["compile_s"]
     while eng.busy:
         eng.step()
@@ -177,14 +178,16 @@ def spec_pass(model, requests, batch: int, draft):
 def speculation(args) -> None:
     """SmolLM2-135M-Instruct in the engine, greedy, with and without prompt lookup (k chosen
     from measured costs) at batch 1, 8 and 32 (1 and 8 quick): the same chat request mix
-    (``benchmarks.speculative.REAL_PROMPTS``, both workloads alternating), a warm-up pass that
-    compiles, then a timed one; every drafted row checked identical to the undrafted one."""
+    (``benchmarks.speculative.REAL_PROMPTS``, both workloads alternating; each answer ends at
+    the chat's end token or after ``new`` tokens), a warm-up pass that compiles, then a timed
+    one; tokens/s counts the tokens generated; every drafted row checked identical to the
+    undrafted one."""
     import models
     from benchmarks.speculative import REAL_PROMPTS, real_prompt_ids
     from decoding import PromptLookup
 
     model, tok = models.pretrained("smollm2-135m-instruct")
-    new = 32 if args.quick else 64
+    new = 64 if args.quick else 128
     mix = [ids for w in REAL_PROMPTS for ids in real_prompt_ids(tok, w)]
     mix = [mix[i // 2 + (i % 2) * (len(mix) // 2)] for i in range(len(mix))]  # alternate
     rows = []
@@ -193,10 +196,10 @@ def speculation(args) -> None:
         requests = [(mix[i % len(mix)], new) for i in range(n_req)]
         result = {}
         for name, draft in (("plain", None), ("prompt-lookup", PromptLookup())):
-            spec_pass(model, requests, batch, draft)  # warm-up: compilation
-            result[name] = spec_pass(model, requests, batch, draft)
+            spec_pass(model, requests, batch, draft, tok.eos_id)  # warm-up: compilation
+            result[name] = spec_pass(model, requests, batch, draft, tok.eos_id)
         (plain_tok, plain_s, plain_lat, _), (tok_, spec_s, spec_lat, st) = result.values()
-        useful = n_req * new
+        useful = sum(len(t) for t in plain_tok)
         row = dict(
             batch=batch,
             requests=n_req,
@@ -208,13 +211,15 @@ def speculation(args) -> None:
             latency_x=plain_lat / spec_lat,
             k=st["num_draft_tokens"],
             acceptance=st["draft_accepted"] / max(st["draft_proposed"], 1),
+            new_tokens=useful,
             identical=tok_ == plain_tok,
         )
         print(row)
         rows.append(row)
     settings = dict(
         model="smollm2-135m-instruct",
-        new_tokens=new,
+        max_new_tokens=new,
+        eos="the chat's end token",
         greedy=True,
         page_size=PAGE,
         max_seq_len=SPEC_MAX_SEQ,
