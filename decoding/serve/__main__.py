@@ -172,13 +172,11 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     num_pages = args.num_pages or args.max_batch * pages_for(
         max(max_seq_len // 4, 1), args.page_size
     )
-    problem = kv_pool_problem(model.config, num_pages, args.page_size)
+    # Sharded (--mesh), each device holds a part of the pool: the whole-pool check is for one.
+    problem = None if args.mesh else kv_pool_problem(model.config, num_pages, args.page_size)
     if problem is not None:
-        parser.error(
-            problem
-            if args.num_pages
-            else f"{problem} (the default for --max-batch {args.max_batch})"
-        )
+        default = "" if args.num_pages else f" (the default for --max-batch {args.max_batch})"
+        parser.error(problem + default)
     engine = (Engine if args.mesh is None else DistributedEngine)(
         model,
         max_batch=args.max_batch,
