@@ -12,10 +12,26 @@ a server around it would see, minus HTTP).
 
 Requests: the seed's mix of total lengths (100 / 500 / 50 / 200 tokens, divided by ``--scale``
 for a slow CPU), the prompt a random 20-80% of each (random token ids), ``ignore_eos`` so that
-each produces exactly its ``max_tokens``; greedy; SmolLM2-135M-Instruct in float32 on both sides.
+each produces exactly its ``max_tokens``; greedy; SmolLM2-135M-Instruct in ``--dtype`` (float32
+by default) on both sides, both from the same GGUF file dequantized to dense weights (the
+baseline is asked for that explicitly, ``GgufConfig(dequantize=True)``: transformers would
+otherwise keep packed GGUF blocks wherever the ``kernels`` package provides a matmul for them),
+the baseline with PyTorch's ``sdpa`` attention on all cores.
 Per system and rate: requests/s and output tokens/s (completed over first arrival to last
 completion), TTFT (the baseline does not stream: its first token arrives with the rest), TPOT,
 P50/P99 latency. Both sides are warmed up on the same requests first (compilation excluded).
+The server's rows also say where its time went, from the engine's counters over the rate's
+pass: ``engine_busy_frac`` (time inside ``Engine.step``, over the span: below 1 the HTTP side or
+the arrivals left it idle), ``mean_decode_rows`` (generated tokens per decode step) and
+``prefill_tokens``.
+
+Saturation is the ``inf`` rate: every request sent at once. Its requests/s includes the ramp-up
+and the tail, where the last long requests decode in a nearly empty batch (the baseline's last
+batch is as full as the others), so ``--requests`` must be several times ``--max-batch`` for it
+to approach the steady state; ``mean_decode_rows`` against ``--max-batch`` shows how far it is.
+Static batching's own cost: a batch of 8 runs for its longest request's prompt and output, so it
+computes ``static8_padding`` (in the JSON) times the tokens the requests need; on a CPU, where a
+step's cost grows with its rows, that bounds what continuous batching can gain over it.
 Writes ``benchmarks/results/serve_cpu.json`` and prints a table.
 """
 
@@ -108,20 +124,50 @@ async def _load(url: str, requests, times) -> list[dict]:
         return await asyncio.wait_for(asyncio.gather(*jobs), timeout=3600)
 
 
-def run_server(model, tok, requests, rates, max_batch: int, seed: int) -> list[dict]:
+def _engine_time(stats: dict) -> float:
+    """Seconds the engine spent inside ``step`` (its ``tokens_per_s`` excludes compilation)."""
+    tps = stats["tokens_per_s"]
+    return (stats["generated_tokens"] / tps if tps else 0.0) + stats["compile_s"]
+
+
+def engine_breakdown(before: dict, after: dict, span: float) -> dict:
+    """Where the server's time went over one pass, from ``Engine.stats()`` before and after."""
+    steps = after["decode_steps"] - before["decode_steps"]
+    generated = after["generated_tokens"] - before["generated_tokens"]
+    return dict(
+        engine_busy_frac=(_engine_time(after) - _engine_time(before)) / span,
+        decode_steps=steps,
+        mean_decode_rows=generated / steps if steps else 0.0,
+        prefill_tokens=after["prefill_tokens"] - before["prefill_tokens"],
+        compile_s=after["compile_s"] - before["compile_s"],
+        preemptions=after["preemptions"] - before["preemptions"],
+    )
+
+
+def run_server(model, tok, requests, rates, args, seed: int) -> list[dict]:
     from decoding import Engine
     from decoding.paging import pages_for
     from decoding.serve.local import running_server
 
     longest = max(len(p) + n for p, n in requests)
-    pages = max_batch * pages_for(longest, 16) + 16
-    engine = Engine(model, max_batch=max_batch, num_pages=pages, page_size=16, max_seq_len=longest)
+    B, P = args.max_batch, args.page_size
+    engine = Engine(
+        model,
+        max_batch=B,
+        num_pages=B * pages_for(longest, P) + 16,  # no preemption: every row's longest request
+        page_size=P,
+        max_seq_len=longest,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
     rows = []
     with running_server(engine, tok, model_name=MODEL, max_queue=4 * len(requests)) as (url, _):
         asyncio.run(_load(url, requests, arrivals(len(requests), math.inf, seed)))  # warm-up
         for rate in rates:
+            before = engine.stats()  # read between passes: the worker is idle
             results = asyncio.run(_load(url, requests, arrivals(len(requests), rate, seed)))
-            rows.append(summarize("decoding.serve", rate, results))
+            row = summarize("decoding.serve", rate, results)
+            span = max(r["end"] for r in results) - min(r["arrival"] for r in results)
+            rows.append(row | engine_breakdown(before, engine.stats(), span))
             print(rows[-1], flush=True)
     return rows
 
@@ -132,7 +178,7 @@ def run_server(model, tok, requests, rates, max_batch: int, seed: int) -> list[d
 class Baseline:
     """transformers ``generate`` on batches of requests, timed (each batch shape once warm)."""
 
-    def __init__(self):
+    def __init__(self, dtype: str):
         import torch
         import transformers
 
@@ -142,7 +188,11 @@ class Baseline:
         path = model_path(MODEL)
         self.torch = torch
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=getattr(torch, dtype),
+            attn_implementation="sdpa",
+            quantization_config=transformers.GgufConfig(dequantize=True),  # dense, as ours
         ).eval()
         self.pad = 0
         self.cache: dict[tuple, float] = {}
@@ -183,8 +233,19 @@ class Baseline:
         return out
 
 
-def run_baseline(requests, rates, seed: int) -> list[dict]:
-    base = Baseline()
+def static_padding(requests, batch: int) -> float:
+    """Tokens static batches of ``batch`` consecutive requests compute (each row runs for the
+    batch's longest prompt and longest output), over the tokens the requests need."""
+    need = sum(len(p) + n for p, n in requests)
+    done = 0
+    for i in range(0, len(requests), batch):
+        group = requests[i : i + batch]
+        done += len(group) * (max(len(p) for p, _ in group) + max(n for _, n in group))
+    return done / need
+
+
+def run_baseline(requests, rates, dtype: str, seed: int) -> list[dict]:
+    base = Baseline(dtype)
     base.duration([requests[0]])  # warm-up
     rows = []
     for batch in (1, BASELINE_BATCH):
@@ -195,23 +256,45 @@ def run_baseline(requests, rates, seed: int) -> list[dict]:
     return rows
 
 
+def saturation_ratios(rows: list[dict]) -> dict:
+    """The server's requests/s over each baseline's, at the highest rate (the goal's ratio)."""
+    top = max(r["rate"] for r in rows)
+    at = {r["system"]: r["requests_per_s"] for r in rows if r["rate"] == top}
+    ours = at.get("decoding.serve")
+    return {k: ours / v for k, v in at.items() if ours and k != "decoding.serve"}
+
+
 def main() -> None:
     p = common.parser(__doc__, runs=1, warmup=1, quick="8 requests, 2 rates, scale 8")
-    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, math.inf])
     p.add_argument("--scale", type=int, default=4, help="divide every length by this")
     p.add_argument("--max-batch", type=int, default=16, help="the engine's batch")
+    p.add_argument("--max-prefill-tokens", type=int, default=512, help="the engine's")
+    p.add_argument("--page-size", type=int, default=16, help="the engine's")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides")
     p.add_argument("--no-baseline", action="store_true")
     args = p.parse_args()
+    for name in ("requests", "scale", "max_batch", "max_prefill_tokens", "page_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(not r > 0 for r in args.rates):
+        p.error(f"--rates must be > 0 (inf: all at once), got {args.rates}")
     if args.quick:
         args.requests, args.rates, args.scale = 8, [1.0, math.inf], 8
+    import jax.numpy as jnp
+
     import models
 
-    model, tok = models.pretrained(MODEL)
+    model, tok = models.pretrained(MODEL, dtype=getattr(jnp, args.dtype))
     requests = make_requests(args.requests, args.scale, tok.vocab_size, seed=0)
-    rows = run_server(model, tok, requests, args.rates, args.max_batch, seed=1)
+    # PyTorch's threads meet at a barrier after every op, so a loaded machine slows the baseline
+    # far more than the engine (one native call per layer): its figures need a quiet machine.
+    load = {"server_start": os.getloadavg()}
+    rows = run_server(model, tok, requests, args.rates, args, seed=1)
     if not args.no_baseline:
-        rows += run_baseline(requests, args.rates, seed=1)
+        load["baseline_start"] = os.getloadavg()
+        rows += run_baseline(requests, args.rates, args.dtype, seed=1)
     columns = [
         "system",
         "rate",
@@ -221,6 +304,8 @@ def main() -> None:
         "tpot_p50_s",
         "latency_p50_s",
         "latency_p99_s",
+        "engine_busy_frac",
+        "mean_decode_rows",
     ]
     common.finish(
         args,
@@ -231,7 +316,13 @@ def main() -> None:
         requests=args.requests,
         scale=args.scale,
         max_batch=args.max_batch,
+        max_prefill_tokens=args.max_prefill_tokens,
+        page_size=args.page_size,
+        dtype=args.dtype,
         baseline_batch=BASELINE_BATCH,
+        static8_padding=static_padding(requests, BASELINE_BATCH),
+        saturation_ratio=saturation_ratios(rows),
+        load_average_at=load,
     )
 
 
