@@ -10,6 +10,11 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from models.data import Corpus
+    from models.train_step import TrainConfig
 
 # The shell's status for a process stopped by SIGINT (128 + 2).
 EXIT_INTERRUPTED = 130
@@ -26,6 +31,8 @@ class Interrupted(KeyboardInterrupt):
 def output_dir(text: str) -> str:
     """An ``argparse`` type: a directory that exists and is writable, or can be created (its
     nearest existing parent is a writable directory). Nothing is created here."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a directory, got ''")
     path = os.path.abspath(text)
     if os.path.exists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
@@ -35,6 +42,24 @@ def output_dir(text: str) -> str:
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r} is not writable ({parent!r} is not)")
     return text
+
+
+def windows_problem(corpus: Corpus, tc: TrainConfig) -> str | None:
+    """``None`` when ``corpus`` holds the windows of a run of ``tc``, else a message naming
+    the flags: each split needs one window of ``seq_len + 1`` tokens and a start
+    (``models.data.random_batch``), and the ``eval_batches * batch`` evenly spaced held-out
+    windows must not exceed the held-out stream (past it they only repeat it, and fill memory:
+    ``models.data.heldout_batches`` builds them all at once)."""
+    train, heldout = corpus.train.size, corpus.heldout.size
+    batch, seq_len, eval_batches = tc.batch, tc.seq_len, tc.eval_batches
+    if min(train, heldout) < seq_len + 2:
+        return f"--seq-len {seq_len}: the corpus has {train:,} train / {heldout:,} held-out tokens"
+    if batch * eval_batches * seq_len > heldout:
+        return (
+            f"--eval-batches {eval_batches} x --batch {batch} x --seq-len {seq_len} tokens "
+            f"exceed the {heldout:,} held-out tokens"
+        )
+    return None
 
 
 @contextlib.contextmanager

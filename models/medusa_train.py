@@ -28,7 +28,13 @@ from flax import nnx
 from decoding.generate import generate
 from decoding.sampling import SamplingConfig
 from models import data
-from models.cli import Interrupted, output_dir, report_interrupt, sigint_deferred
+from models.cli import (
+    Interrupted,
+    output_dir,
+    report_interrupt,
+    sigint_deferred,
+    windows_problem,
+)
 from models.hf import load_hf_checkpoint
 from models.medusa import MedusaHeads, save_medusa
 from models.pretrained import SHIPPED, model_arg, pretrained, shipped_path
@@ -143,20 +149,35 @@ def train_medusa(target, corpus: data.Corpus, tc, num_heads: int, *, log=print):
     return heads, summary
 
 
-def main_medusa(args, tc, argv=None) -> int:
+def main_medusa(args, tc, argv=None, error=None) -> int:
     """``models.train``'s ``--medusa-heads`` mode: trains, saves with :func:`save_medusa` and
     writes ``training.json`` (per-head held-out top-1 accuracy included) -> exit status (130
-    after Ctrl-C, which saves nothing unless it comes after the heads were written)."""
+    after Ctrl-C, which saves nothing unless it comes after the heads were written).
+    ``error(message)``: how a flag that does not fit the target or the corpus is reported
+    before training (``models.train`` passes its parser's usage error); default ValueError."""
+
+    def fail(message: str):
+        if error is not None:
+            error(message)
+        raise ValueError(message)
 
     if args.init is None:
-        raise ValueError("--medusa-heads needs --init (the frozen target: shipped name or path)")
+        fail("--medusa-heads needs --init (the frozen target: shipped name or path)")
     if args.medusa_heads < 1:
-        raise ValueError(f"--medusa-heads must be >= 1, got {args.medusa_heads}")
+        fail(f"--medusa-heads must be >= 1, got {args.medusa_heads}")
     path = str(shipped_path(args.init)) if args.init in SHIPPED else args.init
     saved = f"nothing saved to {args.out}"
     try:
-        target = load_hf_checkpoint(path, attn_impl=args.attn_impl)
+        try:
+            target = load_hf_checkpoint(path, attn_impl=args.attn_impl)
+        except (OSError, ValueError) as e:  # a checkpoint that lies
+            fail(f"--init {args.init}: {e}")
+        if tc.seq_len > target.config.max_position:
+            fail(f"--seq-len {tc.seq_len} is longer than the target's {target.config.max_position}")
         corpus = data.Corpus.from_stdlib(max_bytes=args.max_corpus_bytes)
+        problem = windows_problem(corpus, tc)
+        if problem is not None:
+            fail(problem)
         print(
             f"{args.medusa_heads} Medusa heads on {args.init}; corpus {corpus.train.size:,} "
             f"train / {corpus.heldout.size:,} held-out tokens; {jax.devices()[0].platform}",

@@ -26,7 +26,13 @@ from flax import nnx
 from tqdm import tqdm
 
 from models import data
-from models.cli import Interrupted, output_dir, report_interrupt, sigint_deferred
+from models.cli import (
+    Interrupted,
+    output_dir,
+    report_interrupt,
+    sigint_deferred,
+    windows_problem,
+)
 from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.medusa_train import main_medusa
@@ -245,7 +251,7 @@ def main(argv=None) -> int:
     if args.medusa_heads is not None:
         if args.init is None:
             p.error("--medusa-heads needs --init (the frozen target: a shipped name or a path)")
-        return main_medusa(args, tc, argv)
+        return main_medusa(args, tc, argv, error=p.error)
     if args.preset is None:
         p.error("--preset is required (unless --medusa-heads)")
     try:
@@ -261,17 +267,9 @@ def main(argv=None) -> int:
         except ValueError as e:  # a checkpoint that lies, or one of another preset
             p.error(str(e))
         corpus = data.Corpus.from_stdlib(max_bytes=args.max_corpus_bytes)
-        if min(corpus.train.size, corpus.heldout.size) < tc.seq_len + 2:  # a window + 1
-            p.error(
-                f"--max-corpus-bytes {args.max_corpus_bytes}: {corpus.train.size} train / "
-                f"{corpus.heldout.size} held-out tokens, too few for --seq-len {tc.seq_len}"
-            )
-        if tc.batch * tc.eval_batches * tc.seq_len > corpus.heldout.size:
-            # Evenly spaced windows past the stream's length only repeat it (and fill memory).
-            p.error(
-                f"--eval-batches {tc.eval_batches} x --batch {tc.batch} x --seq-len "
-                f"{tc.seq_len} tokens exceed the {corpus.heldout.size:,} held-out tokens"
-            )
+        problem = windows_problem(corpus, tc)
+        if problem is not None:
+            p.error(problem)
         print(
             f"{args.preset}: {config.num_params():,} params; corpus {corpus.train.size:,} train "
             f"/ {corpus.heldout.size:,} held-out tokens; {jax.devices()[0].platform}",

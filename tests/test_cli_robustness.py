@@ -182,6 +182,11 @@ def test_serve_ctrl_c_shuts_down_gracefully_and_exits_130():
     [
         (["--medusa-heads", "2"], "--medusa-heads needs --init"),
         (["--seq-len", "1000"], "--seq-len 1000 is longer than tiny's 512"),
+        (["--out", ""], "argument --out: expected a directory, got ''"),
+        (
+            ["--medusa-heads", "1", "--init", "code-draft", "--seq-len", "100000"],
+            "--seq-len 100000 is longer than the target's",
+        ),
     ],
 )
 def test_train_flags_fail_before_the_corpus_is_read(flags, named, tmp_path, monkeypatch, capsys):
@@ -261,6 +266,16 @@ def test_medusa_train_flags_fail_before_the_target_loads(
 def test_medusa_train_target_without_a_chat_template_is_a_usage_error(tmp_path, capsys):
     argv = ["--target", "code-target", "--out", str(tmp_path / "out")]
     assert "has no chat template" in _usage_error(medusa_train.main, argv, capsys)
+
+
+@pytest.mark.slow
+def test_medusa_train_ctrl_c_exits_130_and_saves_nothing(smollm2_gguf, tmp_path):
+    out = tmp_path / "heads"
+    argv = ["-m", "models.medusa_train", "--prompts", "4", "--gen-batch", "4", "--out", str(out)]
+    code, _, err = _interrupt(argv, "prompts x temperatures")
+    assert code == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].endswith(f"nothing saved to {out}")
+    assert not out.exists()
 
 
 def test_medusa_heads_ctrl_c_stops_at_a_step_and_saves_nothing(tmp_path):
