@@ -19,7 +19,9 @@ join. Without flags, JAX's own environment detection (SLURM, Open MPI, ...) is u
 Exit status: the command's; 2 for a usage error (no command, a bad flag). The command runs in
 this process, so a Ctrl-C (SIGINT) reaches it directly: a command that handles it (every one of
 this project's) stops as it documents; one that does not stops with no traceback; either way the
-launcher exits 130. A Ctrl-C while waiting for the other processes to join exits 130 at once.
+launcher exits 130. A Ctrl-C while waiting for the other processes to join (a line on stderr
+says which address it joins) or in the final shutdown barrier exits 130 at once; after a Ctrl-C
+the barrier waits for the other processes at most ``INTERRUPTED_SHUTDOWN_S``.
 """
 
 from __future__ import annotations
