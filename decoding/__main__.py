@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--system", default=None, metavar="TEXT", help="a chat's system message")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument(
+        "--quantize",
+        choices=models.quant.FORMATS,
+        default=None,
+        help="block-quantize the linear layers (models.quantize): fewer bytes read per token",
+    )
     parser.add_argument("--max-new-tokens", type=cli.positive_int, default=256, metavar="N")
     parser.add_argument("--temperature", type=cli.number, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -170,6 +176,8 @@ def _check_arguments(parser, args) -> SamplingConfig:
         if text is not None and not _is_utf8(text):
             parser.error(f"{flag} is not valid UTF-8 text")
     if args.mesh is not None:
+        if args.quantize is not None:  # models.shard places float kernels only
+            parser.error("--quantize does not combine with --mesh")
         if math.prod(args.mesh) != jax.device_count():
             parser.error(f"--mesh {args.mesh} must hold all {jax.device_count()} devices")
         if args.interactive:
@@ -275,6 +283,11 @@ def run(parser, args) -> int:
         model, tokenizer = models.pretrained(args.model, dtype=DTYPES[args.dtype])
     except (OSError, ValueError) as e:
         parser.error(f"--model {args.model}: {e}")
+    if args.quantize is not None:
+        try:
+            model = models.quantize(model, args.quantize)
+        except ValueError as e:  # a layer whose input width is not a multiple of the block
+            parser.error(f"--quantize {args.quantize}: {e}")
     if args.mesh is not None:
         try:
             model = models.shard(model, jax.make_mesh(args.mesh, ("data", "model")))

@@ -108,6 +108,8 @@ def _interrupt(argv: list[str], ready: str, stream: str = "stdout") -> tuple[int
         (["--max-batch", "0"], "argument --max-batch"),
         (["--num-draft-tokens", "2"], "--num-draft-tokens needs --draft"),
         (["--model", "no-such-model"], "--model"),
+        (["--quantize", "q9"], "argument --quantize"),
+        (["--quantize", "q8_0", "--mesh", "1,1"], "--quantize does not combine with --mesh"),
     ],
 )
 def test_serve_flags_fail_before_the_model_loads(flags, named, monkeypatch, capsys):

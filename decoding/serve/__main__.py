@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000, help="0: the OS picks one (logged)")
     p.add_argument("--max-batch", type=positive_int, default=32, help="rows decoded together")
+    p.add_argument(
+        "--quantize",
+        choices=models.quant.FORMATS,
+        default=None,
+        help="block-quantize the linear layers for decoding (models.quantize)",
+    )
     p.add_argument("--max-seq-len", type=positive_int, default=2048, help="prompt + completion")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument(
@@ -138,6 +144,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         # Every running row writes into a page of its own: rows past num_pages never run.
         parser.error(f"--max-batch {args.max_batch} is larger than --num-pages {args.num_pages}")
     if args.mesh is not None:
+        if args.quantize is not None:  # models.shard places float kernels only
+            parser.error("--quantize does not combine with --mesh")
         if math.prod(args.mesh) != jax.device_count():
             parser.error(f"--mesh {args.mesh} must hold all {jax.device_count()} devices")
         if args.draft is not None and args.num_draft_tokens is None:
@@ -166,6 +174,11 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         model, tokenizer = models.pretrained(args.model)
     except (OSError, ValueError) as e:  # a checkpoint that lies (models.hf, models.gguf)
         parser.error(f"--model {args.model}: {e}")
+    if args.quantize is not None:
+        try:
+            model = models.quantize(model, args.quantize)
+        except ValueError as e:  # a layer whose input width is not a multiple of the block
+            parser.error(f"--quantize {args.quantize}: {e}")
     if args.mesh is not None:
         model = models.shard(model, jax.make_mesh(args.mesh, ("data", "model")))
     max_seq_len = min(args.max_seq_len, model.config.max_position)

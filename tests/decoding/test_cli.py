@@ -10,6 +10,8 @@ import sys
 import pytest
 from flax import nnx
 
+import models
+from decoding import Engine
 from decoding.__main__ import main
 from decoding.chat import encode_prompt
 from models import ByteTokenizer, Transformer, TransformerConfig
@@ -42,6 +44,8 @@ from models.hf import save_hf_checkpoint
         (["--interactive", "--speculative", "prompt-lookup"], "--interactive"),
         (["hi", "--model", "missing.gguf"], "missing.gguf"),
         (["hi", "--dtype", "int8"], "dtype"),
+        (["hi", "--quantize", "q9"], "quantize"),
+        (["hi", "--quantize", "q8_0", "--mesh", "1,1"], "--quantize does not combine with --mesh"),
         (["\udcff abc"], "prompt is not valid UTF-8"),  # how argv holds undecodable bytes
     ],
 )
@@ -81,6 +85,26 @@ def test_code_model_continues_a_plain_prompt(capsys):
     assert main([*argv, "--temperature", "0.8"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def fibonacci(n):") and " tokens | prefill" in err
+
+
+def test_quantize_flag_decodes_the_quantized_model(monkeypatch, capsys):
+    """``--quantize q4_1``: the model is ``models.quantize(model, "q4_1")`` and the text is
+    the engine's for it."""
+    quantized = []
+    real = models.quantize
+    monkeypatch.setattr(
+        models, "quantize", lambda m, f: quantized.append(real(m, f)) or quantized[-1]
+    )
+    prompt = "def fibonacci(n):"
+    argv = [prompt, "--model", "code-target", "--max-new-tokens", "12", "--quantize", "q4_1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert len(quantized) == 1 and quantized[0].lm_head.fmt == "q4_1"
+    tok = models.pretrained("code-target")[1]
+    ids = tok.encode(prompt)
+    eng = Engine(quantized[0], max_batch=1, num_pages=8, page_size=16, max_seq_len=64)
+    rid = eng.submit(ids, 12)
+    assert out.rstrip("\n") == tok.decode(ids + list(eng.run_until_done()[rid]))
 
 
 def test_chat_with_the_default_model_streams_an_answer(smollm2_gguf, capsys):
