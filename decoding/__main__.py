@@ -279,15 +279,7 @@ def _complete(model, args, ids, eos_id, sampling):
 
 def run(parser, args) -> int:
     sampling = _check_arguments(parser, args)
-    try:
-        model, tokenizer = models.pretrained(args.model, dtype=DTYPES[args.dtype])
-    except (OSError, ValueError) as e:
-        parser.error(f"--model {args.model}: {e}")
-    if args.quantize is not None:
-        try:
-            model = models.quantize(model, args.quantize)
-        except ValueError as e:  # a layer whose input width is not a multiple of the block
-            parser.error(f"--quantize {args.quantize}: {e}")
+    model, tokenizer = cli.load_model(parser, args, dtype=DTYPES[args.dtype])
     if args.mesh is not None:
         try:
             model = models.shard(model, jax.make_mesh(args.mesh, ("data", "model")))

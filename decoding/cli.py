@@ -1,6 +1,6 @@
 """What the command lines (``python -m decoding``, ``python -m decoding.serve``) share: argument
-types that turn bad values into usage errors, a check that a server can listen where it was
-told to, and the on-disk compilation cache."""
+types that turn bad values into usage errors, loading the model, a check that a server can listen
+where it was told to, and the on-disk compilation cache."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import socket
 import jax
 import numpy as np
 
+import models
 from decoding.sampling import check_seed
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
@@ -52,6 +53,22 @@ def nonnegative_number(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
+
+
+def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace, **kwargs):
+    """``models.pretrained(args.model, **kwargs)``, block-quantized to ``args.quantize`` when it
+    is set -> ``(model, tokenizer)``; a checkpoint that does not load (or lies) and a layer the
+    format cannot hold are usage errors naming the flag."""
+    try:
+        model, tokenizer = models.pretrained(args.model, **kwargs)
+    except (OSError, ValueError) as e:  # a checkpoint that lies (models.hf, models.gguf)
+        parser.error(f"--model {args.model}: {e}")
+    if args.quantize is not None:
+        try:
+            model = models.quantize(model, args.quantize)
+        except ValueError as e:  # a layer whose input width is not a multiple of the block
+            parser.error(f"--quantize {args.quantize}: {e}")
+    return model, tokenizer
 
 
 def port(text: str) -> int:

@@ -43,6 +43,7 @@ import models
 from decoding.cli import (
     check_bindable,
     kv_pool_problem,
+    load_model,
     nonnegative_number,
     persistent_compilation_cache,
     port,
@@ -170,15 +171,7 @@ def main(argv=None) -> int:
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Loads the model, builds the engine and runs uvicorn until it stops -> exit status."""
-    try:
-        model, tokenizer = models.pretrained(args.model)
-    except (OSError, ValueError) as e:  # a checkpoint that lies (models.hf, models.gguf)
-        parser.error(f"--model {args.model}: {e}")
-    if args.quantize is not None:
-        try:
-            model = models.quantize(model, args.quantize)
-        except ValueError as e:  # a layer whose input width is not a multiple of the block
-            parser.error(f"--quantize {args.quantize}: {e}")
+    model, tokenizer = load_model(parser, args)
     if args.mesh is not None:
         model = models.shard(model, jax.make_mesh(args.mesh, ("data", "model")))
     max_seq_len = min(args.max_seq_len, model.config.max_position)
