@@ -91,7 +91,6 @@ import numpy as np
 
 from decoding.checks import check_bool, check_int, check_model, check_optional_int, is_int
 from decoding.drafts import MAX_K, PRIOR_ACCEPTANCE, AcceptanceEstimate, PromptLookup
-from decoding.interrupts import deferred_interrupts
 from decoding.paging import pages_for
 from decoding.runner import Runner, RunOutput
 from decoding.sampling import (
@@ -103,6 +102,7 @@ from decoding.sampling import (
 )
 from decoding.scheduler import Request, Scheduler, StepPlan
 from decoding.speculative import chosen_num_draft_tokens
+from models.interrupts import deferred_interrupts
 
 # Verification steps between re-choices of k (num_draft_tokens=None): each k compiles once.
 RECHOOSE_STEPS = 16

@@ -5,11 +5,8 @@ stops them quietly, exit 130, never a traceback and never a half-written checkpo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only
@@ -60,27 +57,6 @@ def windows_problem(corpus: Corpus, tc: TrainConfig) -> str | None:
             f"exceed the {heldout:,} held-out tokens"
         )
     return None
-
-
-@contextlib.contextmanager
-def sigint_deferred():
-    """Holds a Ctrl-C (SIGINT) that arrives inside the block until the block ends, then raises
-    ``KeyboardInterrupt``: for writes that must not stop half-way. A no-op outside the main
-    thread (only it receives signals) or where SIGINT is not Python's default handler."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
 
 
 def report_interrupt(error: KeyboardInterrupt, saved: str) -> int:

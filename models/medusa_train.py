@@ -32,10 +32,10 @@ from models.cli import (
     Interrupted,
     output_dir,
     report_interrupt,
-    sigint_deferred,
     windows_problem,
 )
 from models.hf import load_hf_checkpoint
+from models.interrupts import deferred_interrupts
 from models.medusa import MedusaHeads, save_medusa
 from models.pretrained import SHIPPED, model_arg, pretrained, shipped_path
 from models.train_step import TrainConfig, optimizer
@@ -188,7 +188,7 @@ def main_medusa(args, tc, argv=None, error=None) -> int:
         )
         command = " ".join(["python -m models.train", *(sys.argv[1:] if argv is None else argv)])
         summary.update(command=command, init=args.init)
-        with sigint_deferred():  # never half the heads, nor heads without their summary
+        with deferred_interrupts():  # never half the heads, nor heads without their summary
             save_medusa(heads, args.out, extra=dict(base_model=args.init))
             with open(os.path.join(args.out, "training.json"), "w") as f:
                 json.dump(summary, f, indent=2)
@@ -620,7 +620,7 @@ def _distill(p: argparse.ArgumentParser, args, argv, tc: TrainConfig, log) -> di
             generate_seconds=round(gen_s, 1),
             hidden_seconds=round(time.perf_counter() - t0 - gen_s, 1),
         )
-        with sigint_deferred():  # a cache is whole or absent
+        with deferred_interrupts():  # a cache is whole or absent
             os.makedirs(cache, exist_ok=True)
             np.save(os.path.join(cache, "hidden.npy"), h)
             np.save(os.path.join(cache, "labels.npy"), labels)
@@ -650,7 +650,7 @@ def _distill(p: argparse.ArgumentParser, args, argv, tc: TrainConfig, log) -> di
         data=data_meta,
         total_seconds=round(time.perf_counter() - t0, 1),
     )
-    with sigint_deferred():  # never half the heads, nor heads without their summary
+    with deferred_interrupts():  # never half the heads, nor heads without their summary
         save_medusa(heads, args.out, extra=dict(base_model=args.target), dtype=args.save_dtype)
         with open(os.path.join(args.out, "training.json"), "w") as f:
             json.dump(summary, f, indent=2)

@@ -30,11 +30,11 @@ from models.cli import (
     Interrupted,
     output_dir,
     report_interrupt,
-    sigint_deferred,
     windows_problem,
 )
 from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
+from models.interrupts import deferred_interrupts
 from models.medusa_train import main_medusa
 from models.pretrained import checkpoint_arg, load_model
 from models.sharding import make_train_step as make_sharded_step
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
             nnx.update(model, to_host(nnx.state(model)))  # whole, on every process
             if jax.process_index() != 0:
                 return 0  # process 0 writes the checkpoint
-        with sigint_deferred():  # never half a checkpoint
+        with deferred_interrupts():  # never half a checkpoint
             save_hf_checkpoint(model, args.out, dtype=jnp.dtype(args.save_dtype))
         saved = f"{args.out} holds the trained weights, not yet its training.json"
         _write_summary(args, argv, corpus, tc, summary)
@@ -317,7 +317,7 @@ def _write_summary(args, argv, corpus: data.Corpus, tc: TrainConfig, summary: di
         save_dtype=args.save_dtype,
         tokenizer=repr(ByteTokenizer()),
     )
-    with sigint_deferred(), open(os.path.join(args.out, "training.json"), "w") as f:
+    with deferred_interrupts(), open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
 

@@ -18,8 +18,8 @@ import pytest
 import models
 from decoding import launch
 from decoding.serve import __main__ as serve_main
-from models import cli as models_cli
 from models import data, medusa_train, train
+from models.interrupts import deferred_interrupts
 
 # Seconds a subprocess may take to print its first working line, and to stop after SIGINT.
 START_S, STOP_S = 120.0, 60.0
@@ -223,7 +223,7 @@ def test_sigint_inside_a_write_is_held_until_it_ends():
     finished = False
     try:
         with pytest.raises(KeyboardInterrupt):
-            with models_cli.sigint_deferred():
+            with deferred_interrupts():
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(0.05)  # a signal is handled between bytecodes: this one is held
                 finished = True

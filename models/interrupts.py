@@ -1,4 +1,6 @@
-"""Deferring Ctrl-C over a stretch of host code that must run to its end.
+"""Deferring Ctrl-C over a stretch of host code that must run to its end: the engine's steps
+(``decoding.engine``) and the command lines' writes of checkpoints and caches (``models.train``,
+``models.medusa_train``: never half a file).
 
 The engine donates its page pool to every jitted call and keeps the result: a
 ``KeyboardInterrupt`` raised between a call's return and the assignment of its outputs (Python
