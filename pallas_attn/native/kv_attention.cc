@@ -22,6 +22,7 @@
 
 #include "parallel.h"
 #include "rows.h"
+#include "vmath.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -52,28 +53,8 @@ inline float hsum(vf v) {  // a tree of halvings (4 adds), not 15 scalar ones
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// exp(x) for x <= 0 (scores minus a running max), -inf -> 0; Cephes' expf polynomial on
-// x = n ln2 + r, |r| <= ln2 / 2: relative error about 2e-7.
-inline vf vexp(vf x) {
-  const vi dead = x < splat(-87.0f);
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const vf t = x * splat(1.44269504088896341f);
-  const vi n = -__builtin_convertvector(splat(0.5f) - t, vi);  // round(t), t <= 0
-  const vf nf = __builtin_convertvector(n, vf);
-  const vf r = x - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  vf y = p * r * r + r + splat(1.0f);
-  vi bits;
-  std::memcpy(&bits, &y, sizeof(y));
-  bits += n << 23;
-  std::memcpy(&y, &bits, sizeof(y));
-  return dead ? splat(0.f) : y;
-}
+// exp of the scores minus a running max (x <= 0, -inf -> 0): vmath.h's.
+using pallas_attn::vmath::vexp;
 
 // Cache element -> float32.
 struct F8Table {
@@ -202,11 +183,29 @@ inline void row_blocks(int64_t begin, int64_t end, F&& f) {
     pallas_attn::with_rows(end - r0, [&](auto RB) { f(r0, RB); });
 }
 
-// acc[r, :] += sum over c < n of w[r * kChunk + c] * v[c][off : off + D], for RB rows.
+// acc[r, :] += sum over c < n of w[r * kChunk + c] * v[c][off : off + D], for RB rows. DB
+// vectors of D at a time, so that RB x DB independent accumulators hide the FMA latency (one
+// accumulator per row had each position wait for the last: 4 cycles per FMA). Each accumulator
+// still sums c = 0, 1, .. in order.
 template <int RB>
 void weigh_values(const float* const* v, int64_t n, int64_t off, const float* w, float* acc,
                   int64_t D) {
+  constexpr int DB = RB <= 2 ? 8 : RB <= 4 ? 4 : 2;  // RB x DB <= 16 registers
   int64_t d = 0;
+  for (; d + DB * kLanes <= D; d += DB * kLanes) {
+    vf a[RB][DB];
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < DB; ++j) a[r][j] = loadv(acc + r * D + d + j * kLanes);
+    for (int64_t c = 0; c < n; ++c) {
+      const float* vc = v[c] + off + d;
+      for (int j = 0; j < DB; ++j) {
+        const vf x = loadv(vc + j * kLanes);
+        for (int r = 0; r < RB; ++r) a[r][j] += w[r * kChunk + c] * x;
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < DB; ++j) storev(acc + r * D + d + j * kLanes, a[r][j]);
+  }
   for (; d + kLanes <= D; d += kLanes) {
     vf a[RB];
     for (int r = 0; r < RB; ++r) a[r] = loadv(acc + r * D + d);
@@ -296,13 +295,32 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
   constexpr bool f32 = std::is_same_v<E, F32>;
   if (!(f32 && k_unscaled)) kbuf.reset(new float[kChunk * H * D]);
   if (!(f32 && v_unscaled)) vbuf.reset(new float[kChunk * H * D]);
+  // Cache offset of each position's row (pages clamped into the pool: masked keys read junk).
+  const auto row_at = [&](int64_t pos) {
+    int64_t page = blocks[pos / p.P];
+    page = page < 0 ? 0 : page >= p.num_pages ? p.num_pages - 1 : page;
+    return (page * p.P + pos % p.P) * H * D;
+  };
+  // Asks for the key and value rows of positions [c0, c1) ahead of their use. Left to demand
+  // misses, a decode step's cache (evicted by the weights streamed since the last step) came in
+  // at a third of the memory bandwidth: one row of Hkv x D at a time, with the products between.
+  constexpr int64_t kLine = 64;
+  const int64_t row_bytes = H * D * int64_t(sizeof(typename E::T));
+  const auto prefetch = [&](int64_t c0, int64_t c1) {
+    for (int64_t pos = c0; pos < c1; ++pos) {
+      const char* kr = reinterpret_cast<const char*>(kc + row_at(pos));
+      const char* vr = reinterpret_cast<const char*>(vc + row_at(pos));
+      for (int64_t b = 0; b < row_bytes; b += kLine) {
+        __builtin_prefetch(kr + b);
+        __builtin_prefetch(vr + b);
+      }
+    }
+  };
+  prefetch(k0, k1 - k0 < kChunk ? k1 : k0 + kChunk);
   for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
     const int64_t n = k1 - c0 < kChunk ? k1 - c0 : kChunk;
-    for (int64_t c = 0, pos = c0; c < n; ++c, ++pos) {  // cache offset of each position's row
-      int64_t page = blocks[pos / p.P];
-      page = page < 0 ? 0 : page >= p.num_pages ? p.num_pages - 1 : page;
-      at[c] = (page * p.P + pos % p.P) * H * D;
-    }
+    if (c0 + n < k1) prefetch(c0 + n, k1 - c0 - n < kChunk ? k1 : c0 + n + kChunk);
+    for (int64_t c = 0; c < n; ++c) at[c] = row_at(c0 + c);
     for (int64_t c = 0; c < n; ++c) {
       float* kb = kbuf ? kbuf.get() + c * H * D : nullptr;
       float* vb = vbuf ? vbuf.get() + c * H * D : nullptr;
@@ -401,7 +419,9 @@ void combine(const Problem& p, int64_t b, const Partial* parts, int64_t splits) 
 }
 
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
-constexpr int64_t kMinSplitKeys = 256;      // keys per split, at least
+// Keys per split, at least. Decode reads each layer's cache once per step from memory (the
+// weights streamed since evict it), so a single row's few hundred keys are worth both threads.
+constexpr int64_t kMinSplitKeys = 32;
 
 // Tasks: (batch row, split of its keys). Rows are split so that there are about two tasks per
 // thread; each task fills its own Partial, and a row's partials are merged once all are done.

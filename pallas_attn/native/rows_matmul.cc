@@ -174,12 +174,15 @@ void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t
 // same speed either way.
 constexpr int64_t kParallelBytes = 1 << 18;
 
+// Whether a product over `bytes` of weights for M rows is worth sharing: its work grows with M
+// (8 rows of the 187 KB Q4_0 output projection of a 135M model took 45 us on one thread).
+inline bool worth_sharing(int64_t bytes, int64_t M) { return bytes * M >= kParallelBytes; }
+
 template <typename W>
 void run(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const W* wp, int64_t P,
          float* y, int64_t N) {
   const int64_t bytes = P * K * kNB * int64_t(sizeof(W));
-  const bool parallel = bytes >= kParallelBytes;
-  pallas_attn::parallel_for(pool, P, parallel, [&](int64_t p0, int64_t p1) {
+  pallas_attn::parallel_for(pool, P, worth_sharing(bytes, M), [&](int64_t p0, int64_t p1) {
     panels(x, M, K, wp, y, N, p0, p1);
   });
 }
@@ -279,8 +282,7 @@ void run_bf16(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const 
   split_activations(x, M, K, acts);
   const BF16Acts& a = acts;
   const int64_t J = (K + 1) / 2, panel_elems = 2 * J * kNB;
-  const bool parallel = P * panel_elems * 2 >= kParallelBytes;
-  pallas_attn::parallel_for(pool, P, parallel, [&](int64_t p0, int64_t p1) {
+  pallas_attn::parallel_for(pool, P, worth_sharing(P * panel_elems * 2, M), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
       for (int64_t m0 = 0; m0 < M; m0 += kMB) {
@@ -444,7 +446,7 @@ template <int32_t FMT>
 void run_q(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const uint8_t* wq,
            int64_t P, float* y, int64_t N) {
   const int64_t panel_bytes = (K / kBlock) * block_bytes(FMT);
-  pallas_attn::parallel_for(pool, P, P * panel_bytes >= kParallelBytes, [&](int64_t p0, int64_t p1) {
+  pallas_attn::parallel_for(pool, P, worth_sharing(P * panel_bytes, M), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
       for (int64_t m0 = 0; m0 < M; m0 += kMB)
@@ -636,7 +638,7 @@ void run_q8(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const ui
   quantize_activations(x, M, K, acts);
   const QActs& a = acts;
   const int64_t panel_bytes = (K / kBlock) * block_bytes(FMT);
-  pallas_attn::parallel_for(pool, P, P * panel_bytes >= kParallelBytes, [&](int64_t p0, int64_t p1) {
+  pallas_attn::parallel_for(pool, P, worth_sharing(P * panel_bytes, M), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
       for (int64_t m0 = 0; m0 < M; m0 += kMB8) {
