@@ -419,41 +419,46 @@ void combine(const Problem& p, int64_t b, const Partial* parts, int64_t splits) 
 }
 
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
-// Keys per split, at least. Decode reads each layer's cache once per step from memory (the
-// weights streamed since evict it), so a single row's few hundred keys are worth both threads.
-constexpr int64_t kMinSplitKeys = 32;
+// A row's keys are cut into ceil(keys / kSplitKeys) spans, at most kMaxSplits, each a task whose
+// partial result is merged by lse in span order. The cut depends on the row's own keys only, not
+// on the batch or the thread count, so a row's output is the same bit for bit whichever rows
+// share its call (the engine's batches change every step) and however many threads run it.
+// Decode reads each layer's cache once per step from memory (the weights streamed since have
+// evicted it), so even a single row's few hundred keys are worth both threads.
+constexpr int64_t kSplitKeys = 64;
+constexpr int64_t kMaxSplits = 16;
 
-// Tasks: (batch row, split of its keys). Rows are split so that there are about two tasks per
-// thread; each task fills its own Partial, and a row's partials are merged once all are done.
+// Tasks: (batch row, span of its keys); each fills its own Partial, and a row's partials are
+// merged once all are done.
 template <typename E>
 void run(ffi::ThreadPool& pool, const Problem& p, const void* kc, const void* vc) {
-  std::vector<int64_t> first(p.B), last(p.B);
-  int64_t keys = 0, longest = 0;
+  std::vector<int64_t> first(p.B), last(p.B), splits(p.B), task0(p.B + 1, 0);
+  int64_t keys = 0;
   for (int64_t b = 0; b < p.B; ++b) {  // the union of the rows' key ranges
     int64_t unused;  // the first query sees the lowest keys, the last query the highest
     key_range(p, b, 0, first[b], unused);
     key_range(p, b, p.Tq - 1, unused, last[b]);
     if (last[b] < first[b]) last[b] = first[b];
-    keys += last[b] - first[b];
-    longest = last[b] - first[b] > longest ? last[b] - first[b] : longest;
+    const int64_t len = last[b] - first[b];
+    keys += len;
+    const int64_t s = (len + kSplitKeys - 1) / kSplitKeys;
+    splits[b] = s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s;
+    task0[b + 1] = task0[b] + splits[b];
   }
   const bool parallel = 2 * keys * p.Hq * p.Tq * p.D >= kParallelWork;
-  const int64_t threads = parallel ? pool.num_threads() : 1;
-  int64_t splits = (2 * threads + p.B - 1) / p.B;
-  const int64_t most = (longest + kMinSplitKeys - 1) / kMinSplitKeys;
-  splits = splits < most ? splits : most;
-  splits = splits < 1 ? 1 : splits;
-  std::vector<Partial> parts(p.B * splits);
+  std::vector<Partial> parts(task0[p.B]);
   const auto* k = static_cast<const typename E::T*>(kc);
   const auto* v = static_cast<const typename E::T*>(vc);
-  pallas_attn::parallel_for(pool, p.B * splits, parallel, [&](int64_t t0, int64_t t1) {
+  pallas_attn::parallel_for(pool, task0[p.B], parallel, [&](int64_t t0, int64_t t1) {
+    int64_t b = 0;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / splits, j = t % splits, len = last[b] - first[b];
-      const int64_t k0 = first[b] + len * j / splits, k1 = first[b] + len * (j + 1) / splits;
+      while (task0[b + 1] <= t) ++b;
+      const int64_t j = t - task0[b], n = splits[b], len = last[b] - first[b];
+      const int64_t k0 = first[b] + len * j / n, k1 = first[b] + len * (j + 1) / n;
       span<E>(p, k, v, b, k0, k1, parts[t]);
     }
   });
-  for (int64_t b = 0; b < p.B; ++b) combine(p, b, &parts[b * splits], splits);
+  for (int64_t b = 0; b < p.B; ++b) combine(p, b, &parts[task0[b]], splits[b]);
 }
 
 ffi::Error KVAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,

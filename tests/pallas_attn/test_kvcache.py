@@ -636,3 +636,25 @@ def test_interpret_is_deterministic():
     a, b = call(inp, "interpret", num_splits=3), call(inp, "interpret", num_splits=3)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(as_bits(x), as_bits(y))
+
+
+@pytest.mark.skipif(not native.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("Tq", [1, 3])
+def test_native_row_is_batch_invariant(Tq):
+    """A row's output from the native kernel is the same bit for bit alone or in a batch of rows
+    of other lengths (its keys are cut into spans by its own length only): the engine's batches
+    change every step, and a request's tokens must not depend on who shares them."""
+    B, S, Hq, Hkv, D = 3, 900, 8, 2, 64
+    keys = jax.random.split(jax.random.key(11), 3)
+    q = jax.random.normal(keys[0], (B, Tq, Hq, D), jnp.float32)
+    kc = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.float32)
+    vc = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.float32)
+    lens = jnp.asarray([830, 45, 300], jnp.int32)
+    run = lambda q, kc, vc, n: attention_with_kvcache(  # noqa: E731
+        q, kc, vc, cache_seqlens=n, causal=True, return_lse=True, impl="native"
+    )
+    batch = run(q, kc, vc, lens)
+    for r in range(B):
+        alone = run(q[r : r + 1], kc[r : r + 1], vc[r : r + 1], lens[r : r + 1])
+        np.testing.assert_array_equal(np.asarray(alone.out[0]), np.asarray(batch.out[r]))
+        np.testing.assert_array_equal(np.asarray(alone.lse[0]), np.asarray(batch.lse[r]))
