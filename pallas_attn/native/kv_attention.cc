@@ -29,19 +29,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
+using pallas_attn::vmath::kLanes;
+using pallas_attn::vmath::loadv;
+using pallas_attn::vmath::splat;
+using pallas_attn::vmath::storev;
+using pallas_attn::vmath::vexp;  // the softmax's exp (x <= 0, -inf -> 0)
+using vf = pallas_attn::vmath::vf;
 constexpr int kChunk = 4 * kLanes;  // keys per online-softmax step
-typedef float vf __attribute__((vector_size(kLanes * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(kLanes * 4), aligned(4)));
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline vf splat(float x) { return vf{} + x; }
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
@@ -52,9 +47,6 @@ inline float hsum(vf v) {  // a tree of halvings (4 adds), not 15 scalar ones
   const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
-
-// exp of the scores minus a running max (x <= 0, -inf -> 0): vmath.h's.
-using pallas_attn::vmath::vexp;
 
 // Cache element -> float32.
 struct F8Table {
