@@ -95,9 +95,14 @@ def expected_tokens(k: int, acceptance: float) -> float:
 
 
 def choose_num_draft_tokens(
-    costs: StepCosts, acceptance: float, *, draft_calls=None, max_k: int | None = None
+    costs: StepCosts,
+    acceptance: float,
+    *,
+    draft_calls=None,
+    max_k: int | None = None,
+    allow_zero: bool = False,
 ) -> int:
-    """The k in 1 .. K that maximises expected tokens per second:
+    """The k in 1 .. K (0 .. K with ``allow_zero``) that maximises expected tokens per second:
 
         k* = argmax_k  expected_tokens(k, a) / (costs.target[k] + draft_calls(k) * costs.draft)
 
@@ -105,7 +110,9 @@ def choose_num_draft_tokens(
     calls per step (default k: a model draft); a = ``acceptance``. K = ``max_k`` (default:
     as many as ``costs.target`` covers, len - 1). Ties go to the smaller k. A compute-bound
     target (verifying k + 1 tokens costs about k + 1 steps) gets k = 1; a memory-bound one
-    (cost nearly flat in Tq) a k that grows with a.
+    (cost nearly flat in Tq) a k that grows with a. k = 0 is a plain step (one token, no draft
+    call): with ``allow_zero`` it wins where no k pays for its verification (the engine at a
+    batch whose rows rarely accept).
     """
     K = len(costs.target) - 1 if max_k is None else min(max_k, len(costs.target) - 1)
     if K < 1:
@@ -113,9 +120,11 @@ def choose_num_draft_tokens(
     calls = draft_calls or (lambda k: k)
 
     def rate(k):
+        if k == 0:
+            return 1.0 / costs.target[0]
         return expected_tokens(k, acceptance) / (costs.target[k] + calls(k) * costs.draft)
 
-    return max(range(1, K + 1), key=lambda k: (rate(k), -k))
+    return max(range(0 if allow_zero else 1, K + 1), key=lambda k: (rate(k), -k))
 
 
 class AcceptanceEstimate:
@@ -537,6 +546,21 @@ class PromptLookup(DraftKind):
         tokens = lookup(ctx.seq, ctx.cache.lengths + 1, k, self.min_ngram, self.max_ngram)
         q = jax.nn.one_hot(tokens, V, dtype=jnp.float32)
         return Proposal(tokens, q, None, ctx.cache, 0)
+
+
+def lookup_next(tokens, min_ngram: int, max_ngram: int) -> int:
+    """:func:`lookup`'s first proposed token for one row of known ``tokens``, on the host (numpy):
+    the token after the latest earlier occurrence of the longest matching suffix n-gram
+    (``max_ngram`` down to ``min_ngram``), else the last token. The engine's estimate of the
+    acceptance rate while it is not drafting (k = 0)."""
+    t = np.asarray(tokens)
+    L = len(t)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)  # each ends before L - 1
+        hits = np.flatnonzero((windows == t[L - n :]).all(axis=1))
+        if hits.size:
+            return int(t[hits[-1] + n])
+    return int(t[-1])
 
 
 def lookup(seq, length, k: int, min_ngram: int, max_ngram: int, *, return_found: bool = False):

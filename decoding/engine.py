@@ -90,7 +90,7 @@ import jax
 import numpy as np
 
 from decoding.checks import check_bool, check_int, check_model, check_optional_int, is_int
-from decoding.drafts import MAX_K, PRIOR_ACCEPTANCE, AcceptanceEstimate, PromptLookup
+from decoding.drafts import MAX_K, PRIOR_ACCEPTANCE, AcceptanceEstimate, PromptLookup, lookup_next
 from decoding.paging import pages_for
 from decoding.runner import Runner, RunOutput
 from decoding.sampling import (
@@ -138,7 +138,9 @@ class Engine:
       num_draft_tokens: k; None = chosen from the target's measured step costs at
         ``max_batch`` rows and the batch's running acceptance rate
         (``speculative.chosen_num_draft_tokens``), re-chosen every ``RECHOOSE_STEPS``
-        verification steps (each k in use compiles its step once).
+        decode steps (each k in use compiles its step once). The choice may be 0, plain
+        decode steps, where no k pays; the estimate then follows the draft's first token
+        against each row's new token (``drafts.lookup_next``), so k can come back.
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
@@ -434,7 +436,13 @@ class Engine:
         if not plan.decode or self.draft is None:
             return
         k = plan.ahead - 1
-        for n in out.accepted:
+        if k == 0:  # not drafting: would the draft's first token have been this step's token?
+            for row, tokens in zip(plan.decode, emitted, strict=True):
+                if tokens:
+                    known = row.req.tokens[: len(row.req.tokens) - len(tokens)]
+                    guess = lookup_next(known, self.draft.min_ngram, self.draft.max_ngram)
+                    self.acceptance.update(int(guess == tokens[0]), 1)
+        for n in out.accepted if k else ():
             self._counts["draft_accepted"] += n
             self._counts["draft_proposed"] += k
             self.acceptance.update(n, k)
@@ -445,7 +453,12 @@ class Engine:
         """k for the next verification steps (fixed, or the rule on the running estimate)."""
         if self._fixed_k is None:
             self.num_draft_tokens = chosen_num_draft_tokens(
-                self._model, self.draft, None, batch=self.max_batch, acceptance=self.acceptance.rate
+                self._model,
+                self.draft,
+                None,
+                batch=self.max_batch,
+                acceptance=self.acceptance.rate,
+                allow_zero=True,
             )
 
     # ----------------------------------------------------------------------------- stats

@@ -165,9 +165,9 @@ class Runner:
             self.prefill(chunk)
         if not plan.decode:
             return RunOutput([], [], None)
-        if self.draft is not None:
+        if self.draft is not None and plan.ahead > 1:
             return self.verify(plan.decode, plan.ahead - 1, logprobs)
-        return self.decode(plan.decode, logprobs)
+        return self.decode(plan.decode, logprobs)  # also a draft's k = 0: a plain step
 
     def copy(self, copies) -> None:
         """Applies ``[(src, dst)]`` page copies to the pool's layers (rings are never shared)."""

@@ -287,11 +287,14 @@ def place_on_target(draft, kind: DraftKind, params, target):
     return kind.place(draft, params, target)
 
 
-def chosen_num_draft_tokens(target, kind: DraftKind, params, *, batch: int, acceptance=None):
+def chosen_num_draft_tokens(
+    target, kind: DraftKind, params, *, batch: int, acceptance=None, allow_zero: bool = False
+):
     """k for ``num_draft_tokens=None``: :func:`drafts.choose_num_draft_tokens` on the target's
     (and a model draft's) measured step costs at ``batch`` rows (``drafts.measured_costs``,
     measured once per shape) and ``acceptance`` (default the kind's prior), with the kind's
-    :class:`drafts.DraftCosts`. A Medusa tree's k is its depth."""
+    :class:`drafts.DraftCosts`; 0 (do not draft) only with ``allow_zero``. A Medusa tree's k is
+    its depth."""
     dc = kind.costs(target, params)
     if dc.fixed_k is not None:
         return dc.fixed_k
@@ -302,7 +305,9 @@ def chosen_num_draft_tokens(target, kind: DraftKind, params, *, batch: int, acce
     if own:
         costs = costs._replace(draft=costs.target[0])
     a = dc.prior if acceptance is None else acceptance
-    return choose_num_draft_tokens(costs, a, draft_calls=dc.calls, max_k=dc.max_k)
+    return choose_num_draft_tokens(
+        costs, a, draft_calls=dc.calls, max_k=dc.max_k, allow_zero=allow_zero
+    )
 
 
 def speculative_generate(

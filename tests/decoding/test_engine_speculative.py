@@ -162,7 +162,50 @@ def test_draft_length_chosen_from_costs(model, monkeypatch, prompts, refs):
         ks[name] = eng.num_draft_tokens
         rid = eng.submit(prompts[0], MAX_NEW)
         assert eng.run_until_done()[rid] == refs[0]
-    assert ks["steep"] == 1 and ks["flat"] > 1
+    # steep: verifying k + 1 tokens costs k + 1 steps, so no k pays at the prior: k = 0
+    assert ks["steep"] == 0 and ks["flat"] > 1
+
+
+def test_no_draft_while_it_does_not_pay(model, monkeypatch, prompts, refs):
+    """k = 0 (chosen where no k pays) runs plain decode steps, greedy output unchanged; the
+    acceptance estimate keeps following the draft's first token against the tokens produced
+    (so k can come back), and k may change between steps in both directions."""
+    steep = StepCosts(tuple(1.0 + t for t in range(drafts.MAX_K + 1)))
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep.target)
+    eng = make_engine(model, num_draft_tokens=None)
+    assert eng.num_draft_tokens == 0
+    prior = eng.acceptance.rate
+    rid = eng.submit(prompts[0], MAX_NEW)
+    assert eng.run_until_done()[rid] == refs[0]
+    st = eng.stats()
+    assert st["draft_proposed"] == 0 and st["decode_steps"] > 0
+    assert eng.acceptance.tested > 0 and eng.acceptance.rate != prior
+    ks = iter([0, 3, 0, 2, 1] * 20)
+    monkeypatch.setattr("decoding.engine.chosen_num_draft_tokens", lambda *a, **kw: next(ks))
+    monkeypatch.setattr("decoding.engine.RECHOOSE_STEPS", 1)
+    eng = make_engine(model, num_draft_tokens=None)
+    rids = [eng.submit(p, MAX_NEW) for p in prompts]
+    out = eng.run_until_done()
+    assert [out[r] for r in rids] == refs
+    assert eng.stats()["draft_proposed"] > 0
+
+
+def test_host_lookup_is_the_drafts_first_token():
+    """``drafts.lookup_next`` (the engine's estimate while k = 0) proposes what the jitted
+    lookup's first token is, on sequences with and without repeats."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(4)
+    rows = [rng.integers(0, 6, n).tolist() for n in (2, 5, 9, 17, 30)] + [[3], [1, 2, 3, 1, 2]]
+    L = max(len(r) for r in rows)
+    seq = np.zeros((len(rows), L), np.int32)
+    for i, r in enumerate(rows):
+        seq[i, : len(r)] = r
+    lengths = jnp.asarray([len(r) for r in rows], jnp.int32)
+    for lo, hi in ((1, 3), (2, 2), (1, 1)):
+        want = np.asarray(drafts.lookup(jnp.asarray(seq), lengths, 2, lo, hi))[:, 0]
+        got = [drafts.lookup_next(r, lo, hi) for r in rows]
+        assert got == want.tolist(), (lo, hi)
 
 
 def test_bad_arguments(tiny_model):

@@ -127,3 +127,11 @@ def test_speculative_generate_uses_the_rule(monkeypatch):
         want = want or choose_num_draft_tokens(costs, prior, draft_calls=lambda k: 0)
         assert res.stats["num_draft_tokens"] == want
     assert want > 1
+
+
+def test_zero_only_when_allowed_and_when_no_k_pays():
+    """k = 0 (a plain step) is a choice only with ``allow_zero``, and wins where verification
+    costs as much as the tokens it may save: a compute-bound target at low acceptance."""
+    assert choose_num_draft_tokens(COMPUTE_BOUND, 0.2) >= 1
+    assert choose_num_draft_tokens(COMPUTE_BOUND, 0.2, allow_zero=True) == 0
+    assert choose_num_draft_tokens(MEMORY_BOUND, 0.5, allow_zero=True) > 0
