@@ -54,8 +54,22 @@ def test_results_json_records_machine_versions_date_and_load(tmp_path):
     assert payload["machine"]["backend"] in ("cpu", "gpu", "tpu")
     assert {"python", "jax", "jaxlib", "numpy"} <= set(payload["versions"])
     assert payload["versions"]["jax"] == payload["machine"]["jax"]
+    assert set(payload["machine"]["cpu_features"]) <= set(common.CPU_FEATURES)
     assert payload["date"].endswith("+00:00")
     assert len(payload["load_average"]) == 3
+
+
+def test_cpu_model_reads_the_model_name_and_the_kernels_instruction_sets(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma avx512f "
+        "avx512_vnni\n\nprocessor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2\n"
+    )
+    real_path = common.Path
+    monkeypatch.setattr(common, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    assert common.cpu_model() == ("AMD EPYC", ["avx2", "fma", "avx512f", "avx512_vnni"])
+    monkeypatch.setattr(common, "Path", lambda p: tmp_path / "missing")
+    assert common.cpu_model() == (None, [])
 
 
 def test_finish_writes_quick_results_apart_and_prints_the_table(tmp_path, capsys):
