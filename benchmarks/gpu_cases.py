@@ -9,7 +9,7 @@ A case is ``{"id", "family", ...parameters}``; :func:`build` turns it into ``(fn
   window (256, 256), softcap (30, causal), segments (causal), varlen (``flash_attention_varlen``,
   4 sequences, max 512).
 * ``mosaic_flash``: the same forward + backward with ``impl="mosaic"`` (the Mosaic GPU kernels:
-  TMA, wgmma; sm_90+ only, 16-bit), ``mask`` one of causal, window, softcap, segments.
+  TMA, wgmma; sm_90+ only, 16-bit), ``mask`` one of causal, window, softcap, segments, varlen.
 * ``kvcache``: one ``attention_with_kvcache`` step: append ``Tq`` new tokens (optionally rotary,
   FP8 cache) then split-KV decode over S = 4096 keys (contiguous or paged, P = 16), B = 2,
   Hkv = 2, G query heads per KV head; ``num_splits`` 0 (heuristic) splits here, so the combine
@@ -39,7 +39,7 @@ def flash_case(D: int, dtype: str, mask: str) -> dict:
 
 
 MOSAIC_HEAD_DIMS = (64, 80, 128)
-MOSAIC_MASKS = ("causal", "window", "softcap", "segments")
+MOSAIC_MASKS = ("causal", "window", "softcap", "segments", "varlen")
 
 
 def mosaic_flash_case(D: int, dtype: str, mask: str) -> dict:
@@ -63,7 +63,7 @@ def mosaic_cases() -> list[dict]:
     paged and contiguous, Tq 1 and 5, G 8 and 4."""
     return [
         mosaic_flash_case(D, ("bfloat16", "float16")[i % 2], mask)
-        for i, (D, mask) in enumerate(zip((*MOSAIC_HEAD_DIMS, 128), MOSAIC_MASKS, strict=True))
+        for i, (D, mask) in enumerate(zip((*MOSAIC_HEAD_DIMS, 128, 64), MOSAIC_MASKS, strict=True))
     ] + [
         mosaic_kvcache_case(128, "bfloat16", 8, 1, "paged", rotary=True),
         mosaic_kvcache_case(64, "float16", 4, 5, "contiguous"),
@@ -192,7 +192,7 @@ def _flash(case, sds):
         q, kv = sds((T, Hq, D), dtype), sds((T, Hkv, D), dtype)
         cu = sds((5,), jnp.int32)
         attend = functools.partial(
-            flash_attention_varlen, max_seqlen_q=512, max_seqlen_k=512, causal=True, impl="pallas"
+            flash_attention_varlen, max_seqlen_q=512, max_seqlen_k=512, causal=True, impl=impl
         )
 
         def loss(q, k, v, cu):

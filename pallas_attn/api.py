@@ -101,9 +101,8 @@ def run_impl(impl: str, q, k, v, *, block_sizes: BlockSizes | None, **kwargs):
     if impl in ("mosaic", "mosaic_interpret"):
         from pallas_attn import mosaic  # the Mosaic GPU kernels: imported only when asked for
 
-        mosaic.check_supported(q, block_sizes=block_sizes)
-        if kwargs.keys() & {"q_offset", "kv_start", "kv_len"}:  # flash_attention_varlen
-            raise ValueError('impl="mosaic" does not take per-row lengths (varlen) yet')
+        varlen = bool(kwargs.keys() & {"q_offset", "kv_start", "kv_len"})  # per-row lengths
+        mosaic.check_supported(q, block_sizes=block_sizes, varlen=varlen)
         return mosaic.attention(
             q, k, v, **kwargs, block_sizes=block_sizes, interpret=impl == "mosaic_interpret"
         )

@@ -24,10 +24,11 @@ from pallas_attn.kernels.mosaic import flash_bwd, flash_fwd
 FORWARD_ROWS = flash_fwd.CONSUMERS * mc.WGMMA_ROWS  # query rows per forward CTA
 
 
-def check_supported(q, *, block_sizes: BlockSizes | None):
+def check_supported(q, *, block_sizes: BlockSizes | None, varlen: bool = False):
     """What the Mosaic kernels take, checked before any tracing: 16-bit inputs (wgmma's operand
     types), D <= 128, the tiles of :func:`default_blocks` (key tiles 64 or 128 in the forward, 32
-    or 64 in the backward)."""
+    or 64 in the backward; 64 in the dQ kernel with per-row lengths, whose edge tiles are zeroed
+    in registers of the 64-row wgmma layout)."""
     if not any(jnp.dtype(q.dtype) == jnp.dtype(d) for d in mc.DTYPES):
         raise TypeError(
             f'impl="mosaic" takes bfloat16 or float16 inputs (wgmma operands), got '
@@ -48,15 +49,16 @@ def check_supported(q, *, block_sizes: BlockSizes | None):
         if (
             bs.block_k not in (64, 128)
             or bs.block_q_bwd not in (32, 64)
-            or bs.block_k_bwd
-            not in (
-                32,
-                64,
-            )
+            or bs.block_k_bwd not in (32, 64)
         ):
             raise ValueError(
                 f'impl="mosaic" needs block_k in (64, 128), block_q_bwd and block_k_bwd in '
                 f"(32, 64), got {bs.block_k}, {bs.block_q_bwd}, {bs.block_k_bwd}"
+            )
+        if varlen and bs.block_k_bwd != mc.WGMMA_ROWS:
+            raise ValueError(
+                f'impl="mosaic" with per-row lengths (varlen) needs block_k_bwd = '
+                f"{mc.WGMMA_ROWS}, got {bs.block_k_bwd}"
             )
 
 
@@ -79,6 +81,9 @@ def attention(
     kv_segment_ids=None,
     block_sizes: BlockSizes | None,
     interpret: bool,
+    q_offset=None,
+    kv_start=None,
+    kv_len=None,
 ):
     """Flash attention with the Mosaic GPU kernels.
 
@@ -87,6 +92,9 @@ def attention(
         :func:`check_supported`).
       window: ``(left, right)`` after :func:`pallas_attn.masks.normalize_window`.
       q_segment_ids, kv_segment_ids: [B, T] and [B, S] ints, or None (packed sequences).
+      q_offset, kv_start, kv_len: ints or [B] int arrays (traced is fine), or None (defaults
+        ``S - T``, ``0``, ``S``): query row ``i`` sits at key position ``q_offset + i``, keys
+        outside ``[kv_start, kv_len)`` are hidden (varlen). Given, the kernels read them per row.
       interpret: run under JAX's GPU interpreter (any backend) instead of compiling for sm_90a.
 
     Returns:
@@ -107,6 +115,7 @@ def attention(
         block_k_bwd=bs.block_k_bwd,
         interpret=bool(interpret),
         segments=q_segment_ids is not None,
+        varlen=any(x is not None for x in (q_offset, kv_start, kv_len)),
     )
     # Row blocks of every kernel are 64 (one warpgroup); the other tiles divide 64 or are 128.
     Tp = shapes.round_up(T, max(mc.WGMMA_ROWS, cfg.block_q, cfg.block_q_bwd))
@@ -116,34 +125,46 @@ def attention(
     def pad(x, n):
         return shapes.pad_axis(shapes.pad_axis(x, 1, n), 3, Dp)
 
-    segs = ()
-    if cfg.segments:  # padded queries and keys get segment 0 (padded keys are masked anyway)
-        segs = (
-            shapes.pad_axis(q_segment_ids.astype(jnp.int32), 1, Tp),
-            shapes.pad_axis(kv_segment_ids.astype(jnp.int32), 1, Sp),
-        )
-    out, lse = _attend(cfg, pad(q, Tp), pad(k, Sp), pad(v, Sp), segs)
+    # Padded queries and keys get segment 0 (padded keys lie past kv_len and are masked anyway).
+    ranges = shapes.row_ranges(
+        q.shape,
+        S,
+        Tp,
+        Sp,
+        q_offset=q_offset,
+        kv_start=kv_start,
+        kv_len=kv_len,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
+    meta = None
+    if cfg.varlen:  # [B, META_WIDTH] int32 rows (q_offset, kv_start, kv_len, 0...)
+        meta = jnp.stack([ranges.q_offset, ranges.kv_start, ranges.kv_len], 1).astype(jnp.int32)
+        meta = shapes.pad_axis(meta, 1, mc.META_WIDTH)
+    aux = (ranges.q_seg, ranges.kv_seg, meta)
+    out, lse = _attend(cfg, pad(q, Tp), pad(k, Sp), pad(v, Sp), aux)
     return out[:, :T, :, :D], lse[:, :, :T]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(cfg: mc.Config, q, k, v, segs):
-    return flash_fwd.forward(cfg, q, k, v, *segs)
+def _attend(cfg: mc.Config, q, k, v, aux):
+    """``aux``: the non-differentiable ``(q_seg, kv_seg, meta)``, each an array or None."""
+    return flash_fwd.forward(cfg, q, k, v, *aux)
 
 
-def _attend_fwd(cfg: mc.Config, q, k, v, segs):
-    out, lse = _attend(cfg, q, k, v, segs)
-    return (out, lse), (q, k, v, out, lse, segs)
+def _attend_fwd(cfg: mc.Config, q, k, v, aux):
+    out, lse = _attend(cfg, q, k, v, aux)
+    return (out, lse), (q, k, v, out, lse, aux)
 
 
 def _attend_bwd(cfg: mc.Config, res, cotangents):
     impl = "mosaic_interpret" if cfg.interpret else "mosaic"
-    *res, segs = res
+    *res, aux = res
     q, k, v, out, lse, d_out, d_lse = validation.first_order_only(impl, (*res, *cotangents))
     delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - d_lse
     lse2 = jnp.where(jnp.isfinite(lse), lse * softmax.LOG2E, 0.0)
-    grads = flash_bwd.backward(cfg, q, k, v, d_out.astype(q.dtype), lse2, delta, *segs)
+    grads = flash_bwd.backward(cfg, q, k, v, d_out.astype(q.dtype), lse2, delta, *aux)
     return (*grads, None)
 
 

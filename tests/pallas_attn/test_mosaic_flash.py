@@ -6,13 +6,32 @@ lse, 3x on dq/dk/dv, random cotangents on both). The interpreter runs every TMA 
 wgmma as a host callback, so shapes stay small: one or two 64-row tiles; the wider cross is slow.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attn_utils import BF16, F16, case_id, check_against_reference, grad_fn, random_qkv
+from attn_utils import (
+    BF16,
+    F16,
+    FLOOR,
+    case_id,
+    check_against_reference,
+    check_close,
+    grad_fn,
+    random_qkv,
+)
 
-from pallas_attn import BlockSizes, flash_attention, validation
+from pallas_attn import (
+    BlockSizes,
+    flash_attention,
+    flash_attention_varlen,
+    masks,
+    reference,
+    validation,
+)
+from pallas_attn.api import run_impl
 
 # (case, dtype): GQA ratios 1, 2 and 4; causal, window, softcap, segment ids; D 64 and 128 (and
 # 40, padded); T = S, T != S and ragged T, S (padded to the tiles); one 128-key forward tile.
@@ -145,10 +164,165 @@ def test_mosaic_kernels_have_no_races(monkeypatch):
     assert not gpu_callbacks.get_races().races_found
 
 
-def test_mosaic_rejects_varlen():
-    from pallas_attn import flash_attention_varlen
+def _losses(d_out, d_lse):
+    """A loss with random cotangents on out and on the finite lse."""
 
+    def loss(fn, q, k, v):
+        out, lse = fn(q, k, v)
+        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(finite * d_lse), (out, lse)
+
+    return loss
+
+
+def _check_three(fns, q, k, v, d_out, d_lse):
+    """Runs ``fns`` ("impl", "oracle": float32 inputs, "same": same-precision) with random
+    cotangents; FlashAttention-style bounds (2x on out and lse, 3x on dq, dk, dv). Returns the
+    impl's (out, lse, grads)."""
+    loss = _losses(d_out, d_lse)
+    r = {}
+    for name, fn in fns.items():
+        args = (q, k, v) if name != "oracle" else tuple(x.astype(jnp.float32) for x in (q, k, v))
+        grads, (out, lse) = grad_fn(functools.partial(loss, fn), *args)(*args)
+        r[name] = (out, lse, grads)
+    floor = FLOOR[BF16 if q.dtype == jnp.bfloat16 else F16]
+    (out, lse, grads), (o_ref, l_ref, g_ref), (o_same, l_same, g_same) = r.values()
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    check_close(out, o_ref, o_same, factor=2, floor=floor)
+    check_close(lse, l_ref, l_same, factor=2, floor=1e-4)
+    for g, gr, gs in zip(grads, g_ref, g_same, strict=True):
+        assert g.dtype == q.dtype
+        check_close(g, gr, gs, factor=3, floor=10 * floor)
+    return out, lse, grads
+
+
+def _per_sequence(cu_q, cu_k, upcast: bool, **opts):
+    """Varlen attention as a loop over sequences of the reference (one bottom-right aligned
+    ``reference.attention`` each; a sequence without keys gives 0 and -inf)."""
+
+    def attend(q, k, v):
+        outs, lses = [], []
+        for n in range(len(cu_q) - 1):
+            qs, ks = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
+            T = cu_q[n + 1] - cu_q[n]
+            if cu_k[n + 1] == cu_k[n]:
+                outs.append(jnp.zeros_like(q[qs]))
+                lses.append(jnp.full((q.shape[1], T), -jnp.inf))
+                continue
+            o, s = reference.attention(q[None, qs], k[None, ks], v[None, ks], **opts, upcast=upcast)
+            outs.append(o[0])
+            lses.append(s[0])
+        return jnp.concatenate(outs), jnp.concatenate(lses, axis=1)
+
+    return attend
+
+
+# (sequence lengths q, k, Hq, Hkv, D, options): ragged lengths with T != S per sequence, a
+# sequence with no keys (its rows: out 0, lse -inf), one with no queries (slow); GQA.
+VARLEN_CASES = [
+    (([50, 7], [64, 0]), 2, 1, 64, dict(causal=True)),
+]
+VARLEN_SLOW_CASES = [
+    (([130, 3, 64, 9], [60, 100, 64, 0]), 4, 2, 64, dict(window_size=(20, 10), softcap=4.0)),
+    (([7, 100, 0], [150, 1, 4]), 4, 1, 128, dict(causal=True)),
+]
+
+
+def _check_varlen(lens, Hq, Hkv, D, opts, dtype=BF16):
+    lens_q, lens_k = lens
+    cu_q, cu_k = np.cumsum([0, *lens_q]), np.cumsum([0, *lens_k])
+    keys = jax.random.split(jax.random.key(sum(lens_q) + D), 5)
+    q = jax.random.normal(keys[0], (cu_q[-1], Hq, D)).astype(dtype)
+    k, v = (jax.random.normal(x, (cu_k[-1], Hkv, D)).astype(dtype) for x in keys[1:3])
+    d_out = jax.random.normal(keys[3], q.shape)
+    d_lse = jax.random.normal(keys[4], (Hq, cu_q[-1]))
+    causal = opts.get("causal", False)
+    window = masks.normalize_window(causal, opts.get("window_size", (-1, -1)))
+    ref = dict(softmax_scale=D**-0.5, window=window, softcap=opts.get("softcap", 0.0))
+    fns = {
+        "impl": lambda q, k, v: flash_attention_varlen(
+            q,
+            k,
+            v,
+            jnp.asarray(cu_q, jnp.int32),
+            jnp.asarray(cu_k, jnp.int32),
+            max(lens_q),
+            max(lens_k),
+            **opts,
+            return_lse=True,
+            impl="mosaic_interpret",
+        ),
+        "oracle": _per_sequence(cu_q, cu_k, True, **ref),
+        "same": _per_sequence(cu_q, cu_k, False, **ref),
+    }
+    out, lse, grads = _check_three(fns, q, k, v, d_out, d_lse)
+    for n in np.flatnonzero(np.diff(cu_k) == 0):  # no keys: out 0, lse -inf, dq 0
+        rows = slice(cu_q[n], cu_q[n + 1])
+        assert np.all(np.asarray(out[rows], np.float32) == 0)
+        assert np.all(np.isneginf(np.asarray(lse[:, rows])))
+        assert np.all(np.asarray(grads[0][rows], np.float32) == 0)
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=repr)
+def test_mosaic_varlen_matches_reference(case):
+    _check_varlen(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", VARLEN_SLOW_CASES, ids=repr)
+def test_mosaic_varlen_matches_reference_slow(case):
+    _check_varlen(*case, dtype=F16)
+
+
+@pytest.mark.slow
+def test_mosaic_row_ranges_ignore_unowned_memory():
+    """Per-row ``q_offset``, ``kv_start``, ``kv_len`` through ``run_impl`` (the prefill and varlen
+    padding) with NaN in every key a row does not own: within tolerance of the reference (which
+    zeroes them), finite, and zero gradients for those keys (softcap: its tanh of a NaN score
+    would reach dS otherwise)."""
+    B, T, S, Hq, Hkv, D = 2, 70, 130, 2, 1, 64
+    q, k, v = random_qkv(11, B, T, S, Hq, Hkv, D, dtype=BF16)
+    ranges = dict(
+        q_offset=jnp.array([30, -5], jnp.int32),
+        kv_start=jnp.array([3, 0], jnp.int32),
+        kv_len=jnp.array([90, 60], jnp.int32),
+    )
+    pos = np.arange(S)[None, :]
+    owned = (pos >= np.array([[3], [0]])) & (pos < np.array([[90], [60]]))
+    k, v = (jnp.where(owned[..., None, None], x, jnp.nan).astype(BF16) for x in (k, v))
+    kw = dict(softmax_scale=D**-0.5, window=(-1, 0), softcap=5.0, **ranges)
+    fns = {
+        "impl": lambda q, k, v: run_impl("mosaic_interpret", q, k, v, block_sizes=None, **kw),
+        "oracle": lambda q, k, v: reference.attention(q, k, v, **kw),
+        "same": lambda q, k, v: reference.attention(q, k, v, **kw, upcast=False),
+    }
+    d_out = jax.random.normal(jax.random.key(12), q.shape)
+    d_lse = jax.random.normal(jax.random.key(13), (B, Hq, T))
+    _, _, (dq, dk, dv) = _check_three(fns, q, k, v, d_out, d_lse)
+    for g in (dk, dv):
+        assert np.all(np.asarray(g, np.float32)[~owned] == 0)
+
+
+def test_mosaic_varlen_rejects_a_narrow_dq_key_tile():
     cu = jnp.array([0, 3, 8], jnp.int32)
     q, k, v = (x[0] for x in random_qkv(7, 1, 8, 8, 2, 1, 64, dtype=BF16))
+    bs = BlockSizes(block_q=128, block_k=64, block_q_bwd=32, block_k_bwd=32)
     with pytest.raises(ValueError, match="varlen"):
-        flash_attention_varlen(q, k, v, cu, cu, max_seqlen_q=5, max_seqlen_k=5, impl="mosaic")
+        flash_attention_varlen(q, k, v, cu, cu, 5, 5, impl="mosaic", block_sizes=bs)
+
+
+@pytest.mark.slow
+def test_mosaic_varlen_lowers_for_sm90():
+    """The compiled path (the interpreter skips layout casts and wgmma layouts) lowers for CUDA on
+    a CPU-only machine: forward and both backward kernels with per-row lengths."""
+    q = jax.ShapeDtypeStruct((256, 2, 64), BF16)
+    k = jax.ShapeDtypeStruct((256, 1, 64), BF16)
+    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+
+    def loss(q, k, v, cu):
+        out = flash_attention_varlen(q, k, v, cu, cu, 128, 128, causal=True, impl="mosaic")
+        return jnp.sum(out.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    text = grad.trace(q, k, k, cu).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

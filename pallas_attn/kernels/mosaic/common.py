@@ -54,6 +54,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_attn import masks
+
 try:  # JAX >= 0.11 exposes the GPU interpreter publicly
     from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 except ImportError:  # JAX 0.10.x: the same class under jax._src
@@ -66,6 +68,10 @@ WGMMA_ROWS = 64
 # The head dim is padded to a multiple of this (one 128-byte swizzled row of 16-bit values).
 HEAD_DIM_MULTIPLE = 64
 MAX_HEAD_DIM = 128  # D = 256: the float32 accumulators spill on sm_90a (make gpu-compile)
+# Per-row int32 metadata ``[q_offset, kv_start, kv_len, 0, ...]`` (varlen; the decode kernel's
+# ``[kv_start, kv_len, cache row, ...]``) and block-table rows are padded to 32 int32s: Mosaic's
+# TMA copies move multiples of 128 bytes (one per thread of the warpgroup).
+META_WIDTH = 32
 
 
 class Mode(Protocol):
@@ -95,10 +101,43 @@ class Config:
     block_k_bwd: int
     interpret: bool
     segments: bool = False
+    varlen: bool = False
 
     @property
     def q_offset(self) -> int:
         return self.S - self.T
+
+
+def row_ranges(cfg: Config, meta_s):
+    """``(q_offset, kv_start, kv_len)`` of the CTA's batch row: query row ``i`` sits at key
+    position ``q_offset + i``, keys outside ``[kv_start, kv_len)`` are hidden. With ``cfg.varlen``
+    they are read from the row's metadata in SMEM (``meta_s`` [META_WIDTH] int32), else static:
+    ``(S - T, None, S)`` (``None``: no lower bound to mask)."""
+    if cfg.varlen:
+        return meta_s[0], meta_s[1], meta_s[2]
+    return cfg.q_offset, None, cfg.S
+
+
+def block_start(kv_start):
+    """``kv_start`` for the block-range helpers, which take a number (0 when it is static)."""
+    return 0 if kv_start is None else kv_start
+
+
+def zero_unowned(cfg: Mode, first, kv_start, kv_len, src, dst=None):
+    """Copies the key tile ``src`` [N, D] (keys ``first + [0, N)``) to ``dst`` (default: in
+    place) with the rows outside ``[kv_start, kv_len)`` zeroed: memory a row does not own may
+    hold NaN (:func:`pallas_attn.masks.key_owned`), and a masked probability of 0 times NaN is
+    NaN."""
+    k_rows = first + iota(cfg, src.shape, 0)
+    owned = masks.key_owned(k_rows, kv_start, kv_len)
+    store_tile(src if dst is None else dst, jnp.where(owned, load_tile(cfg, src), 0))
+
+
+def with_optional(refs, fixed: int, present: tuple[bool, ...]):
+    """Kernel refs with ``None`` for the optional inputs that were not passed: ``refs`` holds
+    ``fixed`` inputs, then the optional ones passed (``present`` says which), then the rest."""
+    rest = iter(refs[fixed:])
+    return (*refs[:fixed], *(next(rest) if p else None for p in present), *rest)
 
 
 def interpret_params(cfg: Mode):

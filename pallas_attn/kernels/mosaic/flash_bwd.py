@@ -17,7 +17,10 @@ softcap, :func:`pallas_attn.softmax.score_grad`), then the softmax scale.
   ``block_k_bwd`` keys as the forward does with K and V double-buffered: ``S = Q K^T``, ``dP = dO V^T``, ``dQ += dS K``.
 
 Tiles every row fully sees skip the mask arithmetic (:func:`flash_common.split_loop`). Inputs are
-padded as for :mod:`pallas_attn.kernels.mosaic.flash_fwd`.
+padded as for :mod:`pallas_attn.kernels.mosaic.flash_fwd`. Varlen as there: both kernels read
+their batch row's ``(q_offset, kv_start, kv_len)`` from SMEM for the loop bounds and masks, and
+zero the K and V rows of keys the row does not own on edge tiles, in place (one warpgroup per
+CTA), before any wgmma reads them (NaN there would reach dS, hence dQ and dK, through ``0 * NaN``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def _dkdv_kernel(
     delta_ref,  # [B, Hq, Tp] float32 GMEM
     q_seg_ref,  # [B, Tp] int32 GMEM, segments only (else None)
     kv_seg_ref,  # [B, Sp] int32 GMEM, segments only
+    meta_ref,  # [B, META_WIDTH] int32 GMEM: q_offset, kv_start, kv_len (varlen only)
     dk_ref,  # [B, Sp, Hkv, Dp] GMEM
     dv_ref,  # [B, Sp, Hkv, Dp] GMEM
     k_s,  # [64, Dp] SMEM, reused for the dK tile
@@ -53,7 +57,8 @@ def _dkdv_kernel(
     p_s,  # [64, block_q_bwd] SMEM: P^T, then dS^T, in the input dtype
     kv_seg_s,  # [64] int32 SMEM, segments only
     q_seg_s,  # [2, block_q_bwd] int32 SMEM, segments only
-    kv_bar,  # [3] barriers: K, V, key segment ids (one barrier per TMA copy in flight)
+    meta_s,  # [META_WIDTH] int32 SMEM, varlen only
+    kv_bar,  # [4] barriers: K, V, key segment ids, metadata (one per TMA copy in flight)
     q_bar,  # [4 or 5, 2] barriers: Q, dO, lse, delta (, query segment ids) per slot
     *,
     cfg: mc.Config,
@@ -68,9 +73,14 @@ def _dkdv_kernel(
     plgpu.copy_gmem_to_smem(v_ref.at[keys], v_s, kv_bar.at[1])
     if cfg.segments:
         plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(k_first, bk)], kv_seg_s, kv_bar.at[2])
+    if cfg.varlen:
+        plgpu.copy_gmem_to_smem(meta_ref.at[b], meta_s, kv_bar.at[3])
+        plgpu.barrier_wait(kv_bar.at[3])
+    q_offset, kv_start, kv_len = mc.row_ranges(cfg, meta_s)
+    start = mc.block_start(kv_start)
     k_last = k_first + bk - 1
-    lo, hi = fc.query_block_range(cfg, k_first, k_last, cfg.q_offset, 0, cfg.S, bq, num_q_blocks)
-    full = fc.full_query_blocks(cfg, k_first, k_last, cfg.q_offset, 0, cfg.S, bq, num_q_blocks)
+    lo, hi = fc.query_block_range(cfg, k_first, k_last, q_offset, start, kv_len, bq, num_q_blocks)
+    full = fc.full_query_blocks(cfg, k_first, k_last, q_offset, start, kv_len, bq, num_q_blocks)
     n_blocks = hi - lo
 
     def fetch(n):
@@ -94,6 +104,13 @@ def _dkdv_kernel(
     pl.when(total > 0)(lambda: fetch(0))
     plgpu.barrier_wait(kv_bar.at[0])
     plgpu.barrier_wait(kv_bar.at[1])
+    if cfg.varlen:  # the block's keys the row does not own may hold NaN: zero K and V rows
+
+        @pl.when((k_first < kv_start) | (k_first + bk > kv_len))
+        def _():
+            for tile in (k_s, v_s):
+                mc.zero_unowned(cfg, k_first, kv_start, kv_len, tile)
+
     kv_seg = None
     if cfg.segments:
         plgpu.barrier_wait(kv_bar.at[2])
@@ -114,7 +131,7 @@ def _dkdv_kernel(
         lse = mc.bcast(mc.load_vector(cfg, lse_s.at[slot], 0), shape, 1)
         p = jnp.exp2(s2 - lse)
         if masked:
-            q_pos = cfg.q_offset + i * bq + mc.iota(cfg, shape, 1)
+            q_pos = q_offset + i * bq + mc.iota(cfg, shape, 1)
             k_pos = k_first + mc.iota(cfg, shape, 0)
             q_seg = None
             if cfg.segments:
@@ -123,7 +140,8 @@ def _dkdv_kernel(
                 q_pos,
                 k_pos,
                 window=cfg.window,
-                kv_len=cfg.S,
+                kv_start=kv_start,
+                kv_len=kv_len,
                 q_segment_ids=q_seg,
                 kv_segment_ids=kv_seg,
             )
@@ -157,6 +175,7 @@ def _dq_kernel(
     delta_ref,  # [B, Hq, Tp] float32 GMEM
     q_seg_ref,  # [B, Tp] int32 GMEM, segments only (else None)
     kv_seg_ref,  # [B, Sp] int32 GMEM, segments only
+    meta_ref,  # [B, META_WIDTH] int32 GMEM: q_offset, kv_start, kv_len (varlen only)
     dq_ref,  # [B, Tp, Hq, Dp] GMEM
     q_s,  # [64, Dp] SMEM, reused for the dQ tile
     do_s,  # [64, Dp] SMEM
@@ -167,7 +186,8 @@ def _dq_kernel(
     ds_s,  # [64, block_k_bwd] SMEM, dS in the input dtype
     q_seg_s,  # [64] int32 SMEM, segments only
     kv_seg_s,  # [2, block_k_bwd] int32 SMEM, segments only
-    q_bar,  # [5] barriers: Q, dO, lse, delta, query segment ids
+    meta_s,  # [META_WIDTH] int32 SMEM, varlen only
+    q_bar,  # [6] barriers: Q, dO, lse, delta, query segment ids, metadata
     kv_bar,  # [2 or 3, 2] barriers: K, V (, key segment ids) per slot
     *,
     cfg: mc.Config,
@@ -189,10 +209,16 @@ def _dq_kernel(
         copies += ((q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_s),)
     for t, (src, dst) in enumerate(copies):
         plgpu.copy_gmem_to_smem(src, dst, q_bar.at[t])
-    q_first = cfg.q_offset + row0
+    if cfg.varlen:
+        plgpu.copy_gmem_to_smem(meta_ref.at[b], meta_s, q_bar.at[5])
+        plgpu.barrier_wait(q_bar.at[5])
+    q_offset, kv_start, kv_len = mc.row_ranges(cfg, meta_s)
+    q_first = q_offset + row0
     q_last = q_first + bq - 1
-    lo, hi = fc.key_block_range(cfg, q_first, q_last, 0, cfg.S, bk, num_k_blocks)
-    full = fc.full_key_blocks(cfg, q_first, q_last, 0, cfg.S, bk)
+    lo, hi = fc.key_block_range(
+        cfg, q_first, q_last, mc.block_start(kv_start), kv_len, bk, num_k_blocks
+    )
+    full = fc.full_key_blocks(cfg, q_first, q_last, mc.block_start(kv_start), kv_len, bk)
 
     def fetch(j):
         slot = lax.rem(j, 2)
@@ -219,6 +245,13 @@ def _dq_kernel(
         for bar in kv_bar:
             plgpu.barrier_wait(bar.at[slot])
         k, v = k_s.at[slot], v_s.at[slot]
+        if masked and cfg.varlen:  # keys the row does not own may hold NaN: zero K and V rows
+
+            @pl.when((j * bk < kv_start) | (j * bk + bk > kv_len))
+            def _():
+                for tile in (k, v):
+                    mc.zero_unowned(cfg, j * bk, kv_start, kv_len, tile)
+
         s2, t = softmax.scale_scores(
             mc.matmul(cfg, q_s, k, transpose_b=True), cfg.softmax_scale, cfg.softcap
         )
@@ -233,7 +266,8 @@ def _dq_kernel(
                 q_pos,
                 k_pos,
                 window=cfg.window,
-                kv_len=cfg.S,
+                kv_start=kv_start,
+                kv_len=kv_len,
                 q_segment_ids=q_seg,
                 kv_segment_ids=kv_seg,
             )
@@ -248,7 +282,7 @@ def _dq_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta, q_seg=None, kv_seg=None):
+def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta, q_seg=None, kv_seg=None, meta=None):
     """Padded backward.
 
     Args:
@@ -256,6 +290,7 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta, q_seg=None, kv_seg=Non
       lse2: [B, Hq, Tp] float32, ``log2(e) * lse`` with 0 on rows that saw no key.
       delta: [B, Hq, Tp] float32, ``rowsum(dO * O) - dlse``.
       q_seg: [B, Tp], kv_seg: [B, Sp] int32 when ``cfg.segments``.
+      meta: [B, META_WIDTH] int32 rows ``(q_offset, kv_start, kv_len, 0...)`` when ``cfg.varlen``.
 
     Returns:
       dq [B, Tp, Hq, Dp], dk and dv [B, Sp, Hkv, Dp], in the input dtypes.
@@ -270,17 +305,16 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta, q_seg=None, kv_seg=Non
         interpret=mc.interpret_params(cfg),
     )
 
-    segs = (q_seg, kv_seg) if cfg.segments else ()
-    seg = cfg.segments
-
-    def with_segments(refs):  # None for the segment-id refs of a call without them
-        return refs if seg else (*refs[:6], None, None, *refs[6:])
+    seg, varlen = cfg.segments, cfg.varlen
+    optional = (q_seg, kv_seg, meta)
+    present = tuple(x is not None for x in optional)
+    inputs = (q, k, v, d_out, lse2, delta, *(x for x in optional if x is not None))
 
     def mosaic_flash_bwd_dkdv(*refs):  # the kernel's name in compile reports
-        _dkdv_kernel(*with_segments(refs), cfg=cfg, G=G)
+        _dkdv_kernel(*mc.with_optional(refs, 6, present), cfg=cfg, G=G)
 
     def mosaic_flash_bwd_dq(*refs):
-        _dq_kernel(*with_segments(refs), cfg=cfg, G=G)
+        _dq_kernel(*mc.with_optional(refs, 6, present), cfg=cfg, G=G)
 
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
     dk, dv = plgpu.kernel(
@@ -296,13 +330,14 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta, q_seg=None, kv_seg=Non
             mc.smem((rows, bq), dtype),
             plgpu.SMEM((rows,), jnp.int32) if seg else None,
             plgpu.SMEM((2, bq), jnp.int32) if seg else None,
-            plgpu.Barrier(num_barriers=3),
+            plgpu.SMEM((mc.META_WIDTH,), jnp.int32) if varlen else None,
+            plgpu.Barrier(num_barriers=4),
             [plgpu.Barrier(num_barriers=2) for _ in range(4 + seg)],
         ],
         grid=(Sp // rows, Hkv, B),
         grid_names=("k", "h", "b"),
         **params,
-    )(q, k, v, d_out, lse2, delta, *segs)
+    )(*inputs)
     dq = plgpu.kernel(
         mosaic_flash_bwd_dq,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
@@ -316,11 +351,12 @@ def backward(cfg: mc.Config, q, k, v, d_out, lse2, delta, q_seg=None, kv_seg=Non
             mc.smem((rows, bk), dtype),
             plgpu.SMEM((rows,), jnp.int32) if seg else None,
             plgpu.SMEM((2, bk), jnp.int32) if seg else None,
-            plgpu.Barrier(num_barriers=5),
+            plgpu.SMEM((mc.META_WIDTH,), jnp.int32) if varlen else None,
+            plgpu.Barrier(num_barriers=6),
             [plgpu.Barrier(num_barriers=2) for _ in range(2 + seg)],
         ],
         grid=(Tp // rows, Hq, B),
         grid_names=("q", "h", "b"),
         **params,
-    )(q, k, v, d_out, lse2, delta, *segs)
+    )(*inputs)
     return dq, dk, dv

@@ -20,6 +20,15 @@ One CTA per (block of 128 queries, query head, batch) runs three warpgroups:
 With segment ids, the producer also loads each block's key segment ids into the ring (released
 with the K slot) and each consumer its rows' ids once; every tile is then masked.
 
+Varlen (per-row ``q_offset``, ``kv_start``, ``kv_len``: :func:`pallas_attn.flash_attention_varlen`
+and prefill over padded rows): every warpgroup TMA-loads its batch row's metadata once into SMEM
+and takes the loop bounds, the fully visible blocks and the masks from it, so a short row walks
+only its own key blocks. This is not mapped onto segment ids: those would mask every tile and walk
+every key block of the padded row. Keys outside ``[kv_start, kv_len)`` are memory the row does not
+own (they may hold NaN): on the masked tiles each consumer multiplies ``P`` by its own copy of the
+V slot with those rows zeroed (the slot itself is shared by both consumers; the full tiles, the
+bulk of a long row, run as without varlen).
+
 The end is ``out = acc / l``, ``lse = ln2 * m + ln(l)``; a row that saw no key gets out 0 and lse
 ``-inf``. Out and lse leave through SMEM by TMA. Inputs are padded by :mod:`pallas_attn.mosaic`:
 T to a multiple of 128, S of ``block_k``, D of 64; padded keys lie at positions ``>= S`` and are
@@ -27,6 +36,8 @@ masked.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +61,7 @@ def _kernel(
     v_ref,  # [B, Sp, Hkv, Dp] GMEM
     q_seg_ref,  # [B, Tp] int32 GMEM, segments only (else None)
     kv_seg_ref,  # [B, Sp] int32 GMEM, segments only
+    meta_ref,  # [B, META_WIDTH] int32 GMEM: q_offset, kv_start, kv_len (varlen only)
     o_ref,  # [B, Tp, Hq, Dp] GMEM
     lse_ref,  # [B, Hq, Tp] float32 GMEM
     q_s,  # [2, 64, Dp] SMEM, a Q tile per consumer, reused for its output tile
@@ -60,12 +72,15 @@ def _kernel(
     kt_s,  # [2, Dp, block_k] SMEM, K^T per consumer (interpreter only: no transposed operands)
     q_seg_s,  # [2, 64] int32 SMEM, segments only
     kv_seg_s,  # [STAGES, block_k] int32 SMEM ring, segments only
+    meta_s,  # [3, META_WIDTH] int32 SMEM, a metadata row per warpgroup (varlen only)
+    vz_s,  # [2, block_k, Dp] SMEM, V with unowned rows zeroed per consumer (varlen only)
     q_bar,  # [4] barriers: a Q tile per consumer, then its segment ids
     k_full,  # [STAGES] barriers: the K slot holds its block
     v_full,  # [STAGES] barriers
     seg_full,  # [STAGES] barriers: the slot's key segment ids (segments only)
     k_free,  # [STAGES] barriers, 2 arrivals: both consumers are done with the K slot
     v_free,  # [STAGES] barriers, 2 arrivals
+    meta_bar,  # [3] barriers: a metadata row per warpgroup (varlen only)
     *,
     cfg: mc.Config,
     G: int,
@@ -73,9 +88,16 @@ def _kernel(
     rows, bk = mc.WGMMA_ROWS, cfg.block_k
     qi, h, b, wg = (lax.axis_index(n) for n in ("q", "h", "b", "wg"))
     num_k_blocks = k_ref.shape[1] // bk
-    cta_first = cfg.q_offset + qi * cfg.block_q
+    meta = None
+    if cfg.varlen:  # every warpgroup reads the row's metadata itself (no cross-group sync)
+        meta = meta_s.at[wg]
+        plgpu.copy_gmem_to_smem(meta_ref.at[b], meta, meta_bar.at[wg])
+        plgpu.barrier_wait(meta_bar.at[wg])
+    q_offset, kv_start, kv_len = mc.row_ranges(cfg, meta)
+    start = mc.block_start(kv_start)
+    cta_first = q_offset + qi * cfg.block_q
     lo, hi = fc.key_block_range(
-        cfg, cta_first, cta_first + cfg.block_q - 1, 0, cfg.S, bk, num_k_blocks
+        cfg, cta_first, cta_first + cfg.block_q - 1, start, kv_len, bk, num_k_blocks
     )
 
     @pl.when(wg == CONSUMERS)
@@ -111,6 +133,7 @@ def _kernel(
         row0 = pl.multiple_of(qi * cfg.block_q + wg * rows, rows)
         q_tile, p_tile, lse_tile = q_s.at[wg], p_s.at[wg], lse_s.at[wg]
         kt = None if kt_s is None else kt_s.at[wg]
+        vz = None if vz_s is None else vz_s.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, rows), h], q_tile, q_bar.at[wg])
         q_seg = None
         if cfg.segments:
@@ -119,13 +142,17 @@ def _kernel(
             plgpu.barrier_wait(bar)
             q_seg = mc.bcast(mc.load_vector(cfg, q_seg_s.at[wg], 1), (rows, bk), 0)
         plgpu.barrier_wait(q_bar.at[wg])
-        q_first = cfg.q_offset + row0
-        full = fc.full_key_blocks(cfg, q_first, q_first + rows - 1, 0, cfg.S, bk)
+        q_first = q_offset + row0
+        full = fc.full_key_blocks(cfg, q_first, q_first + rows - 1, start, kv_len, bk)
 
-        def pv(p, slot, acc):
+        def pv(p, slot, acc, first=None):
             mc.store_tile(p_tile, p)
             plgpu.barrier_wait(v_full.at[slot])
-            acc = mc.matmul_acc(cfg, acc, p_tile, v_s.at[slot])
+            v = v_s.at[slot]
+            if first is not None:  # both consumers read the slot: each zeroes its own copy
+                mc.zero_unowned(cfg, first, kv_start, kv_len, v, vz)
+                v = vz
+            acc = mc.matmul_acc(cfg, acc, p_tile, v)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc
 
@@ -147,11 +174,15 @@ def _kernel(
                     q_pos,
                     k_pos,
                     window=cfg.window,
-                    kv_len=cfg.S,
+                    kv_start=kv_start,
+                    kv_len=kv_len,
                     q_segment_ids=q_seg,
                     kv_segment_ids=kv_seg,
                 )
-            return softmax.step(carry, s2, slot, pv, mask, accumulate=True)
+            step_pv = pv
+            if masked and cfg.varlen:  # a tile that may hold keys the row does not own
+                step_pv = functools.partial(pv, first=j * bk)
+            return softmax.step(carry, s2, slot, step_pv, mask, accumulate=True)
 
         m, l, acc = softmax.init((rows,), q_tile.shape[-1])
         carry = (mc.rows(cfg, m), mc.rows(cfg, l), mc.tile(cfg, acc))
@@ -164,13 +195,14 @@ def _kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-def forward(cfg: mc.Config, q, k, v, q_seg=None, kv_seg=None):
+def forward(cfg: mc.Config, q, k, v, q_seg=None, kv_seg=None, meta=None):
     """Padded forward.
 
     Args:
       q: [B, Tp, Hq, Dp]; k, v: [B, Sp, Hkv, Dp], bfloat16 or float16, Tp % 128 == 0
         (``cfg.block_q``), Sp % block_k == 0, Dp % 64 == 0.
       q_seg: [B, Tp], kv_seg: [B, Sp] int32 when ``cfg.segments``.
+      meta: [B, META_WIDTH] int32 rows ``(q_offset, kv_start, kv_len, 0...)`` when ``cfg.varlen``.
 
     Returns:
       out [B, Tp, Hq, Dp] in q's dtype, lse [B, Hq, Tp] float32 (natural log).
@@ -188,19 +220,21 @@ def forward(cfg: mc.Config, q, k, v, q_seg=None, kv_seg=None):
         plgpu.SMEM((CONSUMERS, Dp, bk), dtype) if cfg.interpret else None,
         plgpu.SMEM((CONSUMERS, rows), jnp.int32) if cfg.segments else None,
         plgpu.SMEM((STAGES, bk), jnp.int32) if cfg.segments else None,
+        plgpu.SMEM((CONSUMERS + 1, mc.META_WIDTH), jnp.int32) if cfg.varlen else None,
+        mc.smem((CONSUMERS, bk, Dp), dtype) if cfg.varlen else None,
         plgpu.Barrier(num_barriers=2 * CONSUMERS),
         plgpu.Barrier(num_barriers=STAGES),
         plgpu.Barrier(num_barriers=STAGES),
         plgpu.Barrier(num_barriers=STAGES) if cfg.segments else None,
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),
+        plgpu.Barrier(num_barriers=CONSUMERS + 1) if cfg.varlen else None,
     )
-
-    segs = (q_seg, kv_seg) if cfg.segments else ()
+    optional = (q_seg, kv_seg, meta)
+    present = tuple(x is not None for x in optional)
 
     def mosaic_flash_fwd(*refs):  # the kernel's name in compile reports
-        if not cfg.segments:
-            refs = (*refs[:3], None, None, *refs[3:])
+        refs = mc.with_optional(refs, 3, present)
         pl.run_scoped(
             lambda *scoped: _kernel(*refs, *scoped, cfg=cfg, G=Hq // Hkv),
             *scratch,
@@ -219,4 +253,4 @@ def forward(cfg: mc.Config, q, k, v, q_seg=None, kv_seg=None):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mc.interpret_params(cfg),
-    )(q, k, v, *segs)
+    )(q, k, v, *(x for x in optional if x is not None))
