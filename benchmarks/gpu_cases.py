@@ -53,20 +53,23 @@ def mosaic_flash_case(D: int, dtype: str, mask: str) -> dict:
     )
 
 
-def mosaic_kvcache_case(D, dtype, G, Tq, layout, *, rotary=False) -> dict:
-    case = kvcache_case(D, dtype, G, Tq, layout, rotary=rotary)
+def mosaic_kvcache_case(D, dtype, G, Tq, layout, *, rotary=False, fp8=False) -> dict:
+    case = kvcache_case(D, dtype, G, Tq, layout, rotary=rotary, fp8=fp8)
     return {**case, "id": "mosaic_" + case["id"], "mosaic": True}
 
 
 def mosaic_cases() -> list[dict]:
     """Every Mosaic head dim, both 16-bit dtypes and every mask in turn; decode at D 64 and 128,
-    paged and contiguous, Tq 1 and 5, G 8 and 4."""
+    paged and contiguous, Tq 1 and 5, G 8 and 4, an FP8 cache in each 16-bit dtype (bfloat16
+    upcasts through float32, float16 directly)."""
     return [
         mosaic_flash_case(D, ("bfloat16", "float16")[i % 2], mask)
         for i, (D, mask) in enumerate(zip((*MOSAIC_HEAD_DIMS, 128, 64), MOSAIC_MASKS, strict=True))
     ] + [
         mosaic_kvcache_case(128, "bfloat16", 8, 1, "paged", rotary=True),
         mosaic_kvcache_case(64, "float16", 4, 5, "contiguous"),
+        mosaic_kvcache_case(128, "bfloat16", 4, 5, "paged", fp8=True, rotary=True),
+        mosaic_kvcache_case(64, "float16", 8, 1, "contiguous", fp8=True),
     ]
 
 
@@ -154,6 +157,11 @@ def full_cases() -> list[dict]:
         for D in (64, 128)
         for dt in ("bfloat16", "float16")
         for G, Tq, layout in ((1, 1, "contiguous"), (4, 5, "paged"), (8, 16, "paged"))
+    ]
+    mosaic += [
+        mosaic_kvcache_case(D, dt, 4, 5, "paged", fp8=True, rotary=True)
+        for D in (64, 128)
+        for dt in ("bfloat16", "float16")
     ]
     return cases + mosaic + MODEL_CASES
 

@@ -230,9 +230,7 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
     from pallas_attn.kernels import append, decode  # imported only when asked for
 
     index = cache.row_index(args, q.shape[0])
-    descale = None
-    if cache.is_fp8(k_cache):
-        descale = jnp.stack([args.k_descale, args.v_descale])
+    descale = _descales(args, k_cache)
     q = cache.rotate_queries(static, args, q)
     Tn = 0
     if k is not None:
@@ -279,8 +277,8 @@ def _pallas(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_splits", "interpret"))
 def _mosaic(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpret: bool):
-    """The Mosaic GPU decode kernel after the jnp cache write (:func:`cache.write`: rotary, in
-    place under donation)."""
+    """The Mosaic GPU decode kernel after the jnp cache write (:func:`cache.write`: rotary and
+    FP8 quantisation, in place under donation)."""
     from pallas_attn.kernels.mosaic import decode
 
     q = cache.rotate_queries(static, args, q)
@@ -292,9 +290,24 @@ def _mosaic(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
     ranges = cache.key_range(args, q.shape[1], Tn)
     index = cache.row_index(args, q.shape[0])
     out, lse = decode.decode(
-        q, k_cache, v_cache, ranges.kv_len, ranges.kv_start, index, cfg=cfg, num_splits=num_splits
+        q,
+        k_cache,
+        v_cache,
+        ranges.kv_len,
+        ranges.kv_start,
+        index,
+        _descales(args, k_cache),
+        cfg=cfg,
+        num_splits=num_splits,
     )
     return out, lse, k_cache, v_cache
+
+
+def _descales(args: cache.CacheArgs, k_cache):
+    """[2, B, Hkv] float32 ``(k_descale, v_descale)`` for an FP8 cache, else None."""
+    if not cache.is_fp8(k_cache):
+        return None
+    return jnp.stack([args.k_descale, args.v_descale])
 
 
 def _check_tree_mask(tree_mask, B: int, Tq: int):

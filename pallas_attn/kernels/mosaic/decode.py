@@ -17,6 +17,14 @@ block-table entries are read only for pages below the row's length (later entrie
 anything, e.g. -1). Slots of a tile outside ``[kv_start, kv_len)`` are memory the row does not
 own (:func:`pallas_attn.masks.key_owned`): their scores are masked, and on edge tiles their V
 rows are zeroed in SMEM before ``P V``, so NaN there never reaches an output.
+
+FP8 caches (``float8_e4m3fn``, ``real = stored * descale``): TMA moves the 8-bit tiles (half the
+bytes of a 16-bit cache: decode is bound by HBM bandwidth), and each tile is upcast to q's dtype
+in SMEM (registers in between) before its wgmma; ``k_descale`` folds into the softmax scale and
+``v_descale`` multiplies the output, as in the Triton kernel. Not e4m3 wgmma operands, which
+sm_90 has: it multiplies two e4m3 operands only, so Q and P would be quantised to 3 mantissa bits
+(other numerics than the Triton and XLA paths, which attend in q's dtype), and 8-bit operands
+must be K-major, which V (the B operand of ``P V``, keys major) is not without a transpose.
 """
 
 from __future__ import annotations
@@ -34,9 +42,7 @@ from pallas_attn.kernels import decode as triton_decode
 from pallas_attn.kernels.mosaic import common as mc
 
 BLOCK_N = 64  # keys per tile
-# Mosaic's TMA copies move multiples of 128 bytes (one per thread of the warpgroup): the per-row
-# metadata [kv_start, kv_len, cache row, 0...] and the block-table rows are padded to 32 int32s.
-META_WIDTH = 32
+META_WIDTH = mc.META_WIDTH  # [kv_start, kv_len, cache row, 0...] and block-table rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,17 +61,21 @@ def _kernel(
     table_ref,  # [B, max_blocks_p] int32 GMEM (paged) or [B, 32] (contiguous: unused)
     k_ref,  # [Bc, S, Hkv, D] or [num_pages, P, Hkv, D] GMEM: the whole cache
     v_ref,  # same as k_ref
+    desc_ref,  # [B, Hkv, META_WIDTH] float32 GMEM: k_descale, v_descale, 0... (FP8 only)
     o_ref,  # [B, Hkv, n, Mp, D] float32 GMEM, partial outputs per split
     lse_ref,  # [B, Hkv, n, Mp] float32 GMEM
     q_s,  # [64, D] SMEM
-    k_s,  # [2, 64, D] SMEM, double-buffered
+    k_s,  # [2, 64, D] SMEM, double-buffered, in the cache's dtype
     v_s,  # [2, 64, D] SMEM
+    kc_s,  # [64, D] SMEM, the K tile converted to q's dtype (FP8 only)
+    vc_s,  # [64, D] SMEM, the V tile converted (FP8 only)
     p_s,  # [64, 64] SMEM, probabilities in q's dtype
     o_s,  # [64, D] float32 SMEM
     lse_s,  # [64] float32 SMEM
     meta_s,  # [META_WIDTH] int32 SMEM
     table_s,  # [max_blocks_p] int32 SMEM
-    in_bar,  # [3] barriers: meta, block table, q
+    desc_s,  # [META_WIDTH] float32 SMEM (FP8 only)
+    in_bar,  # [4] barriers: meta, block table, q, descales
     k_bar,  # [2] barriers (one per slot), each expecting one copy per page of a tile
     v_bar,  # [2] barriers
     *,
@@ -73,6 +83,7 @@ def _kernel(
     dcfg: triton_decode.DecodeConfig,
     Tq: int,
     paged: bool,
+    fp8: bool,
 ):
     rows = mc.WGMMA_ROWS
     s_axis, h, b = (lax.axis_index(n) for n in ("s", "h", "b"))
@@ -83,6 +94,11 @@ def _kernel(
     plgpu.copy_gmem_to_smem(
         q_ref.at[b, h, pl.ds(pl.multiple_of(mi * rows, rows), rows)], q_s, in_bar.at[2]
     )
+    scale = cfg.softmax_scale
+    if fp8:  # k_descale folds into the softmax scale, v_descale multiplies the output
+        plgpu.copy_gmem_to_smem(desc_ref.at[b, h], desc_s, in_bar.at[3])
+        plgpu.barrier_wait(in_bar.at[3])
+        scale = scale * desc_s[0]
     plgpu.barrier_wait(in_bar.at[0])
     if paged:
         plgpu.barrier_wait(in_bar.at[1])
@@ -110,34 +126,38 @@ def _kernel(
     t = jnp.minimum(lax.div(mi * rows + mc.iota(cfg, shape, 0), dcfg.group), Tq - 1)
     q_pos = kv_len - Tq + t  # query t sits at key position kv_len - Tq + t
 
-    def pv(p, slot, acc):
+    def pv(p, v_tile, acc):
         mc.store_tile(p_s, p)
-        return mc.matmul_acc(cfg, acc, p_s, v_s.at[slot])
+        return mc.matmul_acc(cfg, acc, p_s, v_tile)
 
     def body(j, carry):
         slot = lax.rem(j, 2)
         pl.when(j + 1 < j_end)(lambda: fetch(j + 1))
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
+        k_tile, v_tile = k_s.at[slot], v_s.at[slot]
+        if fp8:  # upcast both tiles to q's dtype in SMEM: the wgmma operands are 16-bit
+            for src, dst in ((k_tile, kc_s), (v_tile, vc_s)):
+                x = mc.load_tile(cfg, src)
+                if dst.dtype != jnp.float16:  # sm_90 converts e4m3 to f16 only (exact via f32)
+                    x = x.astype(jnp.float32)
+                mc.store_tile(dst, x.astype(dst.dtype))
+            k_tile, v_tile = kc_s, vc_s
         first = j * BLOCK_N
         edge = (first < kv_start) | (first + BLOCK_N > kv_len)
-
-        @pl.when(edge)
-        def _():  # zero the V rows of slots the row does not own (they may hold NaN)
-            tile = v_s.at[slot]
-            k_rows = first + mc.iota(cfg, tile.shape, 0)
-            owned = masks.key_owned(k_rows, kv_start, kv_len)
-            mc.store_tile(tile, jnp.where(owned, mc.load_tile(cfg, tile), 0))
-
-        s = mc.matmul(cfg, q_s, k_s.at[slot], transpose_b=True)  # [64 rows, 64 keys]
-        s2, _ = softmax.scale_scores(s, cfg.softmax_scale, cfg.softcap)
+        # Zero the V rows of slots the row does not own (they may hold NaN).
+        pl.when(edge)(lambda: mc.zero_unowned(cfg, first, kv_start, kv_len, v_tile))
+        s = mc.matmul(cfg, q_s, k_tile, transpose_b=True)  # [64 rows, 64 keys]
+        s2, _ = softmax.scale_scores(s, scale, cfg.softcap)
         k_pos = first + mc.iota(cfg, shape, 1)
         mask = masks.visible(q_pos, k_pos, window=cfg.window, kv_start=kv_start, kv_len=kv_len)
-        return softmax.step(carry, s2, slot, pv, mask, accumulate=True)
+        return softmax.step(carry, s2, v_tile, pv, mask, accumulate=True)
 
     m, l, acc = softmax.init((rows,), q_s.shape[-1])
     carry = (mc.rows(cfg, m), mc.rows(cfg, l), mc.tile(cfg, acc))
     out, lse = softmax.finalize(*lax.fori_loop(j_start, j_end, body, carry))
+    if fp8:
+        out = out * desc_s[1]
     mc.store_tile(o_s, out)
     mc.store_tile(lse_s, lse)
     block = pl.ds(pl.multiple_of(mi * rows, rows), rows)
@@ -149,11 +169,13 @@ def _kernel(
 def check_supported(q, k_cache, *, paged: bool, fp8: bool, tree: bool):
     """What the Mosaic decode kernel takes (ValueError / TypeError otherwise, before tracing)."""
     D = q.shape[-1]
-    if not any(jnp.dtype(q.dtype) == jnp.dtype(d) for d in mc.DTYPES) or fp8:
+    if not any(jnp.dtype(q.dtype) == jnp.dtype(d) for d in mc.DTYPES):
         raise TypeError(
-            'impl="mosaic" decodes bfloat16 or float16 caches in q\'s dtype (no FP8 yet), got q '
-            f'{jnp.dtype(q.dtype).name}, cache {jnp.dtype(k_cache.dtype).name}; use impl="pallas"'
+            'impl="mosaic" decodes bfloat16 or float16 queries (caches in q\'s dtype or FP8), '
+            f"got q {jnp.dtype(q.dtype).name}, cache {jnp.dtype(k_cache.dtype).name}; "
+            'use impl="pallas"'
         )
+    del fp8  # float8_e4m3fn caches: tiles upcast to q's dtype in SMEM
     if D % mc.HEAD_DIM_MULTIPLE or D > mc.MAX_HEAD_DIM:
         raise ValueError(
             f'impl="mosaic" decodes head dims 64 or 128 (TMA tiles of the unpadded cache), got '
@@ -182,15 +204,28 @@ def supports(q, k_cache, *, paged: bool, fp8: bool, tree: bool) -> bool:
     return True
 
 
-def decode(q, k_cache, v_cache, kv_len, kv_start, index, *, cfg: DecodeStatic, num_splits: int):
+def decode(
+    q,
+    k_cache,
+    v_cache,
+    kv_len,
+    kv_start,
+    index,
+    descale=None,
+    *,
+    cfg: DecodeStatic,
+    num_splits: int,
+):
     """Split-KV attention of q over a cache whose rows already hold every key.
 
     Args:
       q: [B, Tq, Hq, D] (rotary applied), bfloat16 or float16.
       k_cache, v_cache: contiguous [Bc, S, Hkv, D] (``index`` = [B] cache rows) or paged
-        [num_pages, P, Hkv, D] (``index`` = [B, max_blocks] block table), q's dtype.
+        [num_pages, P, Hkv, D] (``index`` = [B, max_blocks] block table), q's dtype or
+        ``float8_e4m3fn``.
       kv_len, kv_start: [B] int32, keys ``[kv_start, kv_len)`` are valid; query ``t`` sits at
         position ``kv_len - Tq + t``.
+      descale: [2, B, Hkv] float32 ``(k_descale, v_descale)`` for FP8 caches, else None.
       cfg: softmax scale, window (normalised), softcap, and whether to interpret.
       num_splits: KV splits; 0 = :func:`pallas_attn.heuristics.choose_splits`.
 
@@ -221,9 +256,15 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, *, cfg: DecodeStatic, n
     meta = jnp.pad(meta, ((0, 0), (0, META_WIDTH - 3)))
     table = index if paged else jnp.zeros((B, META_WIDTH), jnp.int32)
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % META_WIDTH)))
+    fp8 = descale is not None
+    inputs = (packed, meta, table, k_cache, v_cache)
+    if fp8:  # [B, Hkv, META_WIDTH] rows (k_descale, v_descale, 0...): one 128-byte TMA copy
+        desc = jnp.moveaxis(descale.astype(jnp.float32), 0, -1)
+        inputs += (jnp.pad(desc, ((0, 0), (0, 0), (0, META_WIDTH - 2))),)
 
     def mosaic_decode(*refs):  # the kernel's name in compile reports
-        _kernel(*refs, cfg=cfg, dcfg=dcfg, Tq=Tq, paged=paged)
+        refs = mc.with_optional(refs, 5, (fp8,))
+        _kernel(*refs, cfg=cfg, dcfg=dcfg, Tq=Tq, paged=paged, fp8=fp8)
 
     chunks = BLOCK_N // min(k_cache.shape[1], BLOCK_N) if paged else 1
     out_s, lse_s = plgpu.kernel(
@@ -234,14 +275,17 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, *, cfg: DecodeStatic, n
         ),
         scratch_types=[
             mc.smem((rows, D), q.dtype),
-            mc.smem((2, BLOCK_N, D), q.dtype),
-            mc.smem((2, BLOCK_N, D), q.dtype),
+            mc.smem((2, BLOCK_N, D), k_cache.dtype),
+            mc.smem((2, BLOCK_N, D), k_cache.dtype),
+            mc.smem((BLOCK_N, D), q.dtype) if fp8 else None,
+            mc.smem((BLOCK_N, D), q.dtype) if fp8 else None,
             mc.smem((rows, BLOCK_N), q.dtype),
             mc.smem((rows, D), jnp.float32),
             plgpu.SMEM((rows,), jnp.float32),
             plgpu.SMEM((META_WIDTH,), jnp.int32),
             plgpu.SMEM((table.shape[1],), jnp.int32),
-            plgpu.Barrier(num_barriers=3),
+            plgpu.SMEM((META_WIDTH,), jnp.float32) if fp8 else None,
+            plgpu.Barrier(num_barriers=4),
             plgpu.Barrier(num_arrivals=chunks, num_barriers=2),
             plgpu.Barrier(num_arrivals=chunks, num_barriers=2),
         ],
@@ -249,7 +293,7 @@ def decode(q, k_cache, v_cache, kv_len, kv_start, index, *, cfg: DecodeStatic, n
         grid_names=("s", "h", "b"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mc.interpret_params(cfg),
-    )(packed, meta, table, k_cache, v_cache)
+    )(*inputs)
     out, lse = triton_decode.combine(out_s, lse_s)
     out, lse = triton_decode.unpack(out, lse, Tq, G, D)
     return out.astype(q.dtype), lse
