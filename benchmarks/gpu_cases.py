@@ -11,7 +11,7 @@ A case is ``{"id", "family", ...parameters}``; :func:`build` turns it into ``(fn
 * ``mosaic_flash``: the same forward + backward with ``impl="mosaic"`` (the Mosaic GPU kernels:
   TMA, wgmma; sm_90+ only, 16-bit), ``mask`` one of causal, window, softcap, segments, varlen.
 * ``kvcache``: one ``attention_with_kvcache`` step: append ``Tq`` new tokens (optionally rotary,
-  FP8 cache) then split-KV decode over S = 4096 keys (contiguous or paged, P = 16), B = 2,
+  FP8 cache, a tree mask among them) then split-KV decode over S = 4096 keys (contiguous or paged, P = 16), B = 2,
   Hkv = 2, G query heads per KV head; ``num_splits`` 0 (heuristic) splits here, so the combine
   runs too.
 * ``model_decode`` / ``model_train``: the ``code-target`` preset's cached forward of one token
@@ -53,15 +53,15 @@ def mosaic_flash_case(D: int, dtype: str, mask: str) -> dict:
     )
 
 
-def mosaic_kvcache_case(D, dtype, G, Tq, layout, *, rotary=False, fp8=False) -> dict:
-    case = kvcache_case(D, dtype, G, Tq, layout, rotary=rotary, fp8=fp8)
+def mosaic_kvcache_case(D, dtype, G, Tq, layout, *, rotary=False, fp8=False, tree=False) -> dict:
+    case = kvcache_case(D, dtype, G, Tq, layout, rotary=rotary, fp8=fp8, tree=tree)
     return {**case, "id": "mosaic_" + case["id"], "mosaic": True}
 
 
 def mosaic_cases() -> list[dict]:
     """Every Mosaic head dim, both 16-bit dtypes and every mask in turn; decode at D 64 and 128,
     paged and contiguous, Tq 1 and 5, G 8 and 4, an FP8 cache in each 16-bit dtype (bfloat16
-    upcasts through float32, float16 directly)."""
+    upcasts through float32, float16 directly), a tree mask at Tq = 16."""
     return [
         mosaic_flash_case(D, ("bfloat16", "float16")[i % 2], mask)
         for i, (D, mask) in enumerate(zip((*MOSAIC_HEAD_DIMS, 128, 64), MOSAIC_MASKS, strict=True))
@@ -70,12 +70,19 @@ def mosaic_cases() -> list[dict]:
         mosaic_kvcache_case(64, "float16", 4, 5, "contiguous"),
         mosaic_kvcache_case(128, "bfloat16", 4, 5, "paged", fp8=True, rotary=True),
         mosaic_kvcache_case(64, "float16", 8, 1, "contiguous", fp8=True),
+        mosaic_kvcache_case(128, "bfloat16", 4, 16, "paged", tree=True),
     ]
 
 
-def kvcache_case(D, dtype, G, Tq, layout, *, fp8=False, rotary=False, num_splits=0) -> dict:
+def kvcache_case(
+    D, dtype, G, Tq, layout, *, fp8=False, rotary=False, num_splits=0, tree=False
+) -> dict:
     tags = (
-        [layout] + ["fp8"] * fp8 + ["rotary"] * rotary + [f"splits{num_splits}"] * (num_splits > 0)
+        [layout]
+        + ["fp8"] * fp8
+        + ["rotary"] * rotary
+        + ["tree"] * tree
+        + [f"splits{num_splits}"] * (num_splits > 0)
     )
     return dict(
         id=f"kvcache-D{D}-{dtype}-G{G}-Tq{Tq}-" + "-".join(tags),
@@ -88,6 +95,7 @@ def kvcache_case(D, dtype, G, Tq, layout, *, fp8=False, rotary=False, num_splits
         fp8=fp8,
         rotary=rotary,
         num_splits=num_splits,
+        tree=tree,
     )
 
 
@@ -247,6 +255,8 @@ def _kvcache(case, sds):
         args["k_descale"] = args["v_descale"] = sds((B, Hkv), jnp.float32)
     if case["rotary"]:
         args["rotary_cos"] = args["rotary_sin"] = sds((S, D // 4), dtype)
+    if case.get("tree"):
+        args["tree_mask"] = sds((B, Tq, Tq), jnp.bool_)
 
     def step(a):
         a = dict(a)

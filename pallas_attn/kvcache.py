@@ -80,8 +80,8 @@ def attention_with_kvcache(
       impl: "reference", "xla" (blockwise jnp), "native" (the C++ kernel of the attention step
         on the CPU backend, :mod:`pallas_attn.cpu`: at most ``cpu.MAX_ROWS`` queries per KV
         head, built on first use), "pallas", "interpret", "mosaic" / "mosaic_interpret" (the
-        Hopper kernel: TMA, wgmma; 16-bit caches, D 64 or 128, no tree mask; the cache write is
-        the jnp scatter) or "auto" (mosaic on sm_90+ where it applies, else pallas on GPU;
+        Hopper kernel: TMA, wgmma; 16-bit queries, 16-bit or FP8 caches, D 64 or 128; the cache
+        write is the jnp scatter) or "auto" (mosaic on sm_90+ where it applies, else pallas on GPU;
         native on CPU where it applies, else xla).
       tree_mask: [Tq, Tq] or [B, Tq, Tq] bool, tree attention (speculative token trees): among
         the last ``Tq`` keys (the queries' own positions ``cache_seqlens + Tn - Tq + j``) query
@@ -297,6 +297,7 @@ def _mosaic(static, args, q, k_cache, v_cache, k, v, *, num_splits: int, interpr
         ranges.kv_start,
         index,
         _descales(args, k_cache),
+        args.tree_mask,
         cfg=cfg,
         num_splits=num_splits,
     )

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from attn_utils import max_err
 from test_kvcache import Case, as_bits, call, make_inputs, tolerance
+from test_kvcache_tree import ancestors_mask
 
 IMPL = "mosaic_interpret"
 # PackGQA rows G * Tq of 8, 20, 6 and 64; paged with pages of 16 (four per tile) and 64, and
@@ -62,10 +63,11 @@ SLOW_CASES = [
 ]
 
 
-def check(case: Case, seed: int, inputs=None, **extra):
+def check(case: Case, seed: int, inputs=None, tree_mask=None, **extra):
     """Out and lse within the reference's tolerance; caches bit-identical (the same jnp write)."""
     inp = make_inputs(case, seed=seed) if inputs is None else inputs
-    got, want = call(inp, IMPL, **extra), call(inp, "reference")
+    tree = {} if tree_mask is None else dict(tree_mask=jnp.asarray(tree_mask))
+    got, want = call(inp, IMPL, **tree, **extra), call(inp, "reference", **tree)
     assert got.out.dtype == want.out.dtype and got.lse.dtype == jnp.float32
     assert max_err(got.out, want.out) <= tolerance(case)
     assert max_err(got.lse, want.lse) <= tolerance(case)
@@ -145,6 +147,56 @@ def test_mosaic_decode_fp8_cache():
     assert np.all(np.isfinite(np.asarray(got.out, np.float32)))
 
 
+def _tree(Tq: int, seed: int):
+    """[Tq, Tq] ancestor mask of a random token tree (node 0 the root, parents before children)."""
+    parents = [-1] + [int(p) for p in np.random.default_rng(seed).integers(0, np.arange(1, Tq))]
+    return ancestors_mask(parents)
+
+
+# (case, num_splits): PackGQA rows of two query heads per tree node; a 40-node tree (two words of
+# mask bits per row) over an FP8 cache in float16, split.
+TREE_CASES = [
+    (Case(Tq=7, Tn=7, Hq=4, Hkv=2, D=64, S=128, page=16, causal=True, dtype="bfloat16"), 0),
+]
+TREE_SLOW_CASES = [
+    (
+        Case(
+            Tq=40,
+            Tn=40,
+            Hq=2,
+            Hkv=2,
+            D=128,
+            S=192,
+            leftpad=True,
+            causal=True,
+            fp8=True,
+            dtype="float16",
+        ),
+        2,
+    ),
+]
+
+
+def _check_tree(case, num_splits):
+    tree = np.stack([_tree(case.Tq, 0), _tree(case.Tq, 1)])  # one tree per batch row
+    inp = make_inputs(case, seed=8)
+    chain = call(inp, "reference").out  # causal only: the test must see the tree
+    got = check(case, seed=8, inputs=inp, tree_mask=tree, num_splits=num_splits)
+    assert max_err(got.out, chain) > tolerance(case)
+
+
+@pytest.mark.parametrize(("case", "num_splits"), TREE_CASES, ids=repr)
+def test_mosaic_decode_tree_mask(case, num_splits):
+    """Token-tree verification (Tq > 1): each query sees the cache and its ancestors."""
+    _check_tree(case, num_splits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "num_splits"), TREE_SLOW_CASES, ids=repr)
+def test_mosaic_decode_tree_mask_slow(case, num_splits):
+    _check_tree(case, num_splits)
+
+
 @pytest.mark.parametrize(
     ("case", "extra", "error", "match"),
     [
@@ -152,12 +204,6 @@ def test_mosaic_decode_fp8_cache():
         (Case(D=40, S=128, dtype="bfloat16"), {}, ValueError, "head dims"),
         (Case(D=64, S=96, page=24, dtype="bfloat16"), {}, ValueError, "page size"),
         (Case(D=64, S=100, dtype="bfloat16"), {}, ValueError, "multiple of 64"),
-        (
-            Case(Tq=2, D=64, S=128, dtype="bfloat16"),
-            dict(tree_mask=np.eye(2, dtype=bool)),
-            ValueError,
-            "tree_mask",
-        ),
     ],
 )
 def test_mosaic_decode_rejects_what_it_cannot_run(case, extra, error, match):
@@ -185,10 +231,11 @@ def test_auto_picks_mosaic_decode_on_hopper(monkeypatch, case, want):
     assert seen == [want]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_mosaic_decode_fp8_lowers_for_sm90(dtype):
-    """The compiled path lowers for CUDA on a CPU-only machine with an FP8 paged cache (the
-    interpreter skips the layouts and the conversions sm_90 lacks: e4m3 -> bf16 goes via f32)."""
+@pytest.mark.parametrize(("dtype", "Tq"), [("bfloat16", 2), ("float16", 40)])
+def test_mosaic_decode_fp8_lowers_for_sm90(dtype, Tq):
+    """The compiled path lowers for CUDA on a CPU-only machine with an FP8 paged cache and a tree
+    mask (the interpreter skips the layouts and the conversions sm_90 lacks: e4m3 -> bf16 goes
+    via f32); a 40-node tree takes two words of mask bits per row."""
     import jax
 
     from pallas_attn import attention_with_kvcache
@@ -197,15 +244,16 @@ def test_mosaic_decode_fp8_lowers_for_sm90(dtype):
     sds = jax.ShapeDtypeStruct
     cache = sds((B * S // P, P, Hkv, D), jnp.float8_e4m3fn)
     args = (
-        sds((B, 2, G * Hkv, D), jnp.dtype(dtype)),
+        sds((B, Tq, G * Hkv, D), jnp.dtype(dtype)),
         cache,
         cache,
         sds((B,), jnp.int32),
         sds((B, S // P), jnp.int32),
         sds((B, Hkv), jnp.float32),
+        sds((B, Tq, Tq), jnp.bool_),
     )
 
-    def step(q, k_cache, v_cache, lens, table, descale):
+    def step(q, k_cache, v_cache, lens, table, descale, tree):
         res = attention_with_kvcache(
             q,
             k_cache,
@@ -215,6 +263,7 @@ def test_mosaic_decode_fp8_lowers_for_sm90(dtype):
             k_descale=descale,
             v_descale=descale,
             causal=True,
+            tree_mask=tree,
             impl="mosaic",
         )
         return res.out

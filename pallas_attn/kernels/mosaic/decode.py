@@ -25,6 +25,11 @@ in SMEM (registers in between) before its wgmma; ``k_descale`` folds into the so
 sm_90 has: it multiplies two e4m3 operands only, so Q and P would be quantised to 3 mantissa bits
 (other numerics than the Triton and XLA paths, which attend in q's dtype), and 8-bit operands
 must be K-major, which V (the B operand of ``P V``, keys major) is not without a transpose.
+
+Tree masks (token-tree verification, ``Tq > 1``): the ``[Tq, Tq]`` mask of each row comes as bits,
+one int32 word per 32 tree keys and packed row (:func:`pack_tree_bits`), TMA-loaded once per CTA;
+a score tile tests its keys' bits with shifts (:func:`tree_visible`), the rule of
+:func:`pallas_attn.masks.tree_visible`.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ def _kernel(
     k_ref,  # [Bc, S, Hkv, D] or [num_pages, P, Hkv, D] GMEM: the whole cache
     v_ref,  # same as k_ref
     desc_ref,  # [B, Hkv, META_WIDTH] float32 GMEM: k_descale, v_descale, 0... (FP8 only)
+    tree_ref,  # [B, W, Mp] int32 GMEM: tree-mask bits of each packed row (tree only)
     o_ref,  # [B, Hkv, n, Mp, D] float32 GMEM, partial outputs per split
     lse_ref,  # [B, Hkv, n, Mp] float32 GMEM
     q_s,  # [64, D] SMEM
@@ -75,7 +81,8 @@ def _kernel(
     meta_s,  # [META_WIDTH] int32 SMEM
     table_s,  # [max_blocks_p] int32 SMEM
     desc_s,  # [META_WIDTH] float32 SMEM (FP8 only)
-    in_bar,  # [4] barriers: meta, block table, q, descales
+    tree_s,  # [W, 64] int32 SMEM, the block's tree-mask bits (tree only)
+    in_bar,  # [5] barriers: meta, block table, q, descales, tree bits
     k_bar,  # [2] barriers (one per slot), each expecting one copy per page of a tile
     v_bar,  # [2] barriers
     *,
@@ -84,6 +91,8 @@ def _kernel(
     Tq: int,
     paged: bool,
     fp8: bool,
+    tree: bool,
+    W: int,
 ):
     rows = mc.WGMMA_ROWS
     s_axis, h, b = (lax.axis_index(n) for n in ("s", "h", "b"))
@@ -94,6 +103,9 @@ def _kernel(
     plgpu.copy_gmem_to_smem(
         q_ref.at[b, h, pl.ds(pl.multiple_of(mi * rows, rows), rows)], q_s, in_bar.at[2]
     )
+    block = pl.ds(pl.multiple_of(mi * rows, rows), rows)
+    if tree:
+        plgpu.copy_gmem_to_smem(tree_ref.at[b, :, block], tree_s, in_bar.at[4])
     scale = cfg.softmax_scale
     if fp8:  # k_descale folds into the softmax scale, v_descale multiplies the output
         plgpu.copy_gmem_to_smem(desc_ref.at[b, h], desc_s, in_bar.at[3])
@@ -125,6 +137,10 @@ def _kernel(
     shape = (rows, BLOCK_N)
     t = jnp.minimum(lax.div(mi * rows + mc.iota(cfg, shape, 0), dcfg.group), Tq - 1)
     q_pos = kv_len - Tq + t  # query t sits at key position kv_len - Tq + t
+    words = None
+    if tree:
+        plgpu.barrier_wait(in_bar.at[4])
+        words = [mc.bcast(mc.load_vector(cfg, tree_s.at[w], 1), shape, 0) for w in range(W)]
 
     def pv(p, v_tile, acc):
         mc.store_tile(p_s, p)
@@ -151,6 +167,8 @@ def _kernel(
         s2, _ = softmax.scale_scores(s, scale, cfg.softcap)
         k_pos = first + mc.iota(cfg, shape, 1)
         mask = masks.visible(q_pos, k_pos, window=cfg.window, kv_start=kv_start, kv_len=kv_len)
+        if tree:
+            mask = mask & tree_visible(words, k_pos - (kv_len - Tq), Tq)
         return softmax.step(carry, s2, v_tile, pv, mask, accumulate=True)
 
     m, l, acc = softmax.init((rows,), q_s.shape[-1])
@@ -160,10 +178,34 @@ def _kernel(
         out = out * desc_s[1]
     mc.store_tile(o_s, out)
     mc.store_tile(lse_s, lse)
-    block = pl.ds(pl.multiple_of(mi * rows, rows), rows)
     plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, h, split, block])
     plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, h, split, block])
     plgpu.wait_smem_to_gmem(0)
+
+
+def pack_tree_bits(tree_mask, G: int, Mp: int):
+    """tree_mask [B, Tq, Tq] bool -> [B, W, Mp] int32, ``W = ceil(Tq / 32)``: bit ``c % 32`` of
+    word ``c // 32`` of packed row ``r = t * G + g`` is ``tree_mask[b, t, c]`` (padding rows
+    repeat the last query). A [64]-row vector per word, not [64, Tq] rows: the kernel's score
+    tiles are in the wgmma layout, where a gather along keys has no form."""
+    B, Tq, _ = tree_mask.shape
+    W = -(-Tq // 32)
+    t = jnp.minimum(jnp.arange(Mp) // G, Tq - 1)
+    rows = jnp.pad(tree_mask[:, t].astype(jnp.uint32), ((0, 0), (0, 0), (0, 32 * W - Tq)))
+    rows = rows.reshape(B, Mp, W, 32) << jnp.arange(32, dtype=jnp.uint32)
+    return lax.bitcast_convert_type(jnp.sum(rows, -1, dtype=jnp.uint32), jnp.int32).swapaxes(1, 2)
+
+
+def tree_visible(words, c, Tq: int):
+    """:func:`pallas_attn.masks.tree_visible` on bit-packed rows: ``words`` the W [64, N] int32
+    tiles of :func:`pack_tree_bits` (broadcast along keys), ``c`` [64, N] the key columns among
+    the tree keys (``k_pos - tree_start``). Keys outside ``[0, Tq)`` follow the other masks."""
+    hit = jnp.zeros(c.shape, jnp.int32)
+    for w, word in enumerate(words):
+        shift = jnp.clip(c - 32 * w, 0, 31)
+        bit = lax.shift_right_logical(word, shift) & 1
+        hit = jnp.where((c >= 32 * w) & (c < 32 * w + 32), bit, hit)
+    return (hit != 0) | (c < 0) | (c >= Tq)
 
 
 def check_supported(q, k_cache, *, paged: bool, fp8: bool, tree: bool):
@@ -191,8 +233,7 @@ def check_supported(q, k_cache, *, paged: bool, fp8: bool, tree: bool):
             f'impl="mosaic" needs a contiguous cache length that is a multiple of {BLOCK_N}, '
             f"got S={P}"
         )
-    if tree:
-        raise ValueError('impl="mosaic" does not support tree_mask yet; use impl="pallas"')
+    del tree  # tree masks: bit-packed rows (:func:`pack_tree_bits`)
 
 
 def supports(q, k_cache, *, paged: bool, fp8: bool, tree: bool) -> bool:
@@ -212,6 +253,7 @@ def decode(
     kv_start,
     index,
     descale=None,
+    tree_mask=None,
     *,
     cfg: DecodeStatic,
     num_splits: int,
@@ -226,6 +268,8 @@ def decode(
       kv_len, kv_start: [B] int32, keys ``[kv_start, kv_len)`` are valid; query ``t`` sits at
         position ``kv_len - Tq + t``.
       descale: [2, B, Hkv] float32 ``(k_descale, v_descale)`` for FP8 caches, else None.
+      tree_mask: [B, Tq, Tq] bool tree mask among the last Tq keys
+        (:func:`pallas_attn.masks.tree_visible`), or None.
       cfg: softmax scale, window (normalised), softcap, and whether to interpret.
       num_splits: KV splits; 0 = :func:`pallas_attn.heuristics.choose_splits`.
 
@@ -256,15 +300,20 @@ def decode(
     meta = jnp.pad(meta, ((0, 0), (0, META_WIDTH - 3)))
     table = index if paged else jnp.zeros((B, META_WIDTH), jnp.int32)
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % META_WIDTH)))
-    fp8 = descale is not None
+    fp8, tree = descale is not None, tree_mask is not None
     inputs = (packed, meta, table, k_cache, v_cache)
     if fp8:  # [B, Hkv, META_WIDTH] rows (k_descale, v_descale, 0...): one 128-byte TMA copy
         desc = jnp.moveaxis(descale.astype(jnp.float32), 0, -1)
         inputs += (jnp.pad(desc, ((0, 0), (0, 0), (0, META_WIDTH - 2))),)
+    W = 0
+    if tree:
+        bits = pack_tree_bits(tree_mask, G, Mp)  # [B, W, Mp]
+        W = bits.shape[1]
+        inputs += (bits,)
 
     def mosaic_decode(*refs):  # the kernel's name in compile reports
-        refs = mc.with_optional(refs, 5, (fp8,))
-        _kernel(*refs, cfg=cfg, dcfg=dcfg, Tq=Tq, paged=paged, fp8=fp8)
+        refs = mc.with_optional(refs, 5, (fp8, tree))
+        _kernel(*refs, cfg=cfg, dcfg=dcfg, Tq=Tq, paged=paged, fp8=fp8, tree=tree, W=W)
 
     chunks = BLOCK_N // min(k_cache.shape[1], BLOCK_N) if paged else 1
     out_s, lse_s = plgpu.kernel(
@@ -285,7 +334,8 @@ def decode(
             plgpu.SMEM((META_WIDTH,), jnp.int32),
             plgpu.SMEM((table.shape[1],), jnp.int32),
             plgpu.SMEM((META_WIDTH,), jnp.float32) if fp8 else None,
-            plgpu.Barrier(num_barriers=4),
+            plgpu.SMEM((W, rows), jnp.int32) if tree else None,
+            plgpu.Barrier(num_barriers=5),
             plgpu.Barrier(num_arrivals=chunks, num_barriers=2),
             plgpu.Barrier(num_arrivals=chunks, num_barriers=2),
         ],
