@@ -164,6 +164,33 @@ def test_mosaic_kernels_have_no_races(monkeypatch):
     assert not gpu_callbacks.get_races().races_found
 
 
+@pytest.mark.slow
+def test_mosaic_row_ranges_have_no_races(monkeypatch):
+    """The race detector on the per-row-length kernels: each warpgroup's metadata row and each
+    consumer's zeroed V copy in the forward, the in-place zeroing of K and V tiles in dQ."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    from pallas_attn.kernels.mosaic import common as mc
+
+    racy = mc.InterpretGPUParams(detect_races=True)
+    monkeypatch.setattr(mc, "interpret_params", lambda cfg: racy if cfg.interpret else None)
+    jax.clear_caches()
+    q, k, v = random_qkv(9, 2, 128, 192, 2, 1, 64, dtype=BF16)
+    kw = dict(softmax_scale=0.125, window=(-1, 0), softcap=0.0, block_sizes=None)
+    kw.update(
+        q_offset=jnp.array([64, 10]), kv_start=jnp.array([5, 0]), kv_len=jnp.array([190, 100])
+    )
+
+    def loss(q, k, v):
+        out, _ = run_impl("mosaic_interpret", q, k, v, **kw)
+        return jnp.sum(out.astype(jnp.float32))
+
+    jax.block_until_ready(run_impl("mosaic_interpret", q, k, v, **kw))
+    assert not gpu_callbacks.get_races().races_found
+    jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    assert not gpu_callbacks.get_races().races_found
+
+
 def _losses(d_out, d_lse):
     """A loss with random cotangents on out and on the finite lse."""
 
