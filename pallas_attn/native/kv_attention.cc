@@ -20,6 +20,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "rows.h"
 #include "vmath.h"
@@ -179,6 +183,40 @@ inline void row_blocks(int64_t begin, int64_t end, F&& f) {
 // vectors of D at a time, so that RB x DB independent accumulators hide the FMA latency (one
 // accumulator per row had each position wait for the last: 4 cycles per FMA). Each accumulator
 // still sums c = 0, 1, .. in order.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// weigh_values in AVX2's 256-bit registers (GCC compiles the 16-lane form through memory there).
+// The same sums: each accumulator adds w * v for c = 0, 1, .. as one FMA each.
+template <int RB>
+void weigh_values(const float* const* v, int64_t n, int64_t off, const float* w, float* acc,
+                  int64_t D) {
+  constexpr int DB = RB <= 1 ? 8 : RB <= 2 ? 6 : RB <= 3 ? 4 : RB <= 6 ? 2 : 1;  // <= 12 registers
+  int64_t d = 0;
+  auto pass = [&](auto db) {
+    constexpr int B = decltype(db)::value;
+    __m256 a[RB][B];
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < B; ++j) a[r][j] = _mm256_loadu_ps(acc + r * D + d + 8 * j);
+    for (int64_t c = 0; c < n; ++c) {
+      const float* vc = v[c] + off + d;
+      for (int j = 0; j < B; ++j) {
+        const __m256 x = _mm256_loadu_ps(vc + 8 * j);
+        for (int r = 0; r < RB; ++r)
+          a[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(w[r * kChunk + c]), x, a[r][j]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < B; ++j) _mm256_storeu_ps(acc + r * D + d + 8 * j, a[r][j]);
+  };
+  for (; d + 8 * DB <= D; d += 8 * DB) pass(std::integral_constant<int, DB>{});
+  for (; d + 8 <= D; d += 8) pass(std::integral_constant<int, 1>{});
+  for (; d < D; ++d)
+    for (int r = 0; r < RB; ++r) {
+      float a = acc[r * D + d];
+      for (int64_t c = 0; c < n; ++c) a += w[r * kChunk + c] * v[c][off + d];
+      acc[r * D + d] = a;
+    }
+}
+#else
 template <int RB>
 void weigh_values(const float* const* v, int64_t n, int64_t off, const float* w, float* acc,
                   int64_t D) {
@@ -214,6 +252,7 @@ void weigh_values(const float* const* v, int64_t n, int64_t off, const float* w,
       acc[r * D + d] = a;
     }
 }
+#endif
 
 // Rows of at least this many elements get their scores position-major (score_rows: a horizontal
 // sum per score is cheap next to the row's products, and streaming positions in order keeps the
