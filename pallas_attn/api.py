@@ -61,7 +61,7 @@ def flash_attention(
       ``Hq % Hkv != 0``, bad window, NaN/inf or negative ``softcap``/``softmax_scale``, unknown impl.
     """
     validation.check_qkv(q, k, v, letters="BTHD")
-    impl = validation.resolve_impl(impl, mosaic_dtype=q.dtype)
+    impl = resolve(impl, q, block_sizes=block_sizes)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch of q ({q.shape[0]}) must equal batch of k ({k.shape[0]})")
     B, T, _, D = q.shape
@@ -86,6 +86,22 @@ def flash_attention(
     )
     out, lse = run_impl(impl, q, k, v, block_sizes=block_sizes, **common)
     return (out, lse.astype(jnp.float32)) if return_lse else out
+
+
+def resolve(impl, q, *, block_sizes: BlockSizes | None, varlen: bool = False) -> str:
+    """``impl`` checked, with ``"auto"`` resolved for this call: ``"mosaic"`` on sm_90+ where the
+    Mosaic kernels take ``q`` and ``block_sizes`` (16-bit, D <= 128, their tiles), else
+    ``"pallas"`` on a GPU and ``"xla"`` elsewhere. A forced ``"mosaic"`` stays, and raises at
+    the call where it does not apply."""
+    resolved = validation.resolve_impl(impl, mosaic_dtype=q.dtype)
+    if impl == "auto" and resolved == "mosaic":
+        from pallas_attn import mosaic  # the Mosaic GPU kernels: imported only on sm_90+
+
+        try:
+            mosaic.check_supported(q, block_sizes=block_sizes, varlen=varlen)
+        except (TypeError, ValueError):
+            return "pallas"
+    return resolved
 
 
 def run_impl(impl: str, q, k, v, *, block_sizes: BlockSizes | None, **kwargs):

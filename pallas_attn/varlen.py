@@ -67,8 +67,9 @@ def flash_attention_varlen(
     Returns:
       out [total_q, Hq, D], or ``(out, lse)``. Tokens past ``cu_seqlens_q[-1]`` get 0 / -inf.
     """
-    impl = validation.resolve_impl(impl)
+    validation.resolve_impl(impl)  # an unknown impl is the first error
     validation.check_qkv(q, k, v, letters="THD")
+    impl = api.resolve(impl, q, block_sizes=block_sizes, varlen=True)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0])
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)

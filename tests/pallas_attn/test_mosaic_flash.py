@@ -31,7 +31,7 @@ from pallas_attn import (
     reference,
     validation,
 )
-from pallas_attn.api import run_impl
+from pallas_attn.api import resolve, run_impl
 
 # (case, dtype): GQA ratios 1, 2 and 4; causal, window, softcap, segment ids; D 64 and 128 (and
 # 40, padded); T = S, T != S and ragged T, S (padded to the tiles); one 128-key forward tile.
@@ -139,6 +139,23 @@ def test_auto_picks_mosaic_on_hopper(monkeypatch, backend, cc, dtype, want):
     monkeypatch.setattr(validation, "_compute_capability", lambda: cc)
     assert validation.resolve_impl("auto", mosaic_dtype=dtype) == want
     assert validation.resolve_impl("auto") == ("xla" if backend == "cpu" else "pallas")
+
+
+def test_auto_falls_back_to_triton_where_mosaic_does_not_apply(monkeypatch):
+    """On sm_90 ``"auto"`` runs the Mosaic kernels only where they take the call (D <= 128, their
+    tiles; varlen included) and Triton otherwise; a forced ``"mosaic"`` still raises."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(validation, "_compute_capability", lambda: 9)
+    q128, q256 = jnp.zeros((1, 8, 2, 128), BF16), jnp.zeros((1, 8, 2, 256), BF16)
+    assert resolve("auto", q128, block_sizes=None) == "mosaic"
+    assert resolve("auto", q128, block_sizes=None, varlen=True) == "mosaic"
+    assert resolve("auto", q256, block_sizes=None) == "pallas"
+    assert resolve("auto", q128, block_sizes=BlockSizes(block_q=64, block_k=64)) == "pallas"
+    assert resolve("mosaic", q256, block_sizes=None) == "mosaic"
+    with pytest.raises(ValueError, match="head dims up to 128"):
+        flash_attention(q256, q256, q256, impl="mosaic")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        resolve("triton", q128, block_sizes=None)
 
 
 def test_mosaic_kernels_have_no_races(monkeypatch):
