@@ -146,6 +146,87 @@ void panel_bf16_exact(const float* x, int64_t K, const uint16_t* w, float* y, in
   store_rows<MB>(acc, y, ldy, cols);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// panel() and panel_bf16_exact() for AVX2 builds, in 256-bit registers: GCC compiles the 16-lane
+// form through memory there (MB x 2 accumulators of two registers each, and the weights, do not
+// fit AVX2's 16), which made it compute-bound even at one row. Here a pass takes CV vectors of 8
+// columns for R rows (R x CV accumulators, at most 12) and reads each weight vector once for all
+// R rows; a panel takes 1, 2 or 4 passes per 16 KB of its rows (the later passes read them from
+// L1). Each accumulator lane is still one column of one row, summed k = 0, 1, .. by one FMA each
+// from +0 (what GCC contracts `acc += x * w` to), the partial sums stored and reloaded exactly
+// between blocks of rows: the generic kernels' results bit for bit.
+inline __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
+inline __m256 widen_odd(__m256i u) {
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+
+// Rows [0, R) of x times column vectors [v0, v0 + CV) of weight rows [k0, k1) of one panel
+// (float32 [K, kNB], or bfloat16 pairs [K2 / 2, kNB, 2]; k0 even), added to the float32 sums
+// t[R, kNB] (stored and reloaded exactly).
+template <int R, int CV, typename W>
+void panel_pass(const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, float* t, int v0) {
+  __m256 acc[R][CV];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < CV; ++c) acc[m][c] = _mm256_loadu_ps(t + m * kNB + 8 * (v0 + c));
+  if constexpr (sizeof(W) == 4) {
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256 wv[CV];
+      for (int c = 0; c < CV; ++c) wv[c] = _mm256_loadu_ps(w + k * kNB + 8 * (v0 + c));
+      for (int m = 0; m < R; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+        for (int c = 0; c < CV; ++c) acc[m][c] = _mm256_fmadd_ps(xv, wv[c], acc[m][c]);
+      }
+    }
+  } else {
+    const int64_t J = k1 / 2;  // full pairs; an odd K's last weight row comes after
+    const auto pairs = [&](int64_t j, int c) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 2 * kNB + 16 * (v0 + c)));
+    };
+    for (int64_t j = k0 / 2; j < J; ++j) {
+      __m256 e[CV], o[CV];
+      for (int c = 0; c < CV; ++c) {
+        const __m256i u = pairs(j, c);
+        e[c] = widen_even(u);
+        o[c] = widen_odd(u);
+      }
+      for (int m = 0; m < R; ++m) {
+        const __m256 xe = _mm256_broadcast_ss(x + m * K + 2 * j);
+        const __m256 xo = _mm256_broadcast_ss(x + m * K + 2 * j + 1);
+        for (int c = 0; c < CV; ++c) {
+          acc[m][c] = _mm256_fmadd_ps(xe, e[c], acc[m][c]);
+          acc[m][c] = _mm256_fmadd_ps(xo, o[c], acc[m][c]);
+        }
+      }
+    }
+    if (k1 & 1)
+      for (int c = 0; c < CV; ++c) {
+        const __m256 e = widen_even(pairs(J, c));
+        for (int m = 0; m < R; ++m)
+          acc[m][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + 2 * J), e, acc[m][c]);
+      }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < CV; ++c) _mm256_storeu_ps(t + m * kNB + 8 * (v0 + c), acc[m][c]);
+}
+
+// Rows [0, MB) times one panel: 1 or 2 rows over all 32 columns at once, 3 - 6 rows over 16 at a
+// time, 7 or 8 over 8 (column groups past cols skipped), 16 KB of weights at a time, so that the
+// passes after the first find them in L1.
+template <int MB, typename W>
+void panel_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t cols) {
+  constexpr int CV = MB <= 2 ? 4 : MB <= 6 ? 2 : 1;
+  constexpr int64_t KB = (16384 / (kNB * sizeof(W))) & ~int64_t(1);  // even: whole pairs
+  float t[MB][kNB] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t k1 = K - k0 < KB ? K : k0 + KB;
+    for (int v0 = 0; v0 < kNB / 8 && 8 * v0 < cols; v0 += CV)
+      panel_pass<MB, CV>(x, K, w, k0, k1, &t[0][0], v0);
+  }
+  for (int m = 0; m < MB; ++m) std::memcpy(y + m * ldy, t[m], cols * sizeof(float));
+}
+#define PALLAS_ATTN_PANEL_AVX2 1
+#endif
+
 // Panels [p0, p1) for all M rows.
 template <typename W>
 void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p0,
@@ -158,10 +239,14 @@ void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t
       const float* xm = x + m0 * K;
       float* ym = y + m0 * N + n0;
       pallas_attn::with_rows(M - m0, [&](auto MB) {
+#if defined(PALLAS_ATTN_PANEL_AVX2)
+        panel_avx2<MB>(xm, K, w, ym, N, cols);
+#else
         if constexpr (sizeof(W) == 2)
           panel_bf16_exact<MB>(xm, K, w, ym, N, cols);
         else
           panel<MB>(xm, K, w, ym, N, cols);
+#endif
       });
     }
   }

@@ -65,6 +65,21 @@ def test_bf16_dot_products(M, K, N):
         np.testing.assert_array_equal(dot, exact)
 
 
+@pytest.mark.parametrize("K,N", [(77, 70), (576, 200)])
+@pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
+def test_rows_independent_of_blocking(K, N, wdtype):
+    """Each output is one column's sum over k = 0, 1, .. in order, whatever rows share its call
+    (the kernels block rows and columns differently for each M): the rows of an M-row call equal
+    M one-row calls bit for bit, and the float64 product within float32 rounding."""
+    x, w, ref = _case(8, K, N, wdtype, seed=2)
+    f = jax.jit(rows_matmul.matmul, static_argnums=(2, 3))
+    panels = rows_matmul.pack(w)
+    single = np.concatenate([np.asarray(f(x[m : m + 1], panels, N, "f32")) for m in range(8)])
+    np.testing.assert_allclose(single, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    for M in range(1, 9):
+        np.testing.assert_array_equal(np.asarray(f(x[:M], panels, N, "f32")), single[:M])
+
+
 @pytest.mark.parametrize("M", [1, 4, 8, 13])
 @pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
 def test_threaded_panels(M, wdtype):
