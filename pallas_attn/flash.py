@@ -100,10 +100,7 @@ def attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    # [B, META_WIDTH] int32 rows (q_offset, kv_start, kv_len, unused): one small load per program.
-    meta = jnp.stack(
-        [ranges.q_offset, ranges.kv_start, ranges.kv_len, jnp.zeros_like(ranges.kv_len)], 1
-    )
+    meta = ranges.meta(fc.META_WIDTH)  # one small load per program
     aux = _Aux(meta, ranges.q_seg, ranges.kv_seg)
 
     def pad(x, n):

@@ -137,10 +137,7 @@ def attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    meta = None
-    if cfg.varlen:  # [B, META_WIDTH] int32 rows (q_offset, kv_start, kv_len, 0...)
-        meta = jnp.stack([ranges.q_offset, ranges.kv_start, ranges.kv_len], 1).astype(jnp.int32)
-        meta = shapes.pad_axis(meta, 1, mc.META_WIDTH)
+    meta = ranges.meta(mc.META_WIDTH) if cfg.varlen else None
     aux = (ranges.q_seg, ranges.kv_seg, meta)
     out, lse = _attend(cfg, pad(q, Tp), pad(k, Sp), pad(v, Sp), aux)
     return out[:, :T, :, :D], lse[:, :, :T]

@@ -50,6 +50,12 @@ class RowRanges(NamedTuple):
     kv_seg: jax.Array | None  # [B, Sp] int32
     tree: jax.Array | None = None  # [B, Tp, T] int32 tree mask among keys q_offset + [0, T)
 
+    def meta(self, width: int) -> jax.Array:
+        """[B, width] int32 rows (q_offset, kv_start, kv_len, 0, ...): what a kernel program
+        loads once for its batch row."""
+        rows = jnp.stack([self.q_offset, self.kv_start, self.kv_len], 1).astype(jnp.int32)
+        return pad_axis(rows, 1, width)
+
 
 def row_ranges(
     q_shape, S: int, Tp: int, Sp: int, *, q_offset, kv_start, kv_len, q_segment_ids, kv_segment_ids
