@@ -219,6 +219,7 @@ class Engine:
         self._num_logprobs: dict[int, int] = {}  # live requests that asked: rid -> n
         self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # of self._events' tokens
         self._logprobs: dict[int, list[TokenLogprob]] = {}  # of returned tokens, not popped
+        self._returned_logprobs: tuple[dict[int, list[TokenLogprob]], ...] = ()  # to merge
         self._broken: str | None = None
         self._next_rid = 0
         self._busy_s = 0.0
@@ -311,6 +312,7 @@ class Engine:
                 raise KeyError(f"no request with id {rid!r}: request ids are ints")
             out = self.scheduler.abort(int(rid))
             self._events.pop(rid, None)
+            self._merge_returned_logprobs()
             for d in (self._num_logprobs, self._step_logprobs, self._logprobs):
                 d.pop(rid, None)
         return out
@@ -363,18 +365,33 @@ class Engine:
                 raise
             finally:
                 self._busy_s += time.perf_counter() - t0
+        # Handing the tokens out: from the block's end to the return there is no call and no
+        # backward jump, the only points where CPython runs a signal handler, so a Ctrl-C is
+        # raised either above (the tokens stay in self._events and come with the next step) or
+        # in the caller after the return, never with the tokens out of self._events and not
+        # returned.
         events, self._events = self._events, {}
-        for rid, records in self._step_logprobs.items():
-            self._logprobs.setdefault(rid, []).extend(records)
-        self._step_logprobs = {}
+        if self._step_logprobs:
+            self._returned_logprobs = self._returned_logprobs + (self._step_logprobs,)
+            self._step_logprobs = {}
         return events
 
     def pop_logprobs(self) -> dict[int, list[TokenLogprob]]:
         """``{request id: [TokenLogprob per token]}`` of the tokens ``step()`` returned since
         the last call, for the requests submitted with ``logprobs``; each handed out once, in
         token order (after ``run_until_done()``: every token of those requests)."""
-        out, self._logprobs = self._logprobs, {}
+        with deferred_interrupts():
+            self._merge_returned_logprobs()
+            out, self._logprobs = self._logprobs, {}
         return out
+
+    def _merge_returned_logprobs(self) -> None:
+        """Folds the per-step records ``step()`` handed out (kept as a tuple there, to add
+        without a call) into ``self._logprobs``."""
+        for part in self._returned_logprobs:
+            for rid, records in part.items():
+                self._logprobs.setdefault(rid, []).extend(records)
+        self._returned_logprobs = ()
 
     def _record_logprobs(self, req: Request, tokens: list[int], lp) -> None:
         """Keeps the ``TokenLogprob`` of ``tokens`` (emitted by ``req`` this step) when it
