@@ -106,26 +106,32 @@ inline void store(void* cache, bool bf16, int64_t at, const float* src, int64_t 
 }
 
 // act[i] = silu(gate[i]) * up[i] for gu = [n, 2] (gate, up pairs): jax.nn.silu as XLA runs
-// it, g * (1 / (1 + exp(-g))), each op rounded to the activation dtype; 16 units at a time
-// (a scalar exp per unit cost as much as the layer's down projection at 8 rows).
+// it, g * (1 / (1 + exp(-g))), each op rounded to the activation dtype; a register of units at a
+// time (a scalar exp per unit cost as much as the layer's down projection at 8 rows).
 void silu_mul(const Layer& L, const float* gu, float* act, int64_t n) {
   using namespace pallas_attn::vmath;
-  const auto r = [&](vf v) { return L.bf16 ? round_bf16(v) : v; };
+  constexpr int N = kNative;
+  const auto r = [&](vn v) { return L.bf16 ? round_bf16(v) : v; };
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const vf a = loadv(gu + 2 * i), b = loadv(gu + 2 * i + kLanes);
-    const vf g = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+  for (; i + N <= n; i += N) {
+    const vn a = loadn(gu + 2 * i), b = loadn(gu + 2 * i + N);
+#if defined(__AVX512F__)
+    const vn g = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                          28, 30);
-    const vf u = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+    const vn u = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
                                          29, 31);
-    const vf sig = r(splat(1.0f) / r(splat(1.0f) + r(vexp(-g))));
-    storev(act + i, r(r(g * sig) * u));
+#else
+    const vn g = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+    const vn u = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+    const vn sig = r(splatn(1.0f) / r(splatn(1.0f) + r(vexp(-g))));
+    storen(act + i, r(r(g * sig) * u));
   }
   if (i < n) {  // the tail through a zero-padded vector, the same arithmetic
-    float a[2 * kLanes] = {};
+    float a[2 * N] = {};
     std::memcpy(a, gu + 2 * i, 2 * (n - i) * sizeof(float));
-    float out[kLanes];
-    silu_mul(L, a, out, kLanes);
+    float out[N];
+    silu_mul(L, a, out, N);
     std::memcpy(act + i, out, (n - i) * sizeof(float));
   }
 }

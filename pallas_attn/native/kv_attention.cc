@@ -34,22 +34,21 @@ namespace ffi = xla::ffi;
 namespace {
 
 using pallas_attn::vmath::kLanes;
+using pallas_attn::vmath::kNative;
+using pallas_attn::vmath::loadn;
 using pallas_attn::vmath::loadv;
-using pallas_attn::vmath::splat;
+using pallas_attn::vmath::splatn;
+using pallas_attn::vmath::storen;
 using pallas_attn::vmath::storev;
 using pallas_attn::vmath::vexp;  // the softmax's exp (x <= 0, -inf -> 0)
 using vf = pallas_attn::vmath::vf;
+using vn = pallas_attn::vmath::vn;
 constexpr int kChunk = 4 * kLanes;  // keys per online-softmax step
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-
 inline float hsum(vf v) {  // a tree of halvings (4 adds), not 15 scalar ones
-  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+  return pallas_attn::vmath::hsum8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 // Cache element -> float32.
@@ -383,12 +382,9 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
       const int64_t i = (hr % R) / p.G;
       float cm = kNegInf;
       if (n == kChunk && c0 >= lo[i] && c0 + n <= hi[i] && !tree_here) {  // all visible
-        vf mv = splat(kNegInf);
-        for (int64_t c = 0; c < kChunk; c += kLanes) {
-          const vf x = loadv(sr + c);
-          mv = x > mv ? x : mv;
-        }
-        for (int j = 0; j < kLanes; ++j) cm = mv[j] > cm ? mv[j] : cm;
+        vn mv = splatn(kNegInf);
+        for (int64_t c = 0; c < kChunk; c += kNative) mv = pallas_attn::vmath::vmax(loadn(sr + c), mv);
+        for (int j = 0; j < kNative; ++j) cm = mv[j] > cm ? mv[j] : cm;
       } else {
         for (int64_t c = 0; c < kChunk; ++c) {
           const int64_t pos = c0 + c;
@@ -407,13 +403,14 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
       const float mn = m > cm ? m : cm;
       const float corr = m == kNegInf ? 0.f : std::exp(m - mn);
       m = mn;
-      vf sum{};
-      for (int64_t c = 0; c < kChunk; c += kLanes) {
-        const vf e = vexp(loadv(sr + c) - splat(mn));
-        storev(sr + c, e);
-        sum += e;
-      }
-      part.l[hr] = part.l[hr] * corr + hsum(sum);
+      vn sum[kLanes / kNative] = {};  // lane j sums the keys c = j mod kLanes
+      for (int64_t c = 0; c < kChunk; c += kLanes)
+        for (int h = 0; h < kLanes / kNative; ++h) {
+          const vn e = vexp(loadn(sr + c + h * kNative) - splatn(mn));
+          storen(sr + c + h * kNative, e);
+          sum[h] += e;
+        }
+      part.l[hr] = part.l[hr] * corr + pallas_attn::vmath::hsum_parts(sum);
       if (corr != 1.f)
         for (int64_t d = 0; d < D; ++d) part.acc[hr * D + d] *= corr;
     }
