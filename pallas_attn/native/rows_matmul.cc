@@ -752,8 +752,11 @@ inline __m256i bcast4(const int8_t* p) {  // 4 activation bytes into every 32-bi
 }
 
 // q8panel for AVX2 builds, in 256-bit registers (the generic 16-lane form above spills on
-// AVX2's 16 registers: 8 columns x MB rows at a time is what fits). One column vector of 8
-// columns at a time: MB float and MB integer accumulators, the weights of one group, a broadcast.
+// AVX2's 16 registers: 8 columns x MB rows at a time is what fits). CV column vectors of 8
+// columns at a time: MB x CV float and integer accumulators, the weights of one group, a
+// broadcast. One row takes all 4 vectors of a panel in one pass, so the panel is read front to
+// back once (a pass per vector read every other cache line of it, then came back for the rest,
+// and the broadcasts were repeated per vector); more rows take one vector per pass.
 // Q4: vpmaddubsw of 4 nibbles x 4 activation bytes gives 16-bit pair sums of at most
 // 2 x 15 x 127, so a block's 8 groups (low and high nibbles of 4) add up in 16 bits
 // (<= 30480) before one vpmaddwd widens them; Q8_0: |q_w| x (q_x with q_w's sign), widened
@@ -762,62 +765,78 @@ inline __m256i bcast4(const int8_t* p) {  // 4 activation bytes into every 32-bi
 template <int MB, int32_t FMT>
 void q8panel_avx2(const QActs& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64_t ldy,
                   int64_t cols) {
+  constexpr int CV = MB == 1 ? 4 : 1;
   constexpr int64_t bytes = block_bytes(FMT);
   constexpr int32_t kOff = FMT == kQ4_0 ? 8 : 0;
   const int64_t nb = K / kBlock;
   const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(char(0x80));
-  for (int64_t c = 0; c < kNB / 8 && 8 * c < cols; ++c) {  // columns 8c .. 8c + 7
-    __m256 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < kNB / 8 && 8 * c0 < cols; c0 += CV) {  // columns 8 c0 .. 8 c0 + 8 CV - 1
+    __m256 acc[MB][CV];
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < CV; ++v) acc[m][v] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = w + b * bytes;
-      const uint8_t* q = blk + quants_offset(FMT) + 32 * c;  // group g at q + g * kGroupBytes
+      const uint8_t* q = blk + quants_offset(FMT) + 32 * c0;  // group g at q + g * kGroupBytes
       const int8_t* xb = a.q.data() + m0 * K + b * kBlock;
-      __m256i is[MB];
+      __m256i is[MB][CV];
       if (FMT == kQ8_0) {
-        for (int g = 0; g < 8; ++g) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroupBytes));
-          const __m256i s = _mm256_xor_si256(v, flip);  // signed q_w
-          const __m256i u = _mm256_sign_epi8(s, s);
-          for (int m = 0; m < MB; ++m) {
-            const __m256i x = _mm256_sign_epi8(bcast4(xb + m * K + 4 * g), s);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
-            is[m] = g == 0 ? p : _mm256_add_epi32(is[m], p);
+        for (int g = 0; g < 8; ++g)
+          for (int v = 0; v < CV; ++v) {
+            const __m256i wv =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroupBytes + 32 * v));
+            const __m256i s = _mm256_xor_si256(wv, flip);  // signed q_w
+            const __m256i u = _mm256_sign_epi8(s, s);
+            for (int m = 0; m < MB; ++m) {
+              const __m256i x = _mm256_sign_epi8(bcast4(xb + m * K + 4 * g), s);
+              const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+              is[m][v] = g == 0 ? p : _mm256_add_epi32(is[m][v], p);
+            }
           }
-        }
       } else {
-        for (int g = 0; g < 4; ++g) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroupBytes));
-          const __m256i lo = _mm256_and_si256(v, nib);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-          for (int m = 0; m < MB; ++m) {
-            const __m256i p =
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + m * K + 4 * g)),
-                                 _mm256_maddubs_epi16(hi, bcast4(xb + m * K + 16 + 4 * g)));
-            is[m] = g == 0 ? p : _mm256_add_epi16(is[m], p);
+        for (int g = 0; g < 4; ++g)
+          for (int v = 0; v < CV; ++v) {
+            const __m256i wv =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroupBytes + 32 * v));
+            const __m256i lo = _mm256_and_si256(wv, nib);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+            for (int m = 0; m < MB; ++m) {
+              const __m256i p =
+                  _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + m * K + 4 * g)),
+                                   _mm256_maddubs_epi16(hi, bcast4(xb + m * K + 16 + 4 * g)));
+              is[m][v] = g == 0 ? p : _mm256_add_epi16(is[m][v], p);
+            }
           }
-        }
-        for (int m = 0; m < MB; ++m) is[m] = _mm256_madd_epi16(is[m], ones);
+        for (int m = 0; m < MB; ++m)
+          for (int v = 0; v < CV; ++v) is[m][v] = _mm256_madd_epi16(is[m][v], ones);
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));
-      __m256 mn = _mm256_setzero_ps();
-      if (FMT == kQ4_1)
-        mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kNB + 16 * c)));
-      for (int m = 0; m < MB; ++m) {
-        const int64_t r = (m0 + m) * nb + b;
-        __m256i t = is[m];
-        if (kOff) t = _mm256_sub_epi32(t, _mm256_set1_epi32(kOff * a.s[r]));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(a.d[r])),
-                                 acc[m]);
-        if (FMT == kQ4_1) acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.ds[r]), acc[m]);
+      for (int v = 0; v < CV; ++v) {
+        const int64_t c = c0 + v;
+        const __m256 d =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));
+        __m256 mn = _mm256_setzero_ps();
+        if (FMT == kQ4_1)
+          mn = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kNB + 16 * c)));
+        for (int m = 0; m < MB; ++m) {
+          const int64_t r = (m0 + m) * nb + b;
+          __m256i t = is[m][v];
+          if (kOff) t = _mm256_sub_epi32(t, _mm256_set1_epi32(kOff * a.s[r]));
+          acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
+                                      _mm256_mul_ps(d, _mm256_set1_ps(a.d[r])), acc[m][v]);
+          if (FMT == kQ4_1) acc[m][v] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.ds[r]), acc[m][v]);
+        }
       }
     }
-    const int64_t n = cols - 8 * c < 8 ? cols - 8 * c : 8;
-    for (int m = 0; m < MB; ++m) {
-      float out[8];
-      _mm256_storeu_ps(out, acc[m]);
-      std::memcpy(y + m * ldy + 8 * c, out, n * sizeof(float));
+    for (int v = 0; v < CV; ++v) {
+      const int64_t c = c0 + v;
+      if (8 * c >= cols) break;  // padding columns: computed (zero weights), not stored
+      const int64_t n = cols - 8 * c < 8 ? cols - 8 * c : 8;
+      for (int m = 0; m < MB; ++m) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[m][v]);
+        std::memcpy(y + m * ldy + 8 * c, out, n * sizeof(float));
+      }
     }
   }
 }
