@@ -259,6 +259,39 @@ void weigh_values(const float* const* v, int64_t n, int64_t off, const float* w,
 constexpr int64_t kLongRow = 64;
 
 // s[r * kChunk] = q[r] . k[0 : D] for RB query rows: the key row is loaded once for all of them.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// score_rows in AVX2's 256-bit registers: GCC compiles hsum's 16-lane shuffles through memory
+// there, which made the scores 12x the cost of the values' products on a decode step (a third of
+// a SmolLM2 step at batch 8). The same sums: each row's 16 lanes as two 8-lane halves, one FMA
+// per lane and block of 16, then hsum8 of the halves' sum; more than 4 rows (8 accumulators) go
+// 4 at a time, so nothing spills.
+template <int RB>
+void score_rows(const float* q, const float* k, int64_t D, float* s) {
+  if constexpr (RB > 4) {
+    score_rows<4>(q, k, D, s);
+    score_rows<RB - 4>(q + 4 * D, k, D, s + 4 * kChunk);
+  } else {
+    using pallas_attn::vmath::v8;
+    using mem8 = pallas_attn::vmath::Lanes<8>::mem;
+    const auto load8 = [](const float* p) { return *reinterpret_cast<const mem8*>(p); };
+    v8 lo[RB], hi[RB];
+    for (int r = 0; r < RB; ++r) lo[r] = hi[r] = v8{};
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      const v8 k0 = load8(k + d), k1 = load8(k + d + 8);
+      for (int r = 0; r < RB; ++r) {
+        lo[r] += load8(q + r * D + d) * k0;
+        hi[r] += load8(q + r * D + d + 8) * k1;
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      float x = pallas_attn::vmath::hsum8(lo[r] + hi[r]);
+      for (int64_t e = d; e < D; ++e) x += q[r * D + e] * k[e];
+      s[r * kChunk] = x;
+    }
+  }
+}
+#else
 template <int RB>
 void score_rows(const float* q, const float* k, int64_t D, float* s) {
   vf a[RB];
@@ -274,6 +307,7 @@ void score_rows(const float* q, const float* k, int64_t D, float* s) {
     s[r * kChunk] = x;
   }
 }
+#endif
 
 // Running softmax state of every query row of one batch row over a span of its keys: per head
 // h and row r = i * G + g, the max m, the sum l and the unnormalised output acc [D].
