@@ -271,17 +271,15 @@ void score_rows(const float* q, const float* k, int64_t D, float* s) {
     score_rows<4>(q, k, D, s);
     score_rows<RB - 4>(q + 4 * D, k, D, s + 4 * kChunk);
   } else {
-    using pallas_attn::vmath::v8;
-    using mem8 = pallas_attn::vmath::Lanes<8>::mem;
-    const auto load8 = [](const float* p) { return *reinterpret_cast<const mem8*>(p); };
-    v8 lo[RB], hi[RB];
-    for (int r = 0; r < RB; ++r) lo[r] = hi[r] = v8{};
+    static_assert(kNative == 8, "AVX2 without AVX-512: vn is one 256-bit register");
+    vn lo[RB], hi[RB];
+    for (int r = 0; r < RB; ++r) lo[r] = hi[r] = vn{};
     int64_t d = 0;
     for (; d + kLanes <= D; d += kLanes) {
-      const v8 k0 = load8(k + d), k1 = load8(k + d + 8);
+      const vn k0 = loadn(k + d), k1 = loadn(k + d + 8);
       for (int r = 0; r < RB; ++r) {
-        lo[r] += load8(q + r * D + d) * k0;
-        hi[r] += load8(q + r * D + d + 8) * k1;
+        lo[r] += loadn(q + r * D + d) * k0;
+        hi[r] += loadn(q + r * D + d + 8) * k1;
       }
     }
     for (int r = 0; r < RB; ++r) {
