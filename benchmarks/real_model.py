@@ -191,15 +191,42 @@ print(json.dumps({"decode_s": statistics.median(times), "tokens": tokens[0], "ro
 """
 
 
+def llama_cpp_flags() -> str:
+    """Extra compiler flags for the llama.cpp build on this CPU.
+
+    On a CPU with AMX, llama.cpp's native build (``-march=native``) takes its AMX matrix path,
+    which segfaulted in ``ggml_backend_amx_mul_mat`` on the first ``eval`` on this workplace's
+    Sapphire Rapids-class VMs (F32 to Q4_1 alike), while a plain AMX tile product works there: it
+    is built without AMX, so it runs its AVX-512 VNNI kernels, as on AVX-512 CPUs without AMX.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return ""
+    return "-mno-amx-int8 -mno-amx-tile -mno-amx-bf16" if "amx_int8" in flags else ""
+
+
 def bench_python() -> Path:
-    """``.venv-bench``'s Python with llama-cpp-python, made (and llama.cpp built) when absent."""
+    """``.venv-bench``'s Python with llama-cpp-python, made (and llama.cpp built) when absent or
+    built with other flags (``llama_cpp_flags``, recorded in ``.venv-bench/llama-flags``)."""
     python = BENCH_VENV / "bin" / "python"
+    marker, flags = BENCH_VENV / "llama-flags", llama_cpp_flags()
     check = [str(python), "-c", "import llama_cpp, numpy"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+    if (
+        python.exists()
+        and subprocess.run(check, capture_output=True).returncode == 0
+        and (marker.read_text() if marker.exists() else "") == flags
+    ):
         return python
     print(f"building {LLAMA_CPP} into {BENCH_VENV} (llama.cpp from source, ~4 minutes)")
-    subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", LLAMA_CPP, "numpy"], check=True)
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True)
+    env = dict(os.environ)
+    if flags:
+        env["CMAKE_ARGS"] = f"-DCMAKE_C_FLAGS='{flags}' -DCMAKE_CXX_FLAGS='{flags}'"
+    pip = [str(python), "-m", "pip", "install", "-q", "--force-reinstall", "--no-cache-dir"]
+    subprocess.run(pip + [LLAMA_CPP, "numpy"], check=True, env=env)
+    marker.write_text(flags)
     return python
 
 

@@ -242,3 +242,20 @@ def test_quantized_decode_loop_lowers_for_cuda_without_the_native_kernels():
     assert "pallas_attn_rows_matmul_q" in traced.lower().as_text()
     cuda_text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "pallas_attn_" not in cuda_text and "stablehlo.dot_general" in cuda_text
+
+
+def test_huge_pages_keep_the_contents(monkeypatch):
+    """``huge_pages`` (MADV_COLLAPSE over the buffer, rounded out to 2 MiB) is best effort: a
+    bool, the array's bytes unchanged, and off under PALLAS_ATTN_HUGE_PAGES=0."""
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((576, 2048)), jnp.float32)
+    panels = rows_matmul.pack(w).block_until_ready()
+    before = np.asarray(panels).copy()
+    assert isinstance(rows_matmul.huge_pages(panels), bool)
+    np.testing.assert_array_equal(np.asarray(panels), before)
+    assert not rows_matmul.huge_pages(jnp.zeros(8))  # under one huge page: nothing asked
+    rows_matmul._madvise.cache_clear()
+    monkeypatch.setenv("PALLAS_ATTN_HUGE_PAGES", "0")
+    try:
+        assert not rows_matmul.huge_pages(panels)
+    finally:
+        rows_matmul._madvise.cache_clear()
