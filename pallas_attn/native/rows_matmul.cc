@@ -375,6 +375,32 @@ void bf16_dot_panel(const uint32_t* hi, const uint32_t* lo, int64_t J, const uin
   std::memcpy(v, acc, sizeof(v));
   store_rows<MB>(v, y, ldy, cols);
 }
+
+// One row times two pair panels w, v: bf16_dot_panel<1>'s sums for each, with four chains and
+// two streams in flight (as panel_pair).
+template <bool kExact>
+void bf16_dot_pair(const uint32_t* hi, const uint32_t* lo, int64_t J, const uint16_t* w,
+                   const uint16_t* v, float* y, int64_t cols_w, int64_t cols_v) {
+  __m512 acc[4];
+  for (int c = 0; c < 4; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < J; ++j) {
+    const __m512bh ws[4] = {(__m512bh)_mm512_loadu_si512(w + j * 2 * kNB),
+                            (__m512bh)_mm512_loadu_si512(w + j * 2 * kNB + 2 * kLanes),
+                            (__m512bh)_mm512_loadu_si512(v + j * 2 * kNB),
+                            (__m512bh)_mm512_loadu_si512(v + j * 2 * kNB + 2 * kLanes)};
+    const __m512bh xh = (__m512bh)_mm512_set1_epi32(int32_t(hi[j]));
+    for (int c = 0; c < 4; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], ws[c], xh);
+    if (!kExact) {
+      const __m512bh xl = (__m512bh)_mm512_set1_epi32(int32_t(lo[j]));
+      for (int c = 0; c < 4; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], ws[c], xl);
+    }
+  }
+  vf a[1][2], b[1][2];
+  std::memcpy(a, acc, sizeof(a));
+  std::memcpy(b, acc + 2, sizeof(b));
+  store_rows<1>(a, y, 0, cols_w);
+  store_rows<1>(b, y + kNB, 0, cols_v);
+}
 #else
 constexpr bool kBF16DotBuilt = false;
 #endif
@@ -399,6 +425,15 @@ void run_bf16(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const 
   const BF16Acts& a = acts;
   const int64_t J = (K + 1) / 2, panel_elems = 2 * J * kNB;
   pallas_attn::parallel_for(pool, P, worth_sharing(P * panel_elems * 2, M), [&](int64_t p0, int64_t p1) {
+    if (M == 1)
+      for (; p0 + 1 < p1; p0 += 2) {
+        const int64_t n0 = p0 * kNB, cols = N - n0 - kNB < kNB ? N - n0 - kNB : kNB;
+        const uint16_t *w = wp + p0 * panel_elems, *v = w + panel_elems;
+        if (a.exact)
+          bf16_dot_pair<true>(a.hi.data(), a.lo.data(), J, w, v, y + n0, kNB, cols);
+        else
+          bf16_dot_pair<false>(a.hi.data(), a.lo.data(), J, w, v, y + n0, kNB, cols);
+      }
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
       for (int64_t m0 = 0; m0 < M; m0 += kMB) {
