@@ -82,7 +82,7 @@ def peak_memory_bytes(compiled) -> int | None:
 
 # The instruction sets the native CPU kernels choose between: two hosts that both call themselves
 # "x86_64, 2 cores" differ by 2-5x in the quantized and bfloat16 products when these differ.
-CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni")
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8")
 
 
 def cpu_model() -> tuple[str | None, list[str]]:
