@@ -81,11 +81,11 @@ def huge_pages(a: jax.Array) -> bool:
     """Asks Linux to back ``a``'s buffer with 2 MiB transparent huge pages now
     (``MADV_COLLAPSE``, Linux 6.1+; best effort: False where the platform or the array does not
     allow it, or the kernel reports an error, e.g. ENOMEM where the rounded range reaches unmapped
-    memory, after collapsing the mapped part; ``PALLAS_ATTN_HUGE_PAGES=0`` turns it off). The
-    range is rounded out to whole huge pages, whose other bytes keep their contents. A decode step
-    streams every packed weight once: over 4 KiB pages each page costs a TLB walk and restarts the
-    hardware prefetcher, and the few-row product read float32 panels at 18 GB/s against 21 GB/s
-    over huge pages on the AMX development VM."""
+    memory, after collapsing the mapped part; ``PALLAS_ATTN_HUGE_PAGES=0`` turns it off). The range
+    is rounded out to whole huge pages, whose other bytes keep their contents. A decode step streams every packed weight once:
+    over 4 KiB pages each page costs a TLB walk and restarts the hardware prefetcher, and the
+    few-row product read float32 panels at 18 GB/s against 21 GB/s over huge pages on the AMX
+    development VM (``benchmarks/results`` holds the decode figures)."""
     madvise = _madvise()
     if madvise is None or a.nbytes < HUGE_PAGE:
         return False

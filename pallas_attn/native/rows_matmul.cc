@@ -227,24 +227,6 @@ void panel_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy, in
 #define PALLAS_ATTN_PANEL_AVX2 1
 #endif
 
-#if defined(__AVX2__)
-// Eight 256-bit accumulators of two panels (four each) -> y[0:cols_w] and y[32:32 + cols_v].
-inline void store_pair(const __m256 (&acc)[8], float* y, int64_t cols_w, int64_t cols_v) {
-  store_pair(acc, y, cols_w, cols_v);
-}
-#endif
-
-// f(p, cols) for panels p, p + 1 of [p0, p1) two at a time (cols: the second one's columns; the
-// first is full); returns the panel left over, p1 or p1 - 1.
-template <typename F>
-inline int64_t panel_pairs(int64_t p0, int64_t p1, int64_t N, F&& f) {
-  for (; p0 + 1 < p1; p0 += 2) {
-    const int64_t rest = N - (p0 + 1) * kNB;
-    f(p0, rest < kNB ? rest : kNB);
-  }
-  return p0;
-}
-
 // One row times two panels w, v at once: panel<1>'s sums for each (one FMA per k, k = 0, 1, ..,
 // from +0 in every lane), in 256-bit vectors: eight accumulator chains and two streams in flight
 // instead of two and one. One row is bound by how fast the panels stream in, and on the AMX
@@ -264,7 +246,10 @@ void panel_pair(const float* x, int64_t K, const float* w, const float* v, float
     const __m256 xv = _mm256_broadcast_ss(x + k);
     for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(xv, ws[c], acc[c]);
   }
-  store_pair(acc, y, cols_w, cols_v);
+  float out[2 * kNB];
+  for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+  std::memcpy(y, out, cols_w * sizeof(float));
+  std::memcpy(y + kNB, out + kNB, cols_v * sizeof(float));
 #else
   panel<1>(x, K, w, y, 0, cols_w);
   panel<1>(x, K, v, y + kNB, 0, cols_v);
@@ -279,9 +264,10 @@ void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t
 #if !defined(PALLAS_ATTN_PANEL_AVX2)  // AVX2's one-row pass already keeps 4 chains
   if constexpr (sizeof(W) == 4) {
     if (M == 1)
-      p0 = panel_pairs(p0, p1, N, [&](int64_t p, int64_t cols) {
-        panel_pair(x, K, wp + p * K * kNB, wp + (p + 1) * K * kNB, y + p * kNB, kNB, cols);
-      });
+      for (; p0 + 1 < p1; p0 += 2) {
+        const int64_t n0 = p0 * kNB, cols = N - n0 - kNB < kNB ? N - n0 - kNB : kNB;
+        panel_pair(x, K, wp + p0 * K * kNB, wp + (p0 + 1) * K * kNB, y + n0, kNB, cols);
+      }
   }
 #endif
   for (int64_t p = p0; p < p1; ++p) {
@@ -449,13 +435,14 @@ void run_bf16(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const 
   const int64_t J = (K + 1) / 2, panel_elems = 2 * J * kNB;
   pallas_attn::parallel_for(pool, P, worth_sharing(P * panel_elems * 2, M), [&](int64_t p0, int64_t p1) {
     if (M == 1)
-      p0 = panel_pairs(p0, p1, N, [&](int64_t p, int64_t cols) {
-        const uint16_t *w = wp + p * panel_elems, *v = w + panel_elems;
+      for (; p0 + 1 < p1; p0 += 2) {
+        const int64_t n0 = p0 * kNB, cols = N - n0 - kNB < kNB ? N - n0 - kNB : kNB;
+        const uint16_t *w = wp + p0 * panel_elems, *v = w + panel_elems;
         if (a.exact)
-          bf16_dot_pair<true>(a.hi.data(), a.lo.data(), J, w, v, y + p * kNB, kNB, cols);
+          bf16_dot_pair<true>(a.hi.data(), a.lo.data(), J, w, v, y + n0, kNB, cols);
         else
-          bf16_dot_pair<false>(a.hi.data(), a.lo.data(), J, w, v, y + p * kNB, kNB, cols);
-      });
+          bf16_dot_pair<false>(a.hi.data(), a.lo.data(), J, w, v, y + n0, kNB, cols);
+      }
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
       for (int64_t m0 = 0; m0 < M; m0 += kMB) {
