@@ -227,48 +227,84 @@ void panel_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy, in
 #define PALLAS_ATTN_PANEL_AVX2 1
 #endif
 
-// One row times two panels w, v at once: panel<1>'s sums for each (one FMA per k, k = 0, 1, ..,
-// from +0 in every lane), in 256-bit vectors: eight accumulator chains and two streams in flight
-// instead of two and one. One row is bound by how fast the panels stream in, and on the AMX
-// development VM (2 threads, huge pages) this read 37 GB/s where one panel at a time in 512-bit
-// vectors read 25-31 and the same pair in 512-bit vectors 31 (the streaming probe: 31).
-void panel_pair(const float* x, int64_t K, const float* w, const float* v, float* y, int64_t cols_w,
-                int64_t cols_v) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[8];
-  for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 ws[8];
-    for (int c = 0; c < 4; ++c) {
-      ws[c] = _mm256_loadu_ps(w + k * kNB + 8 * c);
-      ws[4 + c] = _mm256_loadu_ps(v + k * kNB + 8 * c);
+#if defined(__AVX2__) && defined(__FMA__) && !defined(PALLAS_ATTN_PANEL_AVX2)
+// Float32 panels two at a time (AVX-512 builds; AVX2's passes above already keep 4 - 12 chains).
+// R <= 3 rows times two panels w, v in 256-bit vectors: 8 R accumulator chains and two streams in
+// flight, where panel<MB> keeps 2 MB and one. Few rows are bound by how fast the panels stream in:
+// on the AMX development VM (2 threads, huge pages) one row read 37 GB/s this way against 25-31
+// one panel at a time in 512-bit vectors (the streaming probe: 31), and 2 - 8 rows of a
+// [576, 1536] product 22-26 GB/s against 11-16 as panel<MB>; up to 64 rows it stayed 2 - 3x
+// faster (compute-bound past ~16 rows: 512-bit blocks of 8 rows still lost to it).
+#define PALLAS_ATTN_PANEL_PAIRS 1
+
+// Weight rows [k0, k1) of the pair w, v for R rows of x (row stride K), added to the partial
+// sums t[R][2 kNB] (one FMA per k per lane, in k order; stored and reloaded exactly).
+template <int R>
+void pair_pass(const float* x, int64_t K, const float* w, const float* v, int64_t k0, int64_t k1,
+               float* t) {
+  __m256 acc[R][8];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < 8; ++c) acc[m][c] = _mm256_loadu_ps(t + m * 2 * kNB + 8 * c);
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 xv[R];
+    for (int m = 0; m < R; ++m) xv[m] = _mm256_broadcast_ss(x + m * K + k);
+    for (int c = 0; c < 8; ++c) {
+      const __m256 wv = _mm256_loadu_ps(c < 4 ? w + k * kNB + 8 * c : v + k * kNB + 8 * (c - 4));
+      for (int m = 0; m < R; ++m) acc[m][c] = _mm256_fmadd_ps(xv[m], wv, acc[m][c]);
     }
-    const __m256 xv = _mm256_broadcast_ss(x + k);
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(xv, ws[c], acc[c]);
   }
-  float out[2 * kNB];
-  for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
-  std::memcpy(y, out, cols_w * sizeof(float));
-  std::memcpy(y + kNB, out + kNB, cols_v * sizeof(float));
-#else
-  panel<1>(x, K, w, y, 0, cols_w);
-  panel<1>(x, K, v, y + kNB, 0, cols_v);
-#endif
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(t + m * 2 * kNB + 8 * c, acc[m][c]);
 }
+
+// Rows per pair_pass over the m rows left: 3 unless that would leave 1 (4 = 2 + 2, 8 = 3 + 3 + 2).
+inline int pair_rows(int64_t m) { return m == 1 ? 1 : (m == 2 || m == 4) ? 2 : 3; }
+
+constexpr int64_t kPairRows = 64;  // rows whose partial sums wait in one pair_panels buffer
+
+// All M rows times the pair w, v -> y[:, 0:cols_w] and y[:, kNB:kNB + cols_v] (row stride ldy):
+// panel<MB>'s sums for each panel, bit for bit. The rows go in groups of at most 3 over 8 KB of
+// the pair's weight rows at a time, so every group after the first reads them from L1 (one group
+// takes the whole pair in one pass).
+void pair_panels(const float* x, int64_t M, int64_t K, const float* w, const float* v, float* y,
+                 int64_t ldy, int64_t cols_w, int64_t cols_v) {
+  float t[kPairRows][2 * kNB];
+  for (int64_t b0 = 0; b0 < M; b0 += kPairRows) {
+    const int64_t rows = std::min(kPairRows, M - b0);
+    // One group (3 rows or fewer) streams the whole pair in one pass.
+    const int64_t KB = rows <= 3 ? K : 8192 / (2 * kNB * sizeof(float));
+    std::memset(t, 0, rows * sizeof(t[0]));
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t k1 = std::min(K, k0 + KB);
+      for (int64_t m0 = 0; m0 < rows;) {
+        const int r = pair_rows(rows - m0);
+        const float* xm = x + (b0 + m0) * K;
+        if (r == 1) pair_pass<1>(xm, K, w, v, k0, k1, t[m0]);
+        if (r == 2) pair_pass<2>(xm, K, w, v, k0, k1, t[m0]);
+        if (r == 3) pair_pass<3>(xm, K, w, v, k0, k1, t[m0]);
+        m0 += r;
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      std::memcpy(y + (b0 + m) * ldy, t[m], cols_w * sizeof(float));
+      std::memcpy(y + (b0 + m) * ldy + kNB, t[m] + kNB, cols_v * sizeof(float));
+    }
+  }
+}
+#endif
 
 // Panels [p0, p1) for all M rows.
 template <typename W>
 void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t N, int64_t p0,
             int64_t p1) {
   const int64_t K2 = sizeof(W) == 2 ? K + (K & 1) : K;  // bfloat16 rows come in pairs
-#if !defined(PALLAS_ATTN_PANEL_AVX2)  // AVX2's one-row pass already keeps 4 chains
-  if constexpr (sizeof(W) == 4) {
-    if (M == 1)
-      for (; p0 + 1 < p1; p0 += 2) {
-        const int64_t n0 = p0 * kNB, cols = N - n0 - kNB < kNB ? N - n0 - kNB : kNB;
-        panel_pair(x, K, wp + p0 * K * kNB, wp + (p0 + 1) * K * kNB, y + n0, kNB, cols);
-      }
-  }
+#if defined(PALLAS_ATTN_PANEL_PAIRS)
+  if constexpr (sizeof(W) == 4)
+    for (; p0 + 1 < p1; p0 += 2) {
+      const int64_t n0 = p0 * kNB, cols = N - n0 - kNB < kNB ? N - n0 - kNB : kNB;
+      const float* w = wp + p0 * K * kNB;
+      pair_panels(x, M, K, w, w + K * kNB, y + n0, N, kNB, cols);
+    }
 #endif
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;

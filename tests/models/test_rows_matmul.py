@@ -71,12 +71,13 @@ def test_rows_independent_of_blocking(K, N, wdtype):
     """Each output is one column's sum over k = 0, 1, .. in order, whatever rows share its call
     (the kernels block rows and columns differently for each M): the rows of an M-row call equal
     M one-row calls bit for bit, and the float64 product within float32 rounding."""
-    x, w, ref = _case(8, K, N, wdtype, seed=2)
+    rows = rows_matmul.MAX_ROWS
+    x, w, ref = _case(rows, K, N, wdtype, seed=2)
     f = jax.jit(rows_matmul.matmul, static_argnums=(2, 3))
     panels = rows_matmul.pack(w)
-    single = np.concatenate([np.asarray(f(x[m : m + 1], panels, N, "f32")) for m in range(8)])
+    single = np.concatenate([np.asarray(f(x[m : m + 1], panels, N, "f32")) for m in range(rows)])
     np.testing.assert_allclose(single, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
-    for M in range(1, 9):
+    for M in [*range(1, 10), 13, 17, 33, rows]:
         np.testing.assert_array_equal(np.asarray(f(x[:M], panels, N, "f32")), single[:M])
 
 
