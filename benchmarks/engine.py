@@ -176,17 +176,26 @@ def spec_pass(model, requests, batch: int, draft, eos_id=None):
 
 
 def speculation(args) -> None:
-    """SmolLM2-135M-Instruct in the engine, greedy, with and without prompt lookup (k chosen
-    from measured costs) at batch 1, 8 and 32 (1 and 8 quick): the same chat request mix
+    """SmolLM2-135M-Instruct in the engine, greedy, without a draft and with each of prompt
+    lookup, the shipped Medusa heads (``smollm2-135m-instruct-medusa``) and the two combined
+    (``Medusa(heads, lookup_ngram=3)``), k chosen from measured costs, at batch 1, 8 and 32
+    (1 and 8 quick): the same chat request mix
     (``benchmarks.speculative.REAL_PROMPTS``, both workloads alternating; each answer ends at
     the chat's end token or after ``new`` tokens), a warm-up pass that compiles, then a timed
     one; tokens/s counts the tokens generated; every drafted row checked identical to the
     undrafted one."""
     import models
     from benchmarks.speculative import REAL_PROMPTS, real_prompt_ids
-    from decoding import PromptLookup
+    from decoding import Medusa, PromptLookup
+    from decoding.medusa import LOOKUP_NGRAM
 
     model, tok = models.pretrained("smollm2-135m-instruct")
+    heads, _ = models.pretrained("smollm2-135m-instruct-medusa")
+    drafts = {
+        "prompt-lookup": PromptLookup(),
+        "medusa": Medusa(heads),
+        "medusa+lookup": Medusa(heads, lookup_ngram=LOOKUP_NGRAM),
+    }
     new = 64 if args.quick else 128
     mix = [ids for w in REAL_PROMPTS for ids in real_prompt_ids(tok, w)]
     mix = [mix[i // 2 + (i % 2) * (len(mix) // 2)] for i in range(len(mix))]  # alternate
@@ -194,28 +203,29 @@ def speculation(args) -> None:
     for batch in SPEC_BATCHES[:2] if args.quick else SPEC_BATCHES:
         n_req = max(4, 2 * batch)
         requests = [(mix[i % len(mix)], new) for i in range(n_req)]
-        result = {}
-        for name, draft in (("plain", None), ("prompt-lookup", PromptLookup())):
-            spec_pass(model, requests, batch, draft, tok.eos_id)  # warm-up: compilation
-            result[name] = spec_pass(model, requests, batch, draft, tok.eos_id)
-        (plain_tok, plain_s, plain_lat, _), (tok_, spec_s, spec_lat, st) = result.values()
+        spec_pass(model, requests, batch, None, tok.eos_id)  # warm-up: compilation
+        plain_tok, plain_s, plain_lat, _ = spec_pass(model, requests, batch, None, tok.eos_id)
         useful = sum(len(t) for t in plain_tok)
-        row = dict(
-            batch=batch,
-            requests=n_req,
-            plain_tok_s=useful / plain_s,
-            spec_tok_s=useful / spec_s,
-            throughput_x=plain_s / spec_s,
-            plain_latency_s=plain_lat,
-            spec_latency_s=spec_lat,
-            latency_x=plain_lat / spec_lat,
-            k=st["num_draft_tokens"],
-            acceptance=st["draft_accepted"] / max(st["draft_proposed"], 1),
-            new_tokens=useful,
-            identical=tok_ == plain_tok,
-        )
-        print(row)
-        rows.append(row)
+        for name, draft in drafts.items():
+            spec_pass(model, requests, batch, draft, tok.eos_id)
+            tok_, spec_s, spec_lat, st = spec_pass(model, requests, batch, draft, tok.eos_id)
+            row = dict(
+                batch=batch,
+                draft=name,
+                requests=n_req,
+                plain_tok_s=useful / plain_s,
+                spec_tok_s=useful / spec_s,
+                throughput_x=plain_s / spec_s,
+                plain_latency_s=plain_lat,
+                spec_latency_s=spec_lat,
+                latency_x=plain_lat / spec_lat,
+                k=st["num_draft_tokens"],
+                acceptance=st["draft_accepted"] / max(st["draft_proposed"], 1),
+                new_tokens=useful,
+                identical=tok_ == plain_tok,
+            )
+            print(row)
+            rows.append(row)
     settings = dict(
         model="smollm2-135m-instruct",
         max_new_tokens=new,

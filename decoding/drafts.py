@@ -156,6 +156,12 @@ class AcceptanceEstimate:
         self.accepted = self.accepted * fade + accepted
         self.tested = self.tested * fade + tested
 
+    def add(self, accepted: int, tested: int) -> None:
+        """Many steps at once: ``accepted`` of ``tested`` judged positions (their sums)."""
+        fade = math.exp(-float(tested) / self.horizon)
+        self.accepted = self.accepted * fade + float(accepted)
+        self.tested = self.tested * fade + float(tested)
+
     @property
     def rate(self) -> float:
         return (self.accepted + self.prior * self.weight) / (self.tested + self.weight)

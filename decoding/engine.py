@@ -91,6 +91,7 @@ import numpy as np
 
 from decoding.checks import check_bool, check_int, check_model, check_optional_int, is_int
 from decoding.drafts import MAX_K, PRIOR_ACCEPTANCE, AcceptanceEstimate, PromptLookup, lookup_next
+from decoding.medusa import Medusa
 from decoding.paging import pages_for
 from decoding.runner import Runner, RunOutput
 from decoding.sampling import (
@@ -103,6 +104,7 @@ from decoding.sampling import (
 from decoding.scheduler import Request, Scheduler, StepPlan
 from decoding.speculative import chosen_num_draft_tokens
 from models.interrupts import deferred_interrupts
+from models.sharding import mesh_of
 
 # Verification steps between re-choices of k (num_draft_tokens=None): each k compiles once.
 RECHOOSE_STEPS = 16
@@ -130,17 +132,24 @@ class Engine:
         ``max_position``. It sets the block table's width, ``pages_for(max_seq_len)``, a fixed
         shape of every step; the XLA attention path reads that many positions per row, so a
         tighter bound makes CPU steps cheaper (the Pallas kernel only reads a row's own pages).
-      draft: None (one token per row per step) or ``decoding.PromptLookup(...)``: every step
-        drafts k tokens for each decoding row and verifies them all in the same jitted step
-        (Tq = k + 1 for every row); each row keeps what it accepted (greedy: exactly the
-        tokens of plain decoding; sampled: exactly the target's distribution), its pages grow
-        by what the step writes and rejected positions are dropped by length.
+      draft: None (one token per row per step), ``decoding.PromptLookup(...)`` or
+        ``decoding.Medusa(heads[, lookup_ngram=n])`` (a chain; heads trained on this model):
+        every step drafts k tokens for each decoding row and verifies them all in the same
+        jitted step (Tq = k + 1 for every row); each row keeps what it accepted (greedy:
+        exactly the tokens of plain decoding; sampled: exactly the target's distribution), its
+        pages grow by what the step writes and rejected positions are dropped by length.
+        Medusa's heads read the row's hidden state at its last accepted position, which the
+        verification returns and the runner keeps per batch slot; a row's first step (and the
+        first after a preemption moved it) drafts from zeros instead. The heads' drafts are
+        their argmax tokens (deterministic, verified against a one-hot q: exact for sampled
+        rows too, and independent of the batch).
       num_draft_tokens: k; None = chosen from the target's measured step costs at
         ``max_batch`` rows and the batch's running acceptance rate
         (``speculative.chosen_num_draft_tokens``), re-chosen every ``RECHOOSE_STEPS``
-        decode steps (each k in use compiles its step once). The choice may be 0, plain
-        decode steps, where no k pays; the estimate then follows the draft's first token
-        against each row's new token (``drafts.lookup_next``), so k can come back.
+        decode steps (each k in use compiles its step once). With prompt lookup the choice
+        may be 0, plain decode steps, where no k pays; the estimate then follows the draft's
+        first token against each row's new token (``drafts.lookup_next``), so k can come
+        back. Medusa always drafts (k >= 1): its guesses are only seen by verifying them.
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
@@ -168,14 +177,23 @@ class Engine:
     ):
         check_model("model", model)
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)
-        if draft is not None and not isinstance(draft, PromptLookup):
+        if draft is not None and not isinstance(draft, PromptLookup | Medusa):
             raise TypeError(
-                "draft must be None or a decoding.PromptLookup (the engine does not yet run "
-                f"model or Medusa drafts), got {type(draft).__name__}"
+                "draft must be None, a decoding.PromptLookup or a decoding.Medusa (the engine "
+                f"does not run model drafts), got {type(draft).__name__}"
             )
         k = check_optional_int("num_draft_tokens", num_draft_tokens, 1, MAX_K + 1)
         if k is not None and draft is None:
             raise ValueError(f"num_draft_tokens={k} needs a draft (draft=None)")
+        if isinstance(draft, Medusa):
+            if draft.tree is not None:
+                raise ValueError(
+                    "the engine verifies chains: draft=Medusa(heads) or Medusa(heads, "
+                    "lookup_ngram=n), not a token tree"
+                )
+            if mesh_of(model) is not None:
+                raise ValueError("a Medusa draft needs an unsharded model (models.shard) here")
+            draft.split()[0].check(model, k or 1)
         self.config = model.config
         self.max_batch = check_int("max_batch", max_batch, 1)
         self.page_size = page_size = check_int("page_size", page_size, 1)
@@ -189,9 +207,6 @@ class Engine:
         self.max_pages = min(num_pages, pages_for(self.max_seq_len - 1, page_size))
         self._model, self.draft = model, draft
         self._fixed_k, self.num_draft_tokens = k, k
-        if draft is not None:
-            self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE["prompt-lookup"])
-            self._choose_k()
         self._counts = collections.Counter()
         self.runner = Runner(
             model,
@@ -215,6 +230,10 @@ class Engine:
             counts=self._counts,
             replay_tokens=self.runner.replay_tokens,
         )
+        if draft is not None:
+            kind = "medusa" if isinstance(draft, Medusa) else "prompt-lookup"
+            self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE[kind])
+            self._choose_k()
         self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
         self._num_logprobs: dict[int, int] = {}  # live requests that asked: rid -> n
         self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # of self._events' tokens
@@ -453,7 +472,8 @@ class Engine:
         if not plan.decode or self.draft is None:
             return
         k = plan.ahead - 1
-        if k == 0:  # not drafting: would the draft's first token have been this step's token?
+        if k == 0 and isinstance(self.draft, PromptLookup):
+            # Not drafting: would the draft's first token have been this step's token?
             for row, tokens in zip(plan.decode, emitted, strict=True):
                 if tokens:
                     known = row.req.tokens[: len(row.req.tokens) - len(tokens)]
@@ -471,11 +491,12 @@ class Engine:
         if self._fixed_k is None:
             self.num_draft_tokens = chosen_num_draft_tokens(
                 self._model,
-                self.draft,
-                None,
+                self.runner.draft,
+                self.runner.draft_params,
                 batch=self.max_batch,
                 acceptance=self.acceptance.rate,
-                allow_zero=True,
+                # Medusa's guesses are only seen by verifying them: it always drafts.
+                allow_zero=isinstance(self.draft, PromptLookup),
             )
 
     # ----------------------------------------------------------------------------- stats

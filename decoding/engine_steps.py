@@ -7,10 +7,11 @@
   token with that row's sampling settings (``SamplingParams`` rows: data, so one compiled step
   serves every setting) and PRNG key.
 * ``verify_rows``: speculation: each row's draft of k tokens (``drafts.PromptLookup`` over the
-  row's known tokens ``seq``) and the target's verification of ``[last, d_1 .. d_k]``
-  (Tq = k + 1 for every row) in one step; each row accepts its own number (the acceptance rule
-  of ``decoding.speculative``, drawn with the row's own key), so rows are ragged only in what
-  the host keeps.
+  row's known tokens ``seq``, or ``decoding.Medusa``'s heads on the row's hidden state from the
+  step before) and the target's verification of ``[last, d_1 .. d_k]`` (Tq = k + 1 for every
+  row) in one step; each row accepts its own number (the acceptance rule of
+  ``decoding.speculative``, drawn with the row's own key), so rows are ragged only in what the
+  host keeps.
 * ``copy_pages``: page copies for copy on write.
 
 The pool is a tuple of ``[num_pages + 1, P, Hkv, D]`` arrays per layer for keys and for values,
@@ -147,52 +148,70 @@ def verify_rows(
     index,
     sampling: SamplingParams,
     wanted,
+    draft_params=None,
+    hidden=None,
 ):
     """Draft and verify for every row: seq [B, L] each row's known tokens (its last one,
     ``seq[b, lengths[b]]``, not yet cached), lengths [B] the cached positions, table [B, W].
 
     ``draft`` (static) proposes ``num_draft`` = k tokens per row; the target runs on
     ``[last, d_1 .. d_k]`` at positions ``lengths .. lengths + k``. Returns ``(drafted [B, k],
-    n [B] the leading draft tokens kept, nxt [B] the target's token after them, k, v)``: the
-    row emits ``drafted[b, :n[b]]`` then ``nxt[b]``, distributed exactly as that many tokens
-    sampled one by one (greedy: the target's argmax chain). Its key is ``row_keys``' (seed,
-    tokens generated so far), so a row's draws do not depend on the batch.
+    n [B] the leading draft tokens kept, nxt [B] the target's token after them, logprobs,
+    hidden, k, v)``: the row emits ``drafted[b, :n[b]]`` then ``nxt[b]``, distributed exactly
+    as that many tokens sampled one by one (greedy: the target's argmax chain). Its key is
+    ``row_keys``' (seed, tokens generated so far), so a row's draws do not depend on the batch.
 
-    Also returns (before k, v) ``logprobs``: ``sampling.Logprobs`` [B, k + 1] of the row's
-    emitted tokens under the target's distribution at their positions (``drafted[b, j]`` at
-    j < n[b], ``nxt[b]`` at j = n[b], later positions meaningless), computed only when some
-    row of ``wanted`` [B] bool asks.
+    ``logprobs``: ``sampling.Logprobs`` [B, k + 1] of the row's emitted tokens under the
+    target's distribution at their positions (``drafted[b, j]`` at j < n[b], ``nxt[b]`` at
+    j = n[b], later positions meaningless), computed only when some row of ``wanted`` [B] bool
+    asks.
+
+    A Medusa draft (``decoding.medusa.MedusaDraft``, a chain) reads ``draft_params`` (the heads'
+    params and packed copies) and ``hidden`` = (h [B, dim], ok [B] bool): each row's target
+    hidden state at its last accepted position from its previous step, where ``ok`` (else
+    zeros: a row's first step drafts from nothing but still verifies exactly); it drafts each
+    head's argmax (``MedusaDraft.greedy_chain``) and returns the new h at each row's last
+    accepted input. Otherwise ``hidden`` is None, in and out.
     """
     TRACES["verify"] += 1
     model = packed_model(graphdef, params, kernels)
     cache = step_cache(k, v, lengths, table)
     keys = row_keys(seeds, index)
-    prop = draft.propose(Context(model, cache, seq, None, None), num_draft, sampling, keys[0])
     last = jnp.take_along_axis(seq, lengths[:, None], axis=1)
-    logits, cache = model(jnp.concatenate([last, prop.tokens], 1), cache=prop.cache)
+    if hidden is None:
+        prop = draft.propose(Context(model, cache, seq, None, None), num_draft, sampling, keys[0])
+        drafts, deterministic, q = prop.tokens, draft.deterministic, prop.q
+        logits, cache = model(jnp.concatenate([last, drafts], 1), cache=prop.cache)
+    else:
+        h = jnp.where(hidden[1][:, None], hidden[0], jnp.zeros_like(hidden[0]))
+        drafts = draft.greedy_chain(Context(model, cache, seq, draft_params, h), num_draft)
+        deterministic, q = True, None
+        logits, cache, states = model(
+            jnp.concatenate([last, drafts], 1), cache=cache, return_hidden=True
+        )
 
     def sampled():
         rows = jax.tree.map(lambda x: x[:, None], sampling)  # [B, 1]: one per row's k + 1
         p = probabilities(logits, rows)  # [B, k + 1, V], each row under its own settings
         # A deterministic draft's q is one-hot: built here, so greedy steps never make it.
-        q = jax.nn.one_hot(prop.tokens, p.shape[-1]) if draft.deterministic else prop.q
+        qs = jax.nn.one_hot(drafts, p.shape[-1]) if deterministic else q
 
         def one(p, q, d, key):
             n, nxt = accept(p[None], q[None], d[None], key)
             return n[0], nxt[0]
 
-        return jax.vmap(one)(p, q, prop.tokens, keys)
+        return jax.vmap(one)(p, qs, drafts, keys)
 
-    n, nxt = branch(
-        all_greedy(sampling), lambda: accept_greedy(argmax(logits), prop.tokens), sampled
-    )
+    n, nxt = branch(all_greedy(sampling), lambda: accept_greedy(argmax(logits), drafts), sampled)
     # The emitted token at each of the k + 1 positions: the draft's while accepted, then nxt.
     pos = jnp.arange(num_draft + 1)
-    drafted = jnp.pad(prop.tokens, ((0, 0), (0, 1)))
+    drafted = jnp.pad(drafts, ((0, 0), (0, 1)))
     emitted = jnp.where(pos < n[:, None], drafted, nxt[:, None])
     rows = jax.tree.map(lambda x: x[:, None], sampling)
     lp = token_logprobs(logits, emitted, rows, logprobs_mode, wanted)
-    return prop.tokens, n, nxt, lp, cache.k, cache.v
+    if hidden is not None:  # h at the last accepted input: what produced nxt
+        hidden = jnp.take_along_axis(states, n[:, None, None], axis=1)[:, 0]
+    return drafts, n, nxt, lp, hidden, cache.k, cache.v
 
 
 @functools.lru_cache(maxsize=16)

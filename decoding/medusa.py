@@ -195,6 +195,21 @@ class MedusaDraft(DraftKind):
             q = jnp.where(found[:, None, None], jax.nn.one_hot(seen, V, dtype=q.dtype), q)
         return Proposal(tokens, q, ctx.state, ctx.cache, 1)
 
+    def greedy_chain(self, ctx: Context, k: int):
+        """The engine's chain draft (``decoding.Engine(draft=Medusa(heads))``): each of the
+        first k heads' most likely token at ``ctx.state`` h [B, dim] (with ``lookup_ngram``,
+        prompt lookup's continuation where the n-gram matched) -> [B, k] int32.
+
+        Deterministic, so it is verified against a one-hot q (exact for greedy and sampled rows
+        alike) and a row's draft depends only on its own tokens and hidden state, never on a
+        key shared with the batch."""
+        tokens = argmax(self.head_logits(ctx.params, ctx.state, k, ctx.target))
+        if self.lookup_ngram is not None:
+            n = self.lookup_ngram
+            found, seen = lookup(ctx.seq, ctx.cache.lengths + 1, k, n, n, return_found=True)
+            tokens = jnp.where(found[:, None], seen, tokens)
+        return tokens
+
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
         rows = jnp.arange(last.shape[0])
         if self.tree is not None:

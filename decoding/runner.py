@@ -21,11 +21,13 @@ import time
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from decoding import engine_steps
 from decoding.drafts import MAX_K
+from decoding.medusa import Medusa
 from decoding.packing import packed_weights
 from decoding.paging import pages_for
 from decoding.sampling import SamplingConfig, SamplingParams
@@ -82,7 +84,14 @@ class Runner:
         counts: collections.Counter | None = None,
     ):
         self.config, self.max_batch, self.page_size = model.config, max_batch, page_size
-        self.max_pages, self.max_seq_len, self.draft = max_pages, max_seq_len, draft
+        self.max_pages, self.max_seq_len = max_pages, max_seq_len
+        # A Medusa draft runs as its static kind with the heads' params passed apart; each slot
+        # keeps the target's hidden state at its row's last accepted position (``hidden``), and
+        # ``_hidden_of[slot]`` says whose: (request id, its token count then).
+        self.draft, self.draft_params = draft, None
+        if isinstance(draft, Medusa):
+            self.draft, self.draft_params = draft.split()
+        self._reset_hidden()
         self.logprobs_mode, self.scratch = logprobs_mode, num_pages
         self.counts = collections.Counter() if counts is None else counts
         self.graphdef, self.params = nnx.split(model)
@@ -122,9 +131,16 @@ class Runner:
         pool = KVCache.paged(self.config, self.scratch + 1, self.page_size, rows, **ring)
         return pool.k, pool.v
 
+    def _reset_hidden(self) -> None:
+        self.hidden = None
+        if self.draft_params is not None:
+            self.hidden = jnp.zeros((self.max_batch, self.config.dim), self.config.jnp_dtype)
+        self._hidden_of: list = [None] * self.max_batch
+
     def recover(self) -> None:
         """After an exception in a step: a fresh pool when the old one's buffers were donated
-        and lost (or hold an execution error)."""
+        and lost (or hold an execution error); no slot's hidden state is trusted."""
+        self._reset_hidden()
         try:
             jax.block_until_ready((self.k, self.v))
             lost = any(x.is_deleted() for x in (*self.k, *self.v))
@@ -240,14 +256,25 @@ class Runner:
             seq[row.req.row, : len(row.req.tokens)] = row.req.tokens
             lengths[row.req.row] = row.req.computed
         inputs = self._row_inputs(rows, self.table_width, logprobs)
+        medusa = ()
+        if self.draft_params is not None:  # a slot's hidden state serves its own request only
+            ok = np.zeros(self.max_batch, bool)
+            for row in rows:
+                ok[row.req.row] = self._hidden_of[row.req.row] == (row.req.rid, len(row.req.tokens))
+            medusa = (self.draft_params, (self.hidden, ok))
         fn = engine_steps.jitted_verify(self.graphdef, self.draft, k, self.logprobs_mode)
-        drafted, n, nxt, lp, self.k, self.v = self._call(
-            fn, self.params, self.kernels, self.k, self.v, seq, lengths, *inputs
+        drafted, n, nxt, lp, hidden, self.k, self.v = self._call(
+            fn, self.params, self.kernels, self.k, self.v, seq, lengths, *inputs, *medusa
         )
         wanted = inputs[-1]
         drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
         self.counts["decode_steps"] += 1
         bs = [row.req.row for row in rows]
+        if hidden is not None:
+            self.hidden = hidden
+            for row in rows:
+                b = row.req.row
+                self._hidden_of[b] = (row.req.rid, len(row.req.tokens) + int(n[b]) + 1)
         tokens = [[*drafted[b, : n[b]].tolist(), int(nxt[b])] for b in bs]
         accepted = [int(n[b]) for b in bs]
         if not wanted.any():

@@ -28,6 +28,7 @@ from flax import nnx, struct
 from decoding.checks import check_model, check_optional_int
 from decoding.drafts import (
     MAX_K,
+    AcceptanceEstimate,
     Context,
     DraftKind,
     EarlyExit,
@@ -66,7 +67,9 @@ class SpecState:
       key: PRNG key, step ``s`` uses ``fold_in(key, s)``; step: int32, target calls so far
         (prefill included).
       accepted, proposed, live_steps: [B] int32, draft tokens accepted / proposed and
-        verification steps taken by each row while it was live; draft_calls: int32 scalar.
+        verification steps taken by each row while it was live; tested: [B] int32, the draft
+        positions verification judged (``drafts.AcceptanceEstimate``: n + 1 when n < k, else
+        k); draft_calls: int32 scalar.
     """
 
     seq: jax.Array
@@ -80,6 +83,7 @@ class SpecState:
     accepted: jax.Array
     proposed: jax.Array
     live_steps: jax.Array
+    tested: jax.Array
     draft_calls: jax.Array
 
 
@@ -130,6 +134,7 @@ def speculative_step(
         accepted=state.accepted + jnp.where(live, n, 0),
         proposed=state.proposed + jnp.where(live, k, 0),
         live_steps=state.live_steps + live.astype(jnp.int32),
+        tested=state.tested + jnp.where(live, n + (n < k), 0),
         draft_calls=state.draft_calls + prop.calls,
     )
 
@@ -204,6 +209,7 @@ def speculative_prefill(
         accepted=zeros,
         proposed=zeros,
         live_steps=zeros,
+        tested=zeros,
         draft_calls=jnp.asarray(draft.prefill_calls, jnp.int32),
     )
 
@@ -310,6 +316,20 @@ def chosen_num_draft_tokens(
     )
 
 
+_ESTIMATES: dict = {}
+
+
+def acceptance_estimate(target, kind: DraftKind, params) -> AcceptanceEstimate:
+    """The process's running acceptance estimate for ``target`` (its config) drafted by
+    ``kind`` (a hashable static kind): every :func:`speculative_generate` call adds what its
+    verifications observed, so the next call's k (``num_draft_tokens=None``) follows the
+    workload this process runs; it starts at the kind's prior."""
+    key = (target.config, kind)
+    if key not in _ESTIMATES:
+        _ESTIMATES[key] = AcceptanceEstimate(kind.costs(target, params).prior)
+    return _ESTIMATES[key]
+
+
 def speculative_generate(
     target, draft, prompts, *, num_draft_tokens: int | None = None, **options
 ) -> GenerateResult:
@@ -325,8 +345,11 @@ def speculative_generate(
         attention): ``ValueError`` before any work (:func:`place_on_target`).
       num_draft_tokens: k >= 1 tokens drafted per step; None = the k with the most expected
         tokens per second for the target's measured step costs at Tq = 1 .. K + 1 (and a
-        model draft's), at the kind's prior acceptance rate (:func:`chosen_num_draft_tokens`,
-        ``drafts.choose_num_draft_tokens``; measured once per model shape, dtype and backend).
+        model draft's), at the acceptance rate earlier calls with this target and draft kind
+        observed in this process (:func:`acceptance_estimate`: the kind's prior at first,
+        then a running estimate; :func:`chosen_num_draft_tokens`,
+        ``drafts.choose_num_draft_tokens``; costs measured once per model shape, dtype and
+        backend).
       options: ``generate``'s, :class:`decoding.generate.GenerateOptions`' fields
         (``num_pages`` sizes each model's page pool).
 
@@ -344,9 +367,12 @@ def speculative_generate(
     if k is not None:
         kind.check(target, k)
     params = place_on_target(draft, kind, params, target)
+    estimate = acceptance_estimate(target, kind, params)
     if k is None:  # chosen for the padded batch's rows (the prompts checked first)
         batch_rows = next_pow2(len(opts.check(target, prompts, name="target")[1]))
-        k = chosen_num_draft_tokens(target, kind, params, batch=batch_rows)
+        k = chosen_num_draft_tokens(
+            target, kind, params, batch=batch_rows, acceptance=estimate.rate
+        )
         kind.check(target, k)
     extra = max(k, kind.verify_width)  # slots a step writes past the last token
     sampling, rows = opts.check(target, prompts, extra=extra, name="target")
@@ -391,6 +417,7 @@ def speculative_generate(
                 s.accepted,
                 s.proposed,
                 s.live_steps,
+                s.tested,
                 s.draft_calls,
             ),
         )
@@ -398,7 +425,8 @@ def speculative_generate(
         for t in (tables, draft_tables):
             if t is not None:
                 t.free_all()
-    seq, num_new, steps, accepted, proposed, live_steps, draft_calls = out
+    seq, num_new, steps, accepted, proposed, live_steps, tested, draft_calls = out
+    estimate.add(int(accepted[:B].sum()), int(tested[:B].sum()))
     plen = batch.prompt_lengths
     tokens = [seq[b, plen[b] : plen[b] + num_new[b]].tolist() for b in range(B)]
     stats = generate_stats(num_new, B, prefill_s, decode_s, compile_s, steps, opts.cache)

@@ -1,5 +1,5 @@
-"""Speculation inside the engine (``Engine(model, draft=PromptLookup(), ...)``): greedy output of
-every request identical to ``generate`` alone, with shared prefixes, preemption and arrivals;
+"""Speculation inside the engine (``Engine(model, draft=PromptLookup() | Medusa(heads), ...)``):
+greedy output of every request identical to ``generate`` alone, with shared prefixes, preemption and arrivals;
 sampled output distributed exactly as the target's (chi-square against the enumerated joint) and
 independent of the batch; no recompiles as requests come and go; the draft length chosen from
 measured costs when not given.
@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import random_transformer
+from test_medusa import random_heads
 from test_speculative_exact import PROMPT, SMALL, V, assert_matches, exact_joints
 
-from decoding import PromptLookup, drafts, engine_steps
+from decoding import Medusa, PromptLookup, TreeSpec, drafts, engine_steps
 from decoding.drafts import StepCosts
 from decoding.engine import Engine
 from decoding.generate import generate
@@ -23,7 +24,7 @@ PAGE = 8
 K = 3
 
 
-def make_engine(model, num_pages=64, **kwargs) -> Engine:
+def make_engine(model, num_pages=64, draft=None, **kwargs) -> Engine:
     kwargs.setdefault("num_draft_tokens", K)
     return Engine(
         model,
@@ -32,9 +33,27 @@ def make_engine(model, num_pages=64, **kwargs) -> Engine:
         page_size=PAGE,
         max_prefill_tokens=32,
         max_seq_len=128,
-        draft=PromptLookup(),
+        draft=PromptLookup() if draft is None else draft,
         **kwargs,
     )
+
+
+def medusa_draft(model, lookup_ngram=None) -> Medusa:
+    """Heads whose residual layers are small: they mostly predict what the LM head predicts one
+    step earlier, so on this model's runs of one token their drafts are accepted, and rejected
+    where the run changes."""
+    return Medusa(random_heads(model, 4, seed=3, scale=0.05), lookup_ngram=lookup_ngram)
+
+
+DRAFTS = ["lookup", "medusa", "medusa+lookup"]
+
+
+def draft_of(model, name):
+    return {
+        "lookup": lambda: PromptLookup(),
+        "medusa": lambda: medusa_draft(model),
+        "medusa+lookup": lambda: medusa_draft(model, lookup_ngram=2),
+    }[name]()
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +87,9 @@ def assert_clean(eng: Engine) -> None:
     assert s["pages_free"] + s["pages_cached"] == s["pages_total"]
 
 
-def test_greedy_equals_generate_alone(model, prompts, refs):
-    eng = make_engine(model)
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_greedy_equals_generate_alone(model, prompts, refs, draft):
+    eng = make_engine(model, draft=draft_of(model, draft))
     ids = [eng.submit(p, MAX_NEW) for p in prompts]
     out = eng.run_until_done()
     assert [out[r] for r in ids] == refs
@@ -80,10 +100,12 @@ def test_greedy_equals_generate_alone(model, prompts, refs):
     assert_clean(eng)
 
 
-def test_preemption_prefix_caching_and_arrivals(model, prompts, refs):
+@pytest.mark.parametrize("draft", ["lookup", "medusa"])
+def test_preemption_prefix_caching_and_arrivals(model, prompts, refs, draft):
     """A pool too small for every row's k + 1 positions: rows are preempted and recomputed;
-    repeated prompts hit the prefix cache; requests arrive while others run."""
-    eng = make_engine(model, num_pages=12)
+    repeated prompts hit the prefix cache; requests arrive while others run (Medusa: rows move
+    between batch slots, whose kept hidden states must then not be used)."""
+    eng = make_engine(model, num_pages=12, draft=draft_of(model, draft))
     ids, step, order = {}, 0, [0, 1, 2, 0, 3, 1, 4, 2]
     while order or eng.busy:
         if order and step % 2 == 0:
@@ -98,8 +120,9 @@ def test_preemption_prefix_caching_and_arrivals(model, prompts, refs):
     assert_clean(eng)
 
 
-def test_no_recompiles_as_requests_come_and_go(model, prompts):
-    eng = make_engine(model)
+@pytest.mark.parametrize("draft", ["lookup", "medusa"])
+def test_no_recompiles_as_requests_come_and_go(model, prompts, draft):
+    eng = make_engine(model, draft=draft_of(model, draft))
     for p in prompts[:2]:
         eng.submit(p, 5)
     eng.run_until_done()
@@ -111,12 +134,13 @@ def test_no_recompiles_as_requests_come_and_go(model, prompts):
     assert dict(engine_steps.TRACES) == before
 
 
-def test_sampled_tokens_do_not_depend_on_the_batch(model, prompts):
+@pytest.mark.parametrize("draft", ["lookup", "medusa"])
+def test_sampled_tokens_do_not_depend_on_the_batch(model, prompts, draft):
     top_p = SamplingConfig(temperature=1.0, top_p=0.9)
-    alone = make_engine(model)
+    alone = make_engine(model, draft=draft_of(model, draft))
     rid = alone.submit(prompts[0], MAX_NEW, sampling=top_p, seed=7)
     solo = alone.run_until_done()[rid]
-    crowd = make_engine(model)
+    crowd = make_engine(model, draft=draft_of(model, draft))
     others = [crowd.submit(p, MAX_NEW, sampling=top_p, seed=s) for s, p in enumerate(prompts[1:])]
     crowd.step()
     rid, rid8 = (crowd.submit(prompts[0], MAX_NEW, sampling=top_p, seed=s) for s in (7, 8))
@@ -125,11 +149,12 @@ def test_sampled_tokens_do_not_depend_on_the_batch(model, prompts):
     assert all(len(out[r]) == MAX_NEW for r in others)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0)])
-def test_sampled_distribution_exact(sampling):
-    """N requests of one prompt, 3 new tokens each, from k = 2 lookup drafts: the first step's
-    accepted drafts, residual samples and bonus tokens; joints of (t1, t2) and (t2, t3)."""
-    n = 6000
+@pytest.mark.parametrize("draft", ["lookup", "medusa"])
+def test_sampled_distribution_exact(draft):
+    """N requests of one prompt, 3 new tokens each, from k = 2 drafts: the first step's
+    accepted drafts, residual samples and bonus tokens; joints of (t1, t2) and (t2, t3).
+    Medusa: the rows' first step drafts from zeros, the second from the kept hidden state."""
+    n, sampling = 6000, SamplingConfig(temperature=1.0)
     target = random_transformer(10, num_layers=2, **SMALL)
     # pages of 4: every request but the first takes the prompt from the cache
     eng = Engine(
@@ -139,7 +164,7 @@ def test_sampled_distribution_exact(sampling):
         page_size=4,
         max_prefill_tokens=64,
         max_seq_len=16,
-        draft=PromptLookup(),
+        draft=PromptLookup() if draft == "lookup" else Medusa(random_heads(target, 2, seed=6)),
         num_draft_tokens=2,
     )
     ids = [eng.submit(PROMPT, 3, sampling=sampling, seed=s) for s in range(n)]
@@ -215,3 +240,33 @@ def test_bad_arguments(tiny_model):
         Engine(tiny_model, num_pages=8, num_draft_tokens=2)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         Engine(tiny_model, num_pages=8, draft=PromptLookup(), num_draft_tokens=0)
+
+
+def test_medusa_chain_only_and_heads_enough(tiny_model):
+    heads = random_heads(tiny_model, 3)
+    with pytest.raises(ValueError, match="chains"):
+        Engine(tiny_model, num_pages=8, draft=Medusa(heads, tree=TreeSpec.default(3)))
+    with pytest.raises(ValueError, match="num_heads=3"):
+        Engine(tiny_model, num_pages=8, draft=Medusa(heads), num_draft_tokens=4)
+
+
+def test_medusa_hidden_state_is_the_rows_own(model, prompts, refs):
+    """The hidden state a slot keeps is used only by the request that left it, at the token
+    count it left it at: a new request in the slot drafts from zeros, and so does a request
+    that was preempted and readmitted elsewhere."""
+    eng = make_engine(model, draft=medusa_draft(model))
+    rid = eng.submit(prompts[0], MAX_NEW)
+    req = eng.scheduler.waiting[0]
+    while len(req.tokens) == req.prompt_len:  # prefill, then the first verification (from zeros)
+        eng.step()
+    runner, slot = eng.runner, req.row
+    assert runner._hidden_of[slot] == (rid, len(req.tokens))
+    assert eng.run_until_done()[rid] == refs[0]
+    rid2 = eng.submit(prompts[1], MAX_NEW)
+    req2 = eng.scheduler.waiting[0]
+    while len(req2.tokens) == req2.prompt_len:
+        eng.step()
+    assert runner._hidden_of[req2.row] == (rid2, len(req2.tokens))
+    eng.run_until_done()
+    eng.runner.recover()
+    assert eng.runner._hidden_of == [None] * eng.max_batch

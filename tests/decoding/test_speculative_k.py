@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import random_transformer
 
-from decoding import PromptLookup, drafts
+from decoding import PromptLookup, drafts, speculative
 from decoding.drafts import (
     AcceptanceEstimate,
     StepCosts,
@@ -122,6 +122,7 @@ def test_speculative_generate_uses_the_rule(monkeypatch):
     target = random_transformer(seed=0, num_layers=1)
     for costs, want in ((COMPUTE_BOUND, 1), (MEMORY_BOUND, None)):
         monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, c=costs, **k: c.target)
+        monkeypatch.setattr(speculative, "_ESTIMATES", {})  # nothing observed yet: the prior
         res = speculative_generate(target, PromptLookup(), [[1, 2, 3, 1, 2]], max_new_tokens=3)
         prior = drafts.PRIOR_ACCEPTANCE["prompt-lookup"]
         want = want or choose_num_draft_tokens(costs, prior, draft_calls=lambda k: 0)
@@ -135,3 +136,20 @@ def test_zero_only_when_allowed_and_when_no_k_pays():
     assert choose_num_draft_tokens(COMPUTE_BOUND, 0.2) >= 1
     assert choose_num_draft_tokens(COMPUTE_BOUND, 0.2, allow_zero=True) == 0
     assert choose_num_draft_tokens(MEMORY_BOUND, 0.5, allow_zero=True) > 0
+
+
+def test_speculative_generate_follows_the_acceptance_it_observed(monkeypatch):
+    """Each call adds its verifications' judged positions to the process's estimate for the
+    (target, draft kind), and the next call with num_draft_tokens=None chooses k at that rate."""
+    target = random_transformer(seed=0, num_layers=1)
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **k: MEMORY_BOUND.target)
+    monkeypatch.setattr(speculative, "_ESTIMATES", {})
+    draft = PromptLookup()
+    est = speculative.acceptance_estimate(target, draft, None)
+    assert est.rate == drafts.PRIOR_ACCEPTANCE["prompt-lookup"] and est.tested == 0
+    first = speculative_generate(target, draft, [[1, 2, 3] * 5], max_new_tokens=24)
+    assert est.tested > 0 and est.rate != drafts.PRIOR_ACCEPTANCE["prompt-lookup"]
+    want = choose_num_draft_tokens(MEMORY_BOUND, est.rate, draft_calls=lambda k: 0)
+    second = speculative_generate(target, draft, [[1, 2, 3] * 5], max_new_tokens=24)
+    assert second.stats["num_draft_tokens"] == want
+    assert second.tokens == first.tokens  # k never changes the (greedy) output
