@@ -35,7 +35,7 @@ from decoding.paging import pages_for
 from decoding.sampling import SamplingConfig
 from decoding.speculative import speculative_generate
 from decoding.tree import TreeSpec
-from models.pretrained import DEFAULT_MODEL, NAMES, model_arg
+from models.pretrained import DEFAULT_MODEL, NAMES, SHIPPED_MEDUSA, medusa_heads_for, model_arg
 from models.sharding import mesh_shape
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -54,17 +54,17 @@ def _speculative(text: str) -> str:
     )
 
 
-def _draft(spec: str):
+def _draft(spec: str, model: str):
     """The ``speculative_generate`` draft for a ``--speculative`` value (``medusa``: the
-    shipped code-target-medusa heads as a chain; ``medusa+lookup``: that chain with prompt
-    lookup where the last LOOKUP_NGRAM tokens occurred before; ``medusa-tree``: as
-    ``TreeSpec.default(4)``)."""
+    shipped heads trained on ``model``, ``models.pretrained.medusa_heads_for``, as a chain;
+    ``medusa+lookup``: that chain with prompt lookup where the last LOOKUP_NGRAM tokens
+    occurred before; ``medusa-tree``: as ``TreeSpec.default(4)``)."""
     if spec == "code-draft":
         return models.pretrained("code-draft")[0]
     if spec == "prompt-lookup":
         return PromptLookup()
     if spec.startswith("medusa"):
-        heads = models.pretrained("code-target-medusa")[0]
+        heads = models.pretrained(medusa_heads_for(model))[0]
         if spec == "medusa-tree":
             return Medusa(heads, tree=TreeSpec.default(heads.num_heads))
         return Medusa(heads, lookup_ngram=LOOKUP_NGRAM if spec == "medusa+lookup" else None)
@@ -184,6 +184,11 @@ def _check_arguments(parser, args) -> SamplingConfig:
             parser.error("--interactive streams through one process's engine: drop --mesh")
     if args.num_draft_tokens is not None and args.speculative is None:
         parser.error("--num-draft-tokens needs --speculative")
+    if (args.speculative or "").startswith("medusa") and medusa_heads_for(args.model) is None:
+        parser.error(
+            f"--speculative {args.speculative}: no shipped Medusa heads for --model "
+            f"{args.model} (heads ship for {', '.join(sorted(SHIPPED_MEDUSA.values()))})"
+        )
     if args.system is not None and not (args.chat or args.interactive):
         parser.error("--system needs --chat or --interactive")
     return sampling
@@ -256,7 +261,7 @@ def _complete(model, args, ids, eos_id, sampling):
     if args.speculative is None:
         res = generate(model, [ids], **common)
     else:
-        draft = _draft(args.speculative)
+        draft = _draft(args.speculative, args.model)
         res = speculative_generate(
             model, draft, [ids], num_draft_tokens=args.num_draft_tokens, **common
         )

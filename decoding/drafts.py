@@ -87,6 +87,11 @@ class StepCosts(NamedTuple):
     draft: float = 0.0
 
 
+# How much faster (expected tokens per second) a new k must be than the one in use to replace it
+# (``choose_num_draft_tokens(keep=)``).
+KEEP_MARGIN = 0.05
+
+
 def expected_tokens(k: int, acceptance: float) -> float:
     """Tokens one verification step emits per row when each drafted token is accepted with
     probability ``acceptance`` independently: 1 + a + .. + a^k = (1 - a^(k+1)) / (1 - a)."""
@@ -101,6 +106,7 @@ def choose_num_draft_tokens(
     draft_calls=None,
     max_k: int | None = None,
     allow_zero: bool = False,
+    keep: int | None = None,
 ) -> int:
     """The k in 1 .. K (0 .. K with ``allow_zero``) that maximises expected tokens per second:
 
@@ -113,6 +119,10 @@ def choose_num_draft_tokens(
     (cost nearly flat in Tq) a k that grows with a. k = 0 is a plain step (one token, no draft
     call): with ``allow_zero`` it wins where no k pays for its verification (the engine at a
     batch whose rows rarely accept).
+
+    ``keep``: the k in use (or None). It stays unless the best k is expected to be more than
+    ``KEEP_MARGIN`` faster: near the optimum the rate is flat in k, so a running estimate's
+    noise would otherwise move k back and forth, and every new k is one more compilation.
     """
     K = len(costs.target) - 1 if max_k is None else min(max_k, len(costs.target) - 1)
     if K < 1:
@@ -124,7 +134,11 @@ def choose_num_draft_tokens(
             return 1.0 / costs.target[0]
         return expected_tokens(k, acceptance) / (costs.target[k] + calls(k) * costs.draft)
 
-    return max(range(0 if allow_zero else 1, K + 1), key=lambda k: (rate(k), -k))
+    best = max(range(0 if allow_zero else 1, K + 1), key=lambda k: (rate(k), -k))
+    lo = 0 if allow_zero else 1
+    if keep is not None and lo <= keep <= K and rate(best) <= rate(keep) * (1.0 + KEEP_MARGIN):
+        return keep
+    return best
 
 
 class AcceptanceEstimate:

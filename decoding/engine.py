@@ -497,6 +497,7 @@ class Engine:
                 acceptance=self.acceptance.rate,
                 # Medusa's guesses are only seen by verifying them: it always drafts.
                 allow_zero=isinstance(self.draft, PromptLookup),
+                keep=self.num_draft_tokens,
             )
 
     # ----------------------------------------------------------------------------- stats

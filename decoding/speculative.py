@@ -294,12 +294,20 @@ def place_on_target(draft, kind: DraftKind, params, target):
 
 
 def chosen_num_draft_tokens(
-    target, kind: DraftKind, params, *, batch: int, acceptance=None, allow_zero: bool = False
+    target,
+    kind: DraftKind,
+    params,
+    *,
+    batch: int,
+    acceptance=None,
+    allow_zero: bool = False,
+    keep: int | None = None,
 ):
     """k for ``num_draft_tokens=None``: :func:`drafts.choose_num_draft_tokens` on the target's
     (and a model draft's) measured step costs at ``batch`` rows (``drafts.measured_costs``,
     measured once per shape) and ``acceptance`` (default the kind's prior), with the kind's
-    :class:`drafts.DraftCosts`; 0 (do not draft) only with ``allow_zero``. A Medusa tree's k is
+    :class:`drafts.DraftCosts`; 0 (do not draft) only with ``allow_zero``; ``keep``, the k in
+    use, stays unless another is clearly faster (``drafts.KEEP_MARGIN``). A Medusa tree's k is
     its depth."""
     dc = kind.costs(target, params)
     if dc.fixed_k is not None:
@@ -312,18 +320,20 @@ def chosen_num_draft_tokens(
         costs = costs._replace(draft=costs.target[0])
     a = dc.prior if acceptance is None else acceptance
     return choose_num_draft_tokens(
-        costs, a, draft_calls=dc.calls, max_k=dc.max_k, allow_zero=allow_zero
+        costs, a, draft_calls=dc.calls, max_k=dc.max_k, allow_zero=allow_zero, keep=keep
     )
 
 
 _ESTIMATES: dict = {}
+_LAST_K: dict = {}
 
 
 def acceptance_estimate(target, kind: DraftKind, params) -> AcceptanceEstimate:
     """The process's running acceptance estimate for ``target`` (its config) drafted by
     ``kind`` (a hashable static kind): every :func:`speculative_generate` call adds what its
     verifications observed, so the next call's k (``num_draft_tokens=None``) follows the
-    workload this process runs; it starts at the kind's prior."""
+    workload this process runs; it starts at the kind's prior. ``_LAST_K`` keeps the k the
+    last such call chose (kept while no other k is clearly faster: each k compiles once)."""
     key = (target.config, kind)
     if key not in _ESTIMATES:
         _ESTIMATES[key] = AcceptanceEstimate(kind.costs(target, params).prior)
@@ -370,10 +380,12 @@ def speculative_generate(
     estimate = acceptance_estimate(target, kind, params)
     if k is None:  # chosen for the padded batch's rows (the prompts checked first)
         batch_rows = next_pow2(len(opts.check(target, prompts, name="target")[1]))
+        last = _LAST_K.get((target.config, kind))
         k = chosen_num_draft_tokens(
-            target, kind, params, batch=batch_rows, acceptance=estimate.rate
+            target, kind, params, batch=batch_rows, acceptance=estimate.rate, keep=last
         )
         kind.check(target, k)
+        _LAST_K[(target.config, kind)] = k
     extra = max(k, kind.verify_width)  # slots a step writes past the last token
     sampling, rows = opts.check(target, prompts, extra=extra, name="target")
     batch = bucket(rows, opts.max_new_tokens, extra=extra)

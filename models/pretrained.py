@@ -109,6 +109,13 @@ def checkpoint_arg(text: str) -> str:
     return text
 
 
+def medusa_heads_for(model) -> str | None:
+    """The name of the shipped Medusa heads trained on the model named ``model`` (a shipped or
+    installed model's name), or None: ``"smollm2-135m-instruct"`` ->
+    ``"smollm2-135m-instruct-medusa"``."""
+    return next((h for h, base in SHIPPED_MEDUSA.items() if base == model), None)
+
+
 def load_model(name, *, dtype=None, attn_impl: str = "auto") -> Transformer:
     """The model behind ``name`` (see :func:`model_path`), parameters in ``dtype`` (default
     float32; for a GGUF file, :func:`models.load_gguf`'s default)."""

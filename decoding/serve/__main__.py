@@ -2,12 +2,15 @@
 
     python -m decoding.serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000 \\
         [--max-batch 32 --num-pages N --page-size 16 --max-queue 256 --max-seq-len 2048]
-        [--draft prompt-lookup [--num-draft-tokens K]] [--logprobs-mode raw|processed]
+        [--draft prompt-lookup|medusa|medusa+lookup [--num-draft-tokens K]]
+        [--logprobs-mode raw|processed]
 
 ``--draft prompt-lookup`` runs speculation inside the engine (``Engine(draft=PromptLookup())``):
 every step drafts k tokens per row from its own prompt and output and verifies them in the same
 step; outputs are unchanged (greedy identical, sampled exactly distributed); k is chosen from
-the model's measured step costs unless ``--num-draft-tokens`` fixes it.
+the model's measured step costs unless ``--num-draft-tokens`` fixes it. ``--draft medusa`` drafts
+with the shipped Medusa heads trained on ``--model`` (``Engine(draft=Medusa(heads))``), and
+``medusa+lookup`` takes prompt lookup's continuation where the last 3 tokens occurred before.
 
 ``--logprobs-mode`` says what ``logprobs`` report (``Engine(logprobs_mode=...)``): ``raw``
 (default) the model's distribution, as OpenAI's API and vLLM's default do; ``processed`` the
@@ -52,15 +55,33 @@ from decoding.cli import (
 from decoding.distributed import DistributedEngine
 from decoding.drafts import MAX_K, PromptLookup
 from decoding.engine import Engine
+from decoding.medusa import LOOKUP_NGRAM, Medusa
 from decoding.paging import pages_for
 from decoding.sampling import LOGPROBS_MODES
 from decoding.serve.app import create_app
 from decoding.serve.defaults import generation_defaults
-from models.pretrained import DEFAULT_MODEL, model_arg, model_path
+from models.pretrained import (
+    DEFAULT_MODEL,
+    SHIPPED_MEDUSA,
+    medusa_heads_for,
+    model_arg,
+    model_path,
+)
 from models.sharding import mesh_shape
 
-# The draft kinds the engine runs (``Engine(draft=...)``), by command-line name.
-DRAFTS = {"prompt-lookup": PromptLookup}
+
+def _medusa(model: str, lookup_ngram=None) -> Medusa:
+    heads = models.pretrained(medusa_heads_for(model))[0]
+    return Medusa(heads, lookup_ngram=lookup_ngram)
+
+
+# The draft kinds the engine runs (``Engine(draft=...)``), by command-line name: each builds the
+# draft for the --model name (Medusa: the shipped heads trained on it, as a chain).
+DRAFTS = {
+    "prompt-lookup": lambda model: PromptLookup(),
+    "medusa": _medusa,
+    "medusa+lookup": lambda model: _medusa(model, LOOKUP_NGRAM),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +156,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--num-draft-tokens needs --draft")
     if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_K:
         parser.error(f"--num-draft-tokens must be at most {MAX_K}, got {args.num_draft_tokens}")
+    if (args.draft or "").startswith("medusa"):
+        if medusa_heads_for(args.model) is None:
+            parser.error(
+                f"--draft {args.draft}: no shipped Medusa heads for --model {args.model} (heads "
+                f"ship for {', '.join(sorted(SHIPPED_MEDUSA.values()))})"
+            )
+        if args.mesh is not None:
+            parser.error(f"--draft {args.draft} runs on one process: drop --mesh")
     if args.max_seq_len < 2:
         parser.error("--max-seq-len must be >= 2 (a prompt token and one more), got 1")
     if args.page_size > args.max_seq_len:
@@ -190,7 +219,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         page_size=args.page_size,
         max_prefill_tokens=args.max_prefill_tokens,
         max_seq_len=max_seq_len,
-        draft=DRAFTS[args.draft]() if args.draft else None,
+        draft=DRAFTS[args.draft](args.model) if args.draft else None,
         num_draft_tokens=args.num_draft_tokens,
         logprobs_mode=args.logprobs_mode,
     )

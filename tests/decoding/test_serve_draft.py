@@ -1,4 +1,4 @@
-"""The server over an engine that speculates (``--draft prompt-lookup``): the official client's
+"""The server over an engine that speculates (``--draft prompt-lookup`` or ``medusa``): the official client's
 completions, streamed and not, equal plain ``generate`` at temperature 0; the command line's
 draft options and their usage errors."""
 
@@ -8,10 +8,11 @@ import openai
 import pytest
 
 import models
-from decoding import Engine, PromptLookup, generate
+from decoding import Engine, Medusa, PromptLookup, generate
 from decoding.chat import encode_prompt
 from decoding.serve.__main__ import build_parser, main
 from decoding.serve.local import running_server
+from models.pretrained import medusa_heads_for
 
 CODE = "code-target"
 PROMPTS = [
@@ -20,16 +21,19 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def drafted():
+@pytest.fixture(scope="module", params=["prompt-lookup", "medusa"])
+def drafted(request):
     model, tok = models.pretrained(CODE)
+    draft = PromptLookup()
+    if request.param == "medusa":  # the shipped heads trained on code-target
+        draft = Medusa(models.pretrained(medusa_heads_for(CODE))[0])
     engine = Engine(
         model,
         max_batch=4,
         num_pages=64,
         page_size=16,
         max_seq_len=256,
-        draft=PromptLookup(),
+        draft=draft,
         num_draft_tokens=3,
     )
     with running_server(engine, tok, model_name=CODE, max_queue=16) as (url, _):
@@ -55,8 +59,11 @@ def test_completions_equal_generate(drafted):
 def test_command_line_draft_options(capsys):
     args = build_parser().parse_args(["--draft", "prompt-lookup", "--num-draft-tokens", "4"])
     assert (args.draft, args.num_draft_tokens) == ("prompt-lookup", 4)
+    args = build_parser().parse_args(["--draft", "medusa+lookup"])
+    assert args.draft == "medusa+lookup"
     for argv in (
         ["--draft", "medusa-x"],
+        ["--draft", "medusa", "--model", "code-draft"],  # no heads ship for it
         ["--num-draft-tokens", "2"],
         ["--draft", "prompt-lookup", "--num-draft-tokens", "99"],
     ):

@@ -123,6 +123,7 @@ def test_speculative_generate_uses_the_rule(monkeypatch):
     for costs, want in ((COMPUTE_BOUND, 1), (MEMORY_BOUND, None)):
         monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, c=costs, **k: c.target)
         monkeypatch.setattr(speculative, "_ESTIMATES", {})  # nothing observed yet: the prior
+        monkeypatch.setattr(speculative, "_LAST_K", {})
         res = speculative_generate(target, PromptLookup(), [[1, 2, 3, 1, 2]], max_new_tokens=3)
         prior = drafts.PRIOR_ACCEPTANCE["prompt-lookup"]
         want = want or choose_num_draft_tokens(costs, prior, draft_calls=lambda k: 0)
@@ -144,12 +145,31 @@ def test_speculative_generate_follows_the_acceptance_it_observed(monkeypatch):
     target = random_transformer(seed=0, num_layers=1)
     monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **k: MEMORY_BOUND.target)
     monkeypatch.setattr(speculative, "_ESTIMATES", {})
+    monkeypatch.setattr(speculative, "_LAST_K", {})
     draft = PromptLookup()
     est = speculative.acceptance_estimate(target, draft, None)
     assert est.rate == drafts.PRIOR_ACCEPTANCE["prompt-lookup"] and est.tested == 0
     first = speculative_generate(target, draft, [[1, 2, 3] * 5], max_new_tokens=24)
     assert est.tested > 0 and est.rate != drafts.PRIOR_ACCEPTANCE["prompt-lookup"]
-    want = choose_num_draft_tokens(MEMORY_BOUND, est.rate, draft_calls=lambda k: 0)
+    kept = first.stats["num_draft_tokens"]
+    want = choose_num_draft_tokens(MEMORY_BOUND, est.rate, draft_calls=lambda k: 0, keep=kept)
     second = speculative_generate(target, draft, [[1, 2, 3] * 5], max_new_tokens=24)
     assert second.stats["num_draft_tokens"] == want
     assert second.tokens == first.tokens  # k never changes the (greedy) output
+
+
+def test_the_k_in_use_stays_unless_another_is_clearly_faster():
+    """``keep``: near the optimum the expected rate is flat in k; the k in use stays unless the
+    best is more than KEEP_MARGIN faster (each new k is a compilation)."""
+    a = 0.6
+    best = choose_num_draft_tokens(MEMORY_BOUND, a)
+    rate = lambda k: drafts.expected_tokens(k, a) / MEMORY_BOUND.target[k]  # noqa: E731
+    near = [
+        k for k in range(1, 9) if k != best and rate(best) <= rate(k) * (1 + drafts.KEEP_MARGIN)
+    ]
+    far = [k for k in range(1, 9) if rate(best) > rate(k) * (1 + drafts.KEEP_MARGIN)]
+    assert near and far
+    for k in near:
+        assert choose_num_draft_tokens(MEMORY_BOUND, a, keep=k) == k
+    for k in far:
+        assert choose_num_draft_tokens(MEMORY_BOUND, a, keep=k) == best
