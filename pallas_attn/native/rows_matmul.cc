@@ -257,15 +257,39 @@ void pair_pass(const float* x, int64_t K, const float* w, const float* v, int64_
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(t + m * 2 * kNB + 8 * c, acc[m][c]);
 }
 
-// Rows per pair_pass over the m rows left: 3 unless that would leave 1 (4 = 2 + 2, 8 = 3 + 3 + 2).
-inline int pair_rows(int64_t m) { return m == 1 ? 1 : (m == 2 || m == 4) ? 2 : 3; }
+// The same for 4 <= R <= 6 rows in 512-bit vectors (4 R accumulators): past 3 rows the pair is
+// read from L1 and the FMAs bound the pass, and half as many of them win (M = 8 of a [576, 1536]
+// product 177 -> 156 us, 16 rows 234 -> 195, 32 rows 355 -> 267, against 256-bit groups of 3).
+template <int R>
+void pair_pass512(const float* x, int64_t K, const float* w, const float* v, int64_t k0,
+                  int64_t k1, float* t) {
+  __m512 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_loadu_ps(t + m * 2 * kNB + 16 * c);
+  for (int64_t k = k0; k < k1; ++k) {
+    for (int c = 0; c < 4; ++c) {
+      const __m512 wv = _mm512_loadu_ps(c < 2 ? w + k * kNB + 16 * c : v + k * kNB + 16 * (c - 2));
+      for (int m = 0; m < R; ++m)
+        acc[m][c] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, acc[m][c]);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(t + m * 2 * kNB + 16 * c, acc[m][c]);
+}
+
+// Rows per pass over the m rows left: up to 3 in one 256-bit pass, 4 - 6 in one 512-bit pass,
+// more 6 at a time with 7 = 4 + 3, 8 = 4 + 4, 9 = 5 + 4 (16 = 6 + 6 + 4).
+inline int pair_rows(int64_t m) {
+  if (m < 4) return int(m);
+  return m >= 10 || m == 6 ? 6 : m == 7 || m == 8 ? 4 : m == 9 ? 5 : int(m);
+}
 
 constexpr int64_t kPairRows = 64;  // rows whose partial sums wait in one pair_panels buffer
 
 // All M rows times the pair w, v -> y[:, 0:cols_w] and y[:, kNB:kNB + cols_v] (row stride ldy):
-// panel<MB>'s sums for each panel, bit for bit. The rows go in groups of at most 3 over 8 KB of
-// the pair's weight rows at a time, so every group after the first reads them from L1 (one group
-// takes the whole pair in one pass).
+// panel<MB>'s sums for each panel, bit for bit. The rows go in groups (pair_rows) over 8 KB
+// of the pair's weight rows at a time, so every group after the first reads them from L1 (one
+// group takes the whole pair in one pass).
 void pair_panels(const float* x, int64_t M, int64_t K, const float* w, const float* v, float* y,
                  int64_t ldy, int64_t cols_w, int64_t cols_v) {
   float t[kPairRows][2 * kNB];
@@ -282,6 +306,9 @@ void pair_panels(const float* x, int64_t M, int64_t K, const float* w, const flo
         if (r == 1) pair_pass<1>(xm, K, w, v, k0, k1, t[m0]);
         if (r == 2) pair_pass<2>(xm, K, w, v, k0, k1, t[m0]);
         if (r == 3) pair_pass<3>(xm, K, w, v, k0, k1, t[m0]);
+        if (r == 4) pair_pass512<4>(xm, K, w, v, k0, k1, t[m0]);
+        if (r == 5) pair_pass512<5>(xm, K, w, v, k0, k1, t[m0]);
+        if (r == 6) pair_pass512<6>(xm, K, w, v, k0, k1, t[m0]);
         m0 += r;
       }
     }
@@ -419,32 +446,89 @@ void bf16_dot_panel(const uint32_t* hi, const uint32_t* lo, int64_t J, const uin
   store_rows<MB>(v, y, ldy, cols);
 }
 
-// One row times two pair panels w, v: bf16_dot_panel<1>'s sums for each (the same vdpbf16ps per
-// lane, pair and part, in order), in 256-bit vectors: eight chains and two streams in flight (as
-// panel_pair).
-template <bool kExact>
-void bf16_dot_pair(const uint32_t* hi, const uint32_t* lo, int64_t J, const uint16_t* w,
-                   const uint16_t* v, float* y, int64_t cols_w, int64_t cols_v) {
-  __m256 acc[8];
-  for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < J; ++j) {
-    __m256bh ws[8];
-    for (int c = 0; c < 4; ++c) {
-      ws[c] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 2 * kNB + 16 * c));
-      ws[4 + c] =
-          (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j * 2 * kNB + 16 * c));
+// R <= 3 rows times two pair panels w, v over pair rows [j0, j1), added to the partial sums
+// t[R][2 kNB]: bf16_dot_panel<R>'s sums for each (the same vdpbf16ps per lane, pair and part, in
+// order), in 256-bit vectors: 8 R chains and two streams in flight (as the float32 pair_pass).
+template <int R, bool kExact>
+void bf16_pair_pass(const uint32_t* hi, const uint32_t* lo, int64_t J, const uint16_t* w,
+                    const uint16_t* v, int64_t j0, int64_t j1, float* t) {
+  __m256 acc[R][8];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < 8; ++c) acc[m][c] = _mm256_loadu_ps(t + m * 2 * kNB + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256bh xh[R], xl[R];
+    for (int m = 0; m < R; ++m) {
+      xh[m] = (__m256bh)_mm256_set1_epi32(int32_t(hi[m * J + j]));
+      if (!kExact) xl[m] = (__m256bh)_mm256_set1_epi32(int32_t(lo[m * J + j]));
     }
-    const __m256bh xh = (__m256bh)_mm256_set1_epi32(int32_t(hi[j]));
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_dpbf16_ps(acc[c], ws[c], xh);
-    if (!kExact) {
-      const __m256bh xl = (__m256bh)_mm256_set1_epi32(int32_t(lo[j]));
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_dpbf16_ps(acc[c], ws[c], xl);
+    for (int c = 0; c < 8; ++c) {
+      const uint16_t* src = c < 4 ? w + j * 2 * kNB + 16 * c : v + j * 2 * kNB + 16 * (c - 4);
+      const __m256bh wv = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      for (int m = 0; m < R; ++m) {
+        acc[m][c] = _mm256_dpbf16_ps(acc[m][c], wv, xh[m]);
+        if (!kExact) acc[m][c] = _mm256_dpbf16_ps(acc[m][c], wv, xl[m]);
+      }
     }
   }
-  float out[2 * kNB];
-  for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
-  std::memcpy(y, out, cols_w * sizeof(float));
-  std::memcpy(y + kNB, out + kNB, cols_v * sizeof(float));
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(t + m * 2 * kNB + 8 * c, acc[m][c]);
+}
+
+// The same for 4 <= R <= 6 rows in 512-bit vectors (as pair_pass512).
+template <int R, bool kExact>
+void bf16_pair_pass512(const uint32_t* hi, const uint32_t* lo, int64_t J, const uint16_t* w,
+                       const uint16_t* v, int64_t j0, int64_t j1, float* t) {
+  __m512 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_loadu_ps(t + m * 2 * kNB + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int c = 0; c < 4; ++c) {
+      const uint16_t* src = c < 2 ? w + j * 2 * kNB + 32 * c : v + j * 2 * kNB + 32 * (c - 2);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(src);
+      for (int m = 0; m < R; ++m) {
+        acc[m][c] =
+            _mm512_dpbf16_ps(acc[m][c], wv, (__m512bh)_mm512_set1_epi32(int32_t(hi[m * J + j])));
+        if (!kExact)
+          acc[m][c] =
+              _mm512_dpbf16_ps(acc[m][c], wv, (__m512bh)_mm512_set1_epi32(int32_t(lo[m * J + j])));
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(t + m * 2 * kNB + 16 * c, acc[m][c]);
+}
+
+// All M rows times the pair panels w, v -> y[:, 0:cols_w] and y[:, kNB:kNB + cols_v]: as
+// pair_panels (groups of pair_rows over 8 KB of the pair at a time, one pass for one
+// group).
+template <bool kExact>
+void bf16_pair_panels(const uint32_t* hi, const uint32_t* lo, int64_t M, int64_t J,
+                      const uint16_t* w, const uint16_t* v, float* y, int64_t ldy, int64_t cols_w,
+                      int64_t cols_v) {
+  float t[kPairRows][2 * kNB];
+  for (int64_t b0 = 0; b0 < M; b0 += kPairRows) {
+    const int64_t rows = std::min(kPairRows, M - b0);
+    const int64_t JB = pair_rows(rows) == rows ? J : 8192 / (4 * kNB * sizeof(uint16_t));
+    std::memset(t, 0, rows * sizeof(t[0]));
+    for (int64_t j0 = 0; j0 < J; j0 += JB) {
+      const int64_t j1 = std::min(J, j0 + JB);
+      for (int64_t m0 = 0; m0 < rows;) {
+        const int r = pair_rows(rows - m0);
+        const uint32_t *h = hi + (b0 + m0) * J, *l = lo + (b0 + m0) * J;
+        if (r == 1) bf16_pair_pass<1, kExact>(h, l, J, w, v, j0, j1, t[m0]);
+        if (r == 2) bf16_pair_pass<2, kExact>(h, l, J, w, v, j0, j1, t[m0]);
+        if (r == 3) bf16_pair_pass<3, kExact>(h, l, J, w, v, j0, j1, t[m0]);
+        if (r == 4) bf16_pair_pass512<4, kExact>(h, l, J, w, v, j0, j1, t[m0]);
+        if (r == 5) bf16_pair_pass512<5, kExact>(h, l, J, w, v, j0, j1, t[m0]);
+        if (r == 6) bf16_pair_pass512<6, kExact>(h, l, J, w, v, j0, j1, t[m0]);
+        m0 += r;
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      std::memcpy(y + (b0 + m) * ldy, t[m], cols_w * sizeof(float));
+      std::memcpy(y + (b0 + m) * ldy + kNB, t[m] + kNB, cols_v * sizeof(float));
+    }
+  }
 }
 #else
 constexpr bool kBF16DotBuilt = false;
@@ -470,15 +554,14 @@ void run_bf16(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const 
   const BF16Acts& a = acts;
   const int64_t J = (K + 1) / 2, panel_elems = 2 * J * kNB;
   pallas_attn::parallel_for(pool, P, worth_sharing(P * panel_elems * 2, M), [&](int64_t p0, int64_t p1) {
-    if (M == 1)
-      for (; p0 + 1 < p1; p0 += 2) {
-        const int64_t n0 = p0 * kNB, cols = N - n0 - kNB < kNB ? N - n0 - kNB : kNB;
-        const uint16_t *w = wp + p0 * panel_elems, *v = w + panel_elems;
-        if (a.exact)
-          bf16_dot_pair<true>(a.hi.data(), a.lo.data(), J, w, v, y + n0, kNB, cols);
-        else
-          bf16_dot_pair<false>(a.hi.data(), a.lo.data(), J, w, v, y + n0, kNB, cols);
-      }
+    for (; p0 + 1 < p1; p0 += 2) {
+      const int64_t n0 = p0 * kNB, cols = N - n0 - kNB < kNB ? N - n0 - kNB : kNB;
+      const uint16_t *w = wp + p0 * panel_elems, *v = w + panel_elems;
+      if (a.exact)
+        bf16_pair_panels<true>(a.hi.data(), a.lo.data(), M, J, w, v, y + n0, N, kNB, cols);
+      else
+        bf16_pair_panels<false>(a.hi.data(), a.lo.data(), M, J, w, v, y + n0, N, kNB, cols);
+    }
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
       for (int64_t m0 = 0; m0 < M; m0 += kMB) {

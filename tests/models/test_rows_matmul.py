@@ -45,7 +45,7 @@ def _f64(w):
     return np.asarray(w.astype(jnp.float32), np.float64)
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 576, 200), (5, 81, 64), (8, 256, 1000)])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 200), (5, 81, 64), (8, 256, 1000), (17, 77, 130)])
 def test_bf16_dot_products(M, K, N):
     """The bfloat16 pair dot products: exact products (float32 sums) for activations that are
     already bfloat16; two passes for float32 ones, which differ from the widened "f32" sums
@@ -63,6 +63,10 @@ def test_bf16_dot_products(M, K, N):
         assert not np.array_equal(dot, exact)
     else:
         np.testing.assert_array_equal(dot, exact)
+    # Each row's sums do not depend on the rows beside it (the kernels group rows per M).
+    for xs in (x, xb):
+        rows = [np.asarray(f(xs[m : m + 1], panels, N, "bf16")) for m in range(M)]
+        np.testing.assert_array_equal(np.asarray(f(xs, panels, N, "bf16")), np.concatenate(rows))
 
 
 @pytest.mark.parametrize("K,N", [(77, 70), (576, 200)])
