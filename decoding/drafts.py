@@ -245,7 +245,9 @@ class Proposal(NamedTuple):
     (one-hot for greedy settings; the greedy rule compares tokens only, and for a greedy
     ``SamplingConfig`` XLA drops q as unused);
     state: the draft's new state; cache: the target's cache (changed only by a draft that shares
-    it); calls: int, draft forward calls made.
+    it); calls: int, draft forward calls made; found: [B] bool or None, whether the row has a
+    real draft (prompt lookup: an n-gram matched). When no live row has one the loop runs a
+    plain Tq = 1 step instead of verifying tokens that are only filler.
     """
 
     tokens: jax.Array
@@ -253,6 +255,7 @@ class Proposal(NamedTuple):
     state: Any
     cache: KVCache
     calls: int
+    found: Any = None
 
 
 class Context(NamedTuple):
@@ -563,9 +566,11 @@ class PromptLookup(DraftKind):
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         V = ctx.target.config.vocab_size
-        tokens = lookup(ctx.seq, ctx.cache.lengths + 1, k, self.min_ngram, self.max_ngram)
+        found, tokens = lookup(
+            ctx.seq, ctx.cache.lengths + 1, k, self.min_ngram, self.max_ngram, return_found=True
+        )
         q = jax.nn.one_hot(tokens, V, dtype=jnp.float32)
-        return Proposal(tokens, q, None, ctx.cache, 0)
+        return Proposal(tokens, q, None, ctx.cache, 0, found)
 
 
 def lookup_next(tokens, min_ngram: int, max_ngram: int) -> int:

@@ -34,6 +34,7 @@ from decoding.drafts import (
     EarlyExit,
     ModelDraft,
     PromptLookup,
+    Verified,
     choose_num_draft_tokens,
     measured_costs,
 )
@@ -50,6 +51,7 @@ from decoding.generate import (
 )
 from decoding.medusa import Medusa
 from decoding.packing import packed_model, packed_weights
+from decoding.sampling import sample
 from models import KVCache, Transformer
 from models.sharding import mesh_of
 
@@ -113,10 +115,25 @@ def speculative_step(
     ctx = Context(target, state.cache, state.seq, params, state.draft)
     prop = draft.propose(ctx, k, sampling, key_draft)
     last = jnp.take_along_axis(state.seq, start[:, None], axis=1)
-    v = draft.verify(target, params, last, prop, sampling, key_accept)
+    live = ~state.done
+
+    def verified():
+        return draft.verify(target, params, last, prop, sampling, key_accept)
+
+    def plain():  # no live row has a real draft: one token, a Tq = 1 step's cost
+        logits, cache = target(last, cache=prop.cache)
+        nxt = sample(logits[:, -1], key_accept, sampling)
+        n = jnp.zeros_like(nxt)
+        return Verified(prop.tokens, n, nxt, cache, prop.state)
+
+    drafting = jnp.asarray(True) if prop.found is None else jnp.any(prop.found & live)
+    if prop.found is None:
+        v = verified()
+    else:
+        v = jax.lax.cond(drafting, verified, plain)
     drafted, n, nxt, cache, draft_state = v
     k = drafted.shape[1]
-    live = ~state.done
+    judged = live & drafting  # rows whose drafts verification judged
     tokens, count, hit_eos = _emitted(
         drafted, n, nxt, state.num_new, state.done, eos_id, max_new_tokens
     )
@@ -131,10 +148,10 @@ def speculative_step(
         cache=cache.replace(lengths=start + count),  # roll back the rejected positions
         draft=draft_state,
         step=state.step + 1,
-        accepted=state.accepted + jnp.where(live, n, 0),
-        proposed=state.proposed + jnp.where(live, k, 0),
+        accepted=state.accepted + jnp.where(judged, n, 0),
+        proposed=state.proposed + jnp.where(judged, k, 0),
         live_steps=state.live_steps + live.astype(jnp.int32),
-        tested=state.tested + jnp.where(live, n + (n < k), 0),
+        tested=state.tested + jnp.where(judged, n + (n < k), 0),
         draft_calls=state.draft_calls + prop.calls,
     )
 
@@ -365,7 +382,8 @@ def speculative_generate(
 
     Returns:
       ``GenerateResult``; ``stats`` has ``generate``'s keys plus ``acceptance_rate`` (accepted
-      / proposed draft tokens), ``tokens_per_target_call`` (tokens emitted per row per
+      / proposed draft tokens), ``draft_proposed`` (draft tokens verified: a prompt-lookup step
+      where no live row's n-gram matched is a plain Tq = 1 step and proposes none), ``tokens_per_target_call`` (tokens emitted per row per
       verification step: (1 - a^(k+1)) / (1 - a) in theory), ``target_calls`` (verification
       steps; prefill not counted), ``draft_calls`` (draft forward calls, prefill included) and
       ``num_draft_tokens``.
@@ -445,6 +463,7 @@ def speculative_generate(
     row_steps = int(live_steps[:B].sum())
     stats.update(
         acceptance_rate=float(accepted[:B].sum() / max(int(proposed[:B].sum()), 1)),
+        draft_proposed=int(proposed[:B].sum()),
         tokens_per_target_call=(stats["new_tokens"] - B) / row_steps if row_steps else 0.0,
         target_calls=int(steps) - 1,
         draft_calls=int(draft_calls),

