@@ -573,6 +573,19 @@ class PromptLookup(DraftKind):
         return Proposal(tokens, q, None, ctx.cache, 0, found)
 
 
+def lookup_found(tokens, min_ngram: int, max_ngram: int) -> bool:
+    """Whether :func:`lookup` finds a match for one row of known ``tokens`` on the host: some
+    suffix n-gram (``min_ngram`` <= n <= ``max_ngram``) occurred earlier. The engine skips a
+    verification where no running row has one."""
+    t = np.asarray(tokens)
+    L = len(t)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)
+        if (windows == t[L - n :]).all(axis=1).any():
+            return True
+    return False
+
+
 def lookup_next(tokens, min_ngram: int, max_ngram: int) -> int:
     """:func:`lookup`'s first proposed token for one row of known ``tokens``, on the host (numpy):
     the token after the latest earlier occurrence of the longest matching suffix n-gram

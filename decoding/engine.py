@@ -90,7 +90,14 @@ import jax
 import numpy as np
 
 from decoding.checks import check_bool, check_int, check_model, check_optional_int, is_int
-from decoding.drafts import MAX_K, PRIOR_ACCEPTANCE, AcceptanceEstimate, PromptLookup, lookup_next
+from decoding.drafts import (
+    MAX_K,
+    PRIOR_ACCEPTANCE,
+    AcceptanceEstimate,
+    PromptLookup,
+    lookup_found,
+    lookup_next,
+)
 from decoding.medusa import Medusa
 from decoding.paging import pages_for
 from decoding.runner import Runner, RunOutput
@@ -149,7 +156,9 @@ class Engine:
         decode steps (each k in use compiles its step once). With prompt lookup the choice
         may be 0, plain decode steps, where no k pays; the estimate then follows the draft's
         first token against each row's new token (``drafts.lookup_next``), so k can come
-        back. Medusa always drafts (k >= 1): its guesses are only seen by verifying them.
+        back; and a step where no running row's n-gram matched (``drafts.lookup_found``) is a
+        plain decode step whatever k is. Medusa always drafts (k >= 1): its guesses are only
+        seen by verifying them.
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
@@ -473,13 +482,18 @@ class Engine:
             return
         k = plan.ahead - 1
         if k == 0 and isinstance(self.draft, PromptLookup):
-            # Not drafting: would the draft's first token have been this step's token?
-            for row, tokens in zip(plan.decode, emitted, strict=True):
-                if tokens:
-                    known = row.req.tokens[: len(row.req.tokens) - len(tokens)]
-                    guess = lookup_next(known, self.draft.min_ngram, self.draft.max_ngram)
-                    self.acceptance.update(int(guess == tokens[0]), 1)
-        for n in out.accepted if k else ():
+            # Not drafting: would the draft's first token have been this step's token? Only
+            # where some row had a match: a step where none has is never verified.
+            lo, hi = self.draft.min_ngram, self.draft.max_ngram
+            known = [
+                row.req.tokens[: len(row.req.tokens) - len(t)]
+                for row, t in zip(plan.decode, emitted, strict=True)
+            ]
+            if any(lookup_found(x, lo, hi) for x in known):
+                for x, tokens in zip(known, emitted, strict=True):
+                    if tokens:
+                        self.acceptance.update(int(lookup_next(x, lo, hi) == tokens[0]), 1)
+        for n in out.accepted if out.verified else ():
             self._counts["draft_accepted"] += n
             self._counts["draft_proposed"] += k
             self.acceptance.update(n, k)

@@ -180,12 +180,12 @@ def verify_rows(
     last = jnp.take_along_axis(seq, lengths[:, None], axis=1)
     if hidden is None:
         prop = draft.propose(Context(model, cache, seq, None, None), num_draft, sampling, keys[0])
-        drafts, deterministic, q = prop.tokens, draft.deterministic, prop.q
+        drafts, deterministic, q, found = prop.tokens, draft.deterministic, prop.q, prop.found
         logits, cache = model(jnp.concatenate([last, drafts], 1), cache=prop.cache)
     else:
         h = jnp.where(hidden[1][:, None], hidden[0], jnp.zeros_like(hidden[0]))
         drafts = draft.greedy_chain(Context(model, cache, seq, draft_params, h), num_draft)
-        deterministic, q = True, None
+        deterministic, q, found = True, None, None
         logits, cache, states = model(
             jnp.concatenate([last, drafts], 1), cache=cache, return_hidden=True
         )
@@ -203,6 +203,12 @@ def verify_rows(
         return jax.vmap(one)(p, qs, drafts, keys)
 
     n, nxt = branch(all_greedy(sampling), lambda: accept_greedy(argmax(logits), drafts), sampled)
+    if found is not None:
+        # A row with nothing to propose (no n-gram matched) takes its first position's token as
+        # a plain decode step samples it (same key, same settings), so its tokens do not depend
+        # on whether another row made this step a verification (Runner.run decodes otherwise).
+        plain = sample(logits[:, 0], keys, sampling)
+        n, nxt = jnp.where(found, n, 0), jnp.where(found, nxt, plain)
     # The emitted token at each of the k + 1 positions: the draft's while accepted, then nxt.
     pos = jnp.arange(num_draft + 1)
     drafted = jnp.pad(drafts, ((0, 0), (0, 1)))

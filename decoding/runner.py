@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from decoding import engine_steps
-from decoding.drafts import MAX_K
+from decoding.drafts import MAX_K, PromptLookup, lookup_found
 from decoding.medusa import Medusa
 from decoding.packing import packed_weights
 from decoding.paging import pages_for
@@ -50,11 +50,13 @@ class RunOutput(NamedTuple):
     """What running a ``StepPlan`` produced: ``tokens[i]``, the tokens ``plan.decode[i]``'s row
     sampled (one; a verification's accepted drafts, then its next token); ``accepted[i]`` the
     drafts it accepted (0 without a draft); ``logprobs[i]`` their host ``sampling.Logprobs``
-    (leading axis: token), or None when no row asked."""
+    (leading axis: token), or None when no row asked; ``verified``, whether drafts were
+    verified (a plan with a draft may run a plain step: ``Runner.run``)."""
 
     tokens: list[list[int]]
     accepted: list[int]
     logprobs: list | None
+    verified: bool = False
 
 
 class Runner:
@@ -181,9 +183,18 @@ class Runner:
             self.prefill(chunk)
         if not plan.decode:
             return RunOutput([], [], None)
-        if self.draft is not None and plan.ahead > 1:
+        if self.draft is not None and plan.ahead > 1 and self._worth_verifying(plan.decode):
             return self.verify(plan.decode, plan.ahead - 1, logprobs)
         return self.decode(plan.decode, logprobs)  # also a draft's k = 0: a plain step
+
+    def _worth_verifying(self, rows: tuple[DecodeRow, ...]) -> bool:
+        """False where prompt lookup has nothing to propose for any row (no suffix n-gram of
+        its tokens occurred before): the drafts would be filler, so a plain step (one token
+        per row) does the same for less."""
+        if not isinstance(self.draft, PromptLookup):
+            return True
+        lo, hi = self.draft.min_ngram, self.draft.max_ngram
+        return any(lookup_found(row.req.tokens, lo, hi) for row in rows)
 
     def copy(self, copies) -> None:
         """Applies ``[(src, dst)]`` page copies to the pool's layers (rings are never shared)."""
@@ -278,6 +289,7 @@ class Runner:
         tokens = [[*drafted[b, : n[b]].tolist(), int(nxt[b])] for b in bs]
         accepted = [int(n[b]) for b in bs]
         if not wanted.any():
-            return RunOutput(tokens, accepted, None)
+            return RunOutput(tokens, accepted, None, True)
         lp = to_host(lp)  # sampled token j sits at verified position j of row b
-        return RunOutput(tokens, accepted, [jax.tree.map(lambda x, b=b: x[b], lp) for b in bs])
+        parts = [jax.tree.map(lambda x, b=b: x[b], lp) for b in bs]
+        return RunOutput(tokens, accepted, parts, True)

@@ -270,3 +270,16 @@ def test_medusa_hidden_state_is_the_rows_own(model, prompts, refs):
     eng.run_until_done()
     eng.runner.recover()
     assert eng.runner._hidden_of == [None] * eng.max_batch
+
+
+def test_a_step_without_any_match_is_a_plain_step(model):
+    """Prompt lookup with no running row whose last n-gram occurred before: the step decodes one
+    token per row instead of verifying filler, proposes nothing and judges nothing."""
+    eng = make_engine(model, draft=PromptLookup(min_ngram=3, max_ngram=3))
+    distinct = list(range(10, 40))
+    rid = eng.submit(distinct, 3)
+    before = eng.acceptance.tested
+    assert eng.run_until_done()[rid] == generate(model, [distinct], max_new_tokens=3).tokens[0]
+    s = eng.stats()
+    assert s["draft_proposed"] == 0 and s["decode_steps"] == s["generated_tokens"] == 3
+    assert eng.acceptance.tested == before
