@@ -286,29 +286,25 @@ inline int pair_rows(int64_t m) {
 
 constexpr int64_t kPairRows = 64;  // rows whose partial sums wait in one pair_panels buffer
 
-// All M rows times the pair w, v -> y[:, 0:cols_w] and y[:, kNB:kNB + cols_v] (row stride ldy):
-// panel<MB>'s sums for each panel, bit for bit. The rows go in groups (pair_rows) over 8 KB
-// of the pair's weight rows at a time, so every group after the first reads them from L1 (one
-// group takes the whole pair in one pass).
-void pair_panels(const float* x, int64_t M, int64_t K, const float* w, const float* v, float* y,
-                 int64_t ldy, int64_t cols_w, int64_t cols_v) {
+// All M rows times a pair of panels -> y[:, 0:cols_w] and y[:, kNB:kNB + cols_v] (row stride
+// ldy), for the float32 and bfloat16 pair products: the rows go in groups (pair_rows) over
+// `chunk` of the pair's K rows (8 KB) at a time, so every group after the first reads them from
+// L1 (one group takes the whole pair in one pass); pass(r, first row, k0, k1, t) adds rows
+// [k0, k1) of r rows to their partial sums t, which wait here between chunks (stored and
+// reloaded exactly: each column's sums are panel<MB>'s bit for bit).
+template <typename Pass>
+void pair_groups(int64_t M, int64_t K, int64_t chunk, float* y, int64_t ldy, int64_t cols_w,
+                 int64_t cols_v, Pass pass) {
   float t[kPairRows][2 * kNB];
   for (int64_t b0 = 0; b0 < M; b0 += kPairRows) {
     const int64_t rows = std::min(kPairRows, M - b0);
-    // One group (3 rows or fewer) streams the whole pair in one pass.
-    const int64_t KB = rows <= 3 ? K : 8192 / (2 * kNB * sizeof(float));
+    const int64_t KB = pair_rows(rows) == rows ? K : chunk;  // one group: one pass
     std::memset(t, 0, rows * sizeof(t[0]));
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t k1 = std::min(K, k0 + KB);
       for (int64_t m0 = 0; m0 < rows;) {
         const int r = pair_rows(rows - m0);
-        const float* xm = x + (b0 + m0) * K;
-        if (r == 1) pair_pass<1>(xm, K, w, v, k0, k1, t[m0]);
-        if (r == 2) pair_pass<2>(xm, K, w, v, k0, k1, t[m0]);
-        if (r == 3) pair_pass<3>(xm, K, w, v, k0, k1, t[m0]);
-        if (r == 4) pair_pass512<4>(xm, K, w, v, k0, k1, t[m0]);
-        if (r == 5) pair_pass512<5>(xm, K, w, v, k0, k1, t[m0]);
-        if (r == 6) pair_pass512<6>(xm, K, w, v, k0, k1, t[m0]);
+        pass(r, b0 + m0, k0, k1, t[m0]);
         m0 += r;
       }
     }
@@ -317,6 +313,22 @@ void pair_panels(const float* x, int64_t M, int64_t K, const float* w, const flo
       std::memcpy(y + (b0 + m) * ldy + kNB, t[m] + kNB, cols_v * sizeof(float));
     }
   }
+}
+
+// The float32 pair product: pair_pass / pair_pass512 per group, over 8 KB of the pair at a time.
+void pair_panels(const float* x, int64_t M, int64_t K, const float* w, const float* v, float* y,
+                 int64_t ldy, int64_t cols_w, int64_t cols_v) {
+  constexpr int64_t chunk = 8192 / (2 * kNB * sizeof(float));
+  pair_groups(M, K, chunk, y, ldy, cols_w, cols_v,
+              [&](int r, int64_t m, int64_t k0, int64_t k1, float* t) {
+                const float* xm = x + m * K;
+                if (r == 1) pair_pass<1>(xm, K, w, v, k0, k1, t);
+                if (r == 2) pair_pass<2>(xm, K, w, v, k0, k1, t);
+                if (r == 3) pair_pass<3>(xm, K, w, v, k0, k1, t);
+                if (r == 4) pair_pass512<4>(xm, K, w, v, k0, k1, t);
+                if (r == 5) pair_pass512<5>(xm, K, w, v, k0, k1, t);
+                if (r == 6) pair_pass512<6>(xm, K, w, v, k0, k1, t);
+              });
 }
 #endif
 
@@ -498,37 +510,22 @@ void bf16_pair_pass512(const uint32_t* hi, const uint32_t* lo, int64_t J, const 
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(t + m * 2 * kNB + 16 * c, acc[m][c]);
 }
 
-// All M rows times the pair panels w, v -> y[:, 0:cols_w] and y[:, kNB:kNB + cols_v]: as
-// pair_panels (groups of pair_rows over 8 KB of the pair at a time, one pass for one
-// group).
+// All M rows times the bfloat16 pair panels w, v (pair_groups over the split activations).
 template <bool kExact>
 void bf16_pair_panels(const uint32_t* hi, const uint32_t* lo, int64_t M, int64_t J,
                       const uint16_t* w, const uint16_t* v, float* y, int64_t ldy, int64_t cols_w,
                       int64_t cols_v) {
-  float t[kPairRows][2 * kNB];
-  for (int64_t b0 = 0; b0 < M; b0 += kPairRows) {
-    const int64_t rows = std::min(kPairRows, M - b0);
-    const int64_t JB = pair_rows(rows) == rows ? J : 8192 / (4 * kNB * sizeof(uint16_t));
-    std::memset(t, 0, rows * sizeof(t[0]));
-    for (int64_t j0 = 0; j0 < J; j0 += JB) {
-      const int64_t j1 = std::min(J, j0 + JB);
-      for (int64_t m0 = 0; m0 < rows;) {
-        const int r = pair_rows(rows - m0);
-        const uint32_t *h = hi + (b0 + m0) * J, *l = lo + (b0 + m0) * J;
-        if (r == 1) bf16_pair_pass<1, kExact>(h, l, J, w, v, j0, j1, t[m0]);
-        if (r == 2) bf16_pair_pass<2, kExact>(h, l, J, w, v, j0, j1, t[m0]);
-        if (r == 3) bf16_pair_pass<3, kExact>(h, l, J, w, v, j0, j1, t[m0]);
-        if (r == 4) bf16_pair_pass512<4, kExact>(h, l, J, w, v, j0, j1, t[m0]);
-        if (r == 5) bf16_pair_pass512<5, kExact>(h, l, J, w, v, j0, j1, t[m0]);
-        if (r == 6) bf16_pair_pass512<6, kExact>(h, l, J, w, v, j0, j1, t[m0]);
-        m0 += r;
-      }
-    }
-    for (int64_t m = 0; m < rows; ++m) {
-      std::memcpy(y + (b0 + m) * ldy, t[m], cols_w * sizeof(float));
-      std::memcpy(y + (b0 + m) * ldy + kNB, t[m] + kNB, cols_v * sizeof(float));
-    }
-  }
+  constexpr int64_t chunk = 8192 / (4 * kNB * sizeof(uint16_t));  // pair rows of 2 panels
+  pair_groups(M, J, chunk, y, ldy, cols_w, cols_v,
+              [&](int r, int64_t m, int64_t j0, int64_t j1, float* t) {
+                const uint32_t *h = hi + m * J, *l = lo + m * J;
+                if (r == 1) bf16_pair_pass<1, kExact>(h, l, J, w, v, j0, j1, t);
+                if (r == 2) bf16_pair_pass<2, kExact>(h, l, J, w, v, j0, j1, t);
+                if (r == 3) bf16_pair_pass<3, kExact>(h, l, J, w, v, j0, j1, t);
+                if (r == 4) bf16_pair_pass512<4, kExact>(h, l, J, w, v, j0, j1, t);
+                if (r == 5) bf16_pair_pass512<5, kExact>(h, l, J, w, v, j0, j1, t);
+                if (r == 6) bf16_pair_pass512<6, kExact>(h, l, J, w, v, j0, j1, t);
+              });
 }
 #else
 constexpr bool kBF16DotBuilt = false;
