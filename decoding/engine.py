@@ -92,7 +92,6 @@ import numpy as np
 from decoding.checks import check_bool, check_int, check_model, check_optional_int, is_int
 from decoding.drafts import (
     MAX_K,
-    PRIOR_ACCEPTANCE,
     AcceptanceEstimate,
     PromptLookup,
     lookup_found,
@@ -202,7 +201,6 @@ class Engine:
                 )
             if mesh_of(model) is not None:
                 raise ValueError("a Medusa draft needs an unsharded model (models.shard) here")
-            draft.split()[0].check(model, k or 1)
         self.config = model.config
         self.max_batch = check_int("max_batch", max_batch, 1)
         self.page_size = page_size = check_int("page_size", page_size, 1)
@@ -240,8 +238,9 @@ class Engine:
             replay_tokens=self.runner.replay_tokens,
         )
         if draft is not None:
-            kind = "medusa" if isinstance(draft, Medusa) else "prompt-lookup"
-            self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE[kind])
+            kind, params = self.runner.draft, self.runner.draft_params
+            kind.check(model, k or 1)  # Medusa: the heads' shapes, k <= num_heads
+            self.acceptance = AcceptanceEstimate(kind.costs(model, params).prior)
             self._choose_k()
         self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
         self._num_logprobs: dict[int, int] = {}  # live requests that asked: rid -> n
