@@ -393,14 +393,15 @@ def forward(model, tokens, cache: KVCache, num_layers: int | None = None):
     return logits, cache.replace(k=tuple(k), v=tuple(v), lengths=cache.lengths + T)
 
 
-def autoregressive_proposal(step, cache, x0, k: int, sampling, key):
+def autoregressive_proposal(step, cache, logits, k: int, sampling, key):
     """k tokens from a model draft: ``step(tokens [B, T], cache) -> (logits [B, T, V], cache)``.
 
-    Feeds ``x0`` [B, T0] (its last token is the sequence's last), then each drafted token but the
-    last: k forward calls. Returns (tokens [B, k], q [B, k, V], cache).
+    ``logits`` [B, V]: the draft's prediction for the first token (the caller fed what comes
+    before it into ``cache``); then each drafted token but the last is fed: k - 1 forward calls.
+    ``key``: one PRNG key, or one per row (keys [B]: row b's tokens are drawn from its own, so
+    they do not depend on the other rows). Returns (tokens [B, k], q [B, k, V], cache).
     """
-    logits, cache = step(x0, cache)
-    keys = jax.random.split(key, k)
+    keys = _split_keys(key, k)
 
     def draw(logits, j):
         return sample(logits, keys[j], sampling), probabilities(logits, sampling)
@@ -411,11 +412,19 @@ def autoregressive_proposal(step, cache, x0, k: int, sampling, key):
         logits, cache = step(tok[:, None], cache)
         return (logits[:, -1], cache), (tok, q)
 
-    (logits, cache), (toks, qs) = jax.lax.scan(body, (logits[:, -1], cache), jnp.arange(k - 1))
+    (logits, cache), (toks, qs) = jax.lax.scan(body, (logits, cache), jnp.arange(k - 1))
     last_tok, last_q = draw(logits, k - 1)
     tokens = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
     q = jnp.concatenate([jnp.moveaxis(qs, 0, 1), last_q[:, None]], 1)
     return tokens, q, cache
+
+
+def _split_keys(key, k: int):
+    """k keys [k] from one key, or [k, B] from per-row keys [B] (each row's split alone)."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if (key.ndim if typed else key.ndim - 1) == 0:
+        return jax.random.split(key, k)
+    return jnp.moveaxis(jax.vmap(lambda x: jax.random.split(x, k))(key), 0, 1)
 
 
 def check_vocab(name: str, vocab: int, target) -> None:
@@ -429,10 +438,15 @@ def check_vocab(name: str, vocab: int, target) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelDraft(DraftKind):
-    """A ``models.Transformer`` draft (its ``graphdef``; the weights are ``params``) with its own
-    KV cache, kept at the target's length: each step first re-feeds the token before the last,
-    so that after a fully accepted step (when the draft never saw its own k-th token) the cache
-    is complete again; rejected positions are dropped by setting the length."""
+    """A ``models.Transformer`` draft (its ``graphdef``; ``params`` are its weights and their
+    packed copies for few-row products, ``decoding.packing.packed_weights``) with its own KV
+    cache, kept at the target's length: each step first re-feeds the token before the last, so
+    that after a fully accepted step (when the draft never saw its own k-th token) the cache is
+    complete again; rejected positions are dropped by setting the length (or, in the engine's
+    page pool, overwritten by the next step's feed).
+
+    Its state is a ``models.KVCache`` (``make_state``); the engine passes its own page pool
+    there (``decoding.engine_steps.verify_rows``), with per-row keys."""
 
     graphdef: Any
     config: Any
@@ -444,7 +458,9 @@ class ModelDraft(DraftKind):
         return default_k("model")
 
     def costs(self, target, params) -> DraftCosts:
-        return DraftCosts(PRIOR_ACCEPTANCE["model"], nnx.merge(self.graphdef, params), lambda k: k)
+        return DraftCosts(
+            PRIOR_ACCEPTANCE["model"], nnx.merge(self.graphdef, params[0]), lambda k: k
+        )
 
     def place(self, draft, params, target):
         """A model draft has its own cache, which ``models.shard`` places: it must be sharded
@@ -461,31 +477,42 @@ class ModelDraft(DraftKind):
 
     @classmethod
     def split(cls, model) -> tuple[ModelDraft, Any]:
+        """(the static kind, params: the weights and their packed copies)."""
         graphdef, params = nnx.split(model)
-        return cls(graphdef, model.config), params
+        return cls(graphdef, model.config), (params, packed_weights(model, params))
+
+    def model(self, params) -> nnx.Module:
+        """The draft model (traceable), its packed weights attached."""
+        return packed_model(self.graphdef, *params)
 
     def check(self, target, k: int) -> None:
         check_vocab("draft", self.config.vocab_size, target)
 
     def make_state(self, target, params, cache_kind: str, batch, page_size: int, num_pages):
-        model, n_pad = nnx.merge(self.graphdef, params), len(batch.done) - batch.num_rows
+        model, n_pad = nnx.merge(self.graphdef, params[0]), len(batch.done) - batch.num_rows
         cap = batch.capacity
         return make_cache(model, cache_kind, batch.need, n_pad, cap, page_size, num_pages)
 
     def prefill(self, ctx: Context, tokens, prompt_lengths):
-        _, cache = nnx.merge(self.graphdef, ctx.params)(tokens, cache=ctx.state)
+        _, cache = nnx.merge(self.graphdef, ctx.params[0])(tokens, cache=ctx.state)
         return cache.replace(lengths=prompt_lengths.astype(jnp.int32))
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
-        model = nnx.merge(self.graphdef, ctx.params)
-        n = ctx.cache.lengths - 1
-        x0 = jnp.take_along_axis(ctx.seq, n[:, None] + jnp.arange(2), axis=1)  # [B, 2]
-        cache = ctx.state.replace(lengths=n)
+        """Feeds the row's last two known tokens at ``n - 1, n`` (n = the target's length; at
+        n = 0 only the last counts: the second position is overwritten by the next feed), then
+        drafts k tokens (``autoregressive_proposal``; ``key`` one, or one per row)."""
+        model = self.model(ctx.params)
+        n = ctx.cache.lengths
+        start = jnp.maximum(n - 1, 0)
+        x0 = jnp.take_along_axis(ctx.seq, start[:, None] + jnp.arange(2), axis=1)  # [B, 2]
+        logits, cache = model(x0, cache=ctx.state.replace(lengths=start))
+        first = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]
+        cache = cache.replace(lengths=n + 1)
 
         def step(x, c):
             return model(x, cache=c)
 
-        tokens, q, cache = autoregressive_proposal(step, cache, x0, k, sampling, key)
+        tokens, q, cache = autoregressive_proposal(step, cache, first, k, sampling, key)
         return Proposal(tokens, q, cache, ctx.cache, k)
 
 
@@ -533,7 +560,8 @@ class EarlyExit(DraftKind):
         def step(x, c):
             return forward(ctx.target, x, c, self.num_layers)
 
-        tokens, q, cache = autoregressive_proposal(step, ctx.cache, last, k, sampling, key)
+        logits, cache = step(last, ctx.cache)
+        tokens, q, cache = autoregressive_proposal(step, cache, logits[:, -1], k, sampling, key)
         return Proposal(tokens, q, None, cache.replace(lengths=n), k)
 
 

@@ -109,6 +109,7 @@ from decoding.sampling import (
 )
 from decoding.scheduler import Request, Scheduler, StepPlan
 from decoding.speculative import chosen_num_draft_tokens
+from models import Transformer
 from models.interrupts import deferred_interrupts
 from models.sharding import mesh_of
 
@@ -148,7 +149,11 @@ class Engine:
         verification returns and the runner keeps per batch slot; a row's first step (and the
         first after a preemption moved it) drafts from zeros instead. The heads' drafts are
         their argmax tokens (deterministic, verified against a one-hot q: exact for sampled
-        rows too, and independent of the batch).
+        rows too, and independent of the batch). Or a draft ``models.Transformer`` (same
+        vocabulary, smaller): its own page pool at the target's page ids (the same pages,
+        copies and prefix hits; ``page_bytes`` counts both), prefilled with the target's chunks;
+        each step it re-feeds the row's last two tokens and draws k tokens under the row's own
+        settings and key, verified against its distributions (exact, batch-independent).
       num_draft_tokens: k; None = chosen from the target's measured step costs at
         ``max_batch`` rows and the batch's running acceptance rate
         (``speculative.chosen_num_draft_tokens``), re-chosen every ``RECHOOSE_STEPS``
@@ -185,10 +190,10 @@ class Engine:
     ):
         check_model("model", model)
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)
-        if draft is not None and not isinstance(draft, PromptLookup | Medusa):
+        if draft is not None and not isinstance(draft, PromptLookup | Medusa | Transformer):
             raise TypeError(
-                "draft must be None, a decoding.PromptLookup or a decoding.Medusa (the engine "
-                f"does not run model drafts), got {type(draft).__name__}"
+                "draft must be None, a decoding.PromptLookup, a decoding.Medusa or a draft "
+                f"models.Transformer, got {type(draft).__name__}"
             )
         k = check_optional_int("num_draft_tokens", num_draft_tokens, 1, MAX_K + 1)
         if k is not None and draft is None:
@@ -199,8 +204,13 @@ class Engine:
                     "the engine verifies chains: draft=Medusa(heads) or Medusa(heads, "
                     "lookup_ngram=n), not a token tree"
                 )
-            if mesh_of(model) is not None:
-                raise ValueError("a Medusa draft needs an unsharded model (models.shard) here")
+        if isinstance(draft, Medusa | Transformer) and mesh_of(model) is not None:
+            raise ValueError(
+                f"a {'Medusa' if isinstance(draft, Medusa) else 'model'} draft needs an unsharded "
+                "model (models.shard) here"
+            )
+        if isinstance(draft, Transformer) and mesh_of(draft) is not None:
+            raise ValueError("the draft model must not be sharded (models.shard) here")
         self.config = model.config
         self.max_batch = check_int("max_batch", max_batch, 1)
         self.page_size = page_size = check_int("page_size", page_size, 1)
@@ -211,6 +221,11 @@ class Engine:
         limit = self.config.max_position
         max_seq_len = check_optional_int("max_seq_len", max_seq_len, 2, limit + 1)
         self.max_seq_len = limit if max_seq_len is None else max_seq_len
+        if isinstance(draft, Transformer) and draft.config.max_position < self.max_seq_len:
+            raise ValueError(
+                f"the draft model's max_position={draft.config.max_position} is shorter than "
+                f"max_seq_len={self.max_seq_len}: pass a smaller max_seq_len"
+            )
         self.max_pages = min(num_pages, pages_for(self.max_seq_len - 1, page_size))
         self._model, self.draft = model, draft
         self._fixed_k, self.num_draft_tokens = k, k
@@ -526,7 +541,8 @@ class Engine:
         requests; ``rebuilds`` the times an exception in ``step`` made the engine rebuild.
 
         Memory: the ``pages_*`` counts are pool pages; a pool page holds P positions of the
-        ``pool_layers`` layers, ``page_bytes`` of keys and values. With rings (``ring_pages`` R
+        ``pool_layers`` layers, ``page_bytes`` of keys and values (with a draft model's page at
+        the same id). With rings (``ring_pages`` R
         > 0) those are the global layers only: the sliding layers' rings, ``ring_bytes`` in all
         (``max_batch * R + 1`` pages of each sliding layer), are allocated once and never taken
         from the pool; ``replay_tokens`` counts the positions replayed to rebuild rings after
@@ -566,7 +582,8 @@ class Engine:
             draft_proposed=c["draft_proposed"],
             pool_layers=len(self.pool_layers),
             ring_pages=self.ring_pages or 0,
-            page_bytes=sum(k[i].nbytes // k[i].shape[0] * 2 for i in self.pool_layers),
+            page_bytes=sum(k[i].nbytes // k[i].shape[0] * 2 for i in self.pool_layers)
+            + sum(x.nbytes // x.shape[0] * 2 for x in self.runner.draft_k),
             ring_bytes=sum(
                 x.nbytes for i, x in enumerate(k + self.runner.v) if i % L not in self.pool_layers
             ),

@@ -7,8 +7,8 @@
   token with that row's sampling settings (``SamplingParams`` rows: data, so one compiled step
   serves every setting) and PRNG key.
 * ``verify_rows``: speculation: each row's draft of k tokens (``drafts.PromptLookup`` over the
-  row's known tokens ``seq``, or ``decoding.Medusa``'s heads on the row's hidden state from the
-  step before) and the target's verification of ``[last, d_1 .. d_k]`` (Tq = k + 1 for every
+  row's known tokens ``seq``, ``decoding.Medusa``'s heads on the row's hidden state from the
+  step before, or a draft model over its own page pool) and the target's verification of ``[last, d_1 .. d_k]`` (Tq = k + 1 for every
   row) in one step; each row accepts its own number (the acceptance rule of
   ``decoding.speculative``, drawn with the row's own key), so rows are ragged only in what the
   host keeps.
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from decoding.acceptance import accept, accept_greedy
-from decoding.drafts import Context
+from decoding.drafts import Context, ModelDraft
 from decoding.packing import packed_model
 from decoding.sampling import (
     SamplingParams,
@@ -50,6 +50,9 @@ from decoding.sampling import (
 from models import KVCache
 
 TRACES: collections.Counter = collections.Counter()
+# Folded into a row's key for a model draft's draws, so they are independent of the
+# acceptance rule's, which uses the row's key itself.
+DRAFT_SALT = 0x5D7AF7
 
 
 @struct.dataclass
@@ -149,7 +152,7 @@ def verify_rows(
     sampling: SamplingParams,
     wanted,
     draft_params=None,
-    hidden=None,
+    state=None,
 ):
     """Draft and verify for every row: seq [B, L] each row's known tokens (its last one,
     ``seq[b, lengths[b]]``, not yet cached), lengths [B] the cached positions, table [B, W].
@@ -157,7 +160,7 @@ def verify_rows(
     ``draft`` (static) proposes ``num_draft`` = k tokens per row; the target runs on
     ``[last, d_1 .. d_k]`` at positions ``lengths .. lengths + k``. Returns ``(drafted [B, k],
     n [B] the leading draft tokens kept, nxt [B] the target's token after them, logprobs,
-    hidden, k, v)``: the row emits ``drafted[b, :n[b]]`` then ``nxt[b]``, distributed exactly
+    state, k, v)``: the row emits ``drafted[b, :n[b]]`` then ``nxt[b]``, distributed exactly
     as that many tokens sampled one by one (greedy: the target's argmax chain). Its key is
     ``row_keys``' (seed, tokens generated so far), so a row's draws do not depend on the batch.
 
@@ -166,24 +169,41 @@ def verify_rows(
     j = n[b], later positions meaningless), computed only when some row of ``wanted`` [B] bool
     asks.
 
-    A Medusa draft (``decoding.medusa.MedusaDraft``, a chain) reads ``draft_params`` (the heads'
-    params and packed copies) and ``hidden`` = (h [B, dim], ok [B] bool): each row's target
-    hidden state at its last accepted position from its previous step, where ``ok`` (else
-    zeros: a row's first step drafts from nothing but still verifies exactly); it drafts each
-    head's argmax (``MedusaDraft.greedy_chain``) and returns the new h at each row's last
-    accepted input. Otherwise ``hidden`` is None, in and out.
+    ``state``, the draft's own, in and out (None for prompt lookup):
+
+    * a Medusa draft (``decoding.medusa.MedusaDraft``, a chain) reads ``draft_params`` (the
+      heads' params and packed copies) and ``state`` = (h [B, dim], ok [B] bool): each row's
+      target hidden state at its last accepted position from its previous step, where ``ok``
+      (else zeros: a row's first step drafts from nothing but still verifies exactly); it
+      drafts each head's argmax (``MedusaDraft.greedy_chain``) and returns the new h at each
+      row's last accepted input;
+    * a model draft (``drafts.ModelDraft``) reads ``draft_params`` (its weights and packed
+      copies) and ``state`` = (k, v), its own page pool, at the target's page ids (the block
+      table's pages; the scratch page likewise): it re-feeds each row's last two known tokens
+      and draws k tokens from its own distributions with keys split from the row's key
+      (``DRAFT_SALT``), so they too are the row's own; it returns the pool it wrote.
     """
     TRACES["verify"] += 1
     model = packed_model(graphdef, params, kernels)
     cache = step_cache(k, v, lengths, table)
     keys = row_keys(seeds, index)
     last = jnp.take_along_axis(seq, lengths[:, None], axis=1)
-    if hidden is None:
+    medusa = state is not None and not isinstance(draft, ModelDraft)
+    if isinstance(draft, ModelDraft):
+        block = table.block if isinstance(table, RingTables) else table
+        own = KVCache(k=state[0], v=state[1], lengths=lengths, block_table=block)
+        draft_keys = jax.vmap(lambda x: jax.random.fold_in(x, DRAFT_SALT))(keys)
+        ctx = Context(model, cache, seq, draft_params, own)
+        prop = draft.propose(ctx, num_draft, sampling, draft_keys)
+        drafts, deterministic, q, found = prop.tokens, False, prop.q, None
+        state = (prop.state.k, prop.state.v)
+        logits, cache = model(jnp.concatenate([last, drafts], 1), cache=cache)
+    elif not medusa:
         prop = draft.propose(Context(model, cache, seq, None, None), num_draft, sampling, keys[0])
         drafts, deterministic, q, found = prop.tokens, draft.deterministic, prop.q, prop.found
         logits, cache = model(jnp.concatenate([last, drafts], 1), cache=prop.cache)
     else:
-        h = jnp.where(hidden[1][:, None], hidden[0], jnp.zeros_like(hidden[0]))
+        h = jnp.where(state[1][:, None], state[0], jnp.zeros_like(state[0]))
         drafts = draft.greedy_chain(Context(model, cache, seq, draft_params, h), num_draft)
         deterministic, q, found = True, None, None
         logits, cache, states = model(
@@ -215,17 +235,17 @@ def verify_rows(
     emitted = jnp.where(pos < n[:, None], drafted, nxt[:, None])
     rows = jax.tree.map(lambda x: x[:, None], sampling)
     lp = token_logprobs(logits, emitted, rows, logprobs_mode, wanted)
-    if hidden is not None:  # h at the last accepted input: what produced nxt
-        hidden = jnp.take_along_axis(states, n[:, None, None], axis=1)[:, 0]
-    return drafts, n, nxt, lp, hidden, cache.k, cache.v
+    if medusa:  # h at the last accepted input: what produced nxt
+        state = jnp.take_along_axis(states, n[:, None, None], axis=1)[:, 0]
+    return drafts, n, nxt, lp, state, cache.k, cache.v
 
 
 @functools.lru_cache(maxsize=16)
 def jitted_verify(graphdef, draft, num_draft: int, logprobs_mode: str = "raw"):
     """``verify_rows`` jitted for one model structure, draft kind, k and logprobs mode, the
-    pool donated."""
+    pool donated (and a model draft's pool, its state)."""
     fn = functools.partial(verify_rows, graphdef, draft, num_draft, logprobs_mode)
-    return jax.jit(fn, donate_argnums=(2, 3))
+    return jax.jit(fn, donate_argnums=(2, 3, 12) if isinstance(draft, ModelDraft) else (2, 3))
 
 
 @functools.lru_cache(maxsize=16)

@@ -2,8 +2,10 @@
 
 A :class:`Runner` owns what lives on the device or feeds it: the model's parameters and their
 CPU-packed copies (``decoding.packing``), the jitted steps (``decoding.engine_steps``), the K and
-V page pools (one scratch page more, for padding writes) and, where sliding-window layers keep
-rings (``models.kv_cache``), their per-slot rings. It makes no decision: which request runs,
+V page pools (one scratch page more, for padding writes), where sliding-window layers keep
+rings (``models.kv_cache``) their per-slot rings, and a draft's own state: a Medusa draft's
+per-slot hidden states, a draft model's page pool (at the target's page ids: the scheduler's
+pages and copies serve both pools). It makes no decision: which request runs,
 with which pages, is the plan's (``decoding.scheduler``); the engine (``decoding.engine``) feeds
 the sampled tokens back to the scheduler.
 
@@ -26,12 +28,13 @@ import numpy as np
 from flax import nnx
 
 from decoding import engine_steps
-from decoding.drafts import MAX_K, PromptLookup, lookup_found
-from decoding.medusa import Medusa
+from decoding.drafts import MAX_K, ModelDraft, PromptLookup, lookup_found
+from decoding.medusa import MedusaDraft
 from decoding.packing import packed_weights
 from decoding.paging import pages_for
 from decoding.sampling import SamplingConfig, SamplingParams
 from decoding.scheduler import Chunk, DecodeRow, StepPlan
+from decoding.speculative import draft_kind
 from models import KVCache
 from models.kv_cache import ring_pages_for
 from models.sharding import mesh_of, to_host
@@ -44,6 +47,15 @@ COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape
 def chunk_bucket(n: int) -> int:
     """The prefill chunk length C compiled for n tokens (a power of two, >= MIN_CHUNK)."""
     return max(MIN_CHUNK, 1 << (n - 1).bit_length())
+
+
+def lost_buffers(*pools) -> bool:
+    """Whether any buffer of the pools was donated and deleted, or holds an execution error."""
+    try:
+        jax.block_until_ready(pools)
+        return any(x.is_deleted() for pool in pools for x in pool)
+    except Exception:  # an execution error surfaced in the pool's buffers
+        return True
 
 
 class RunOutput(NamedTuple):
@@ -87,12 +99,11 @@ class Runner:
     ):
         self.config, self.max_batch, self.page_size = model.config, max_batch, page_size
         self.max_pages, self.max_seq_len = max_pages, max_seq_len
-        # A Medusa draft runs as its static kind with the heads' params passed apart; each slot
-        # keeps the target's hidden state at its row's last accepted position (``hidden``), and
-        # ``_hidden_of[slot]`` says whose: (request id, its token count then).
-        self.draft, self.draft_params = draft, None
-        if isinstance(draft, Medusa):
-            self.draft, self.draft_params = draft.split()
+        # A draft runs as its static kind with its params passed apart. Medusa: each slot keeps
+        # the target's hidden state at its row's last accepted position (``hidden``), and
+        # ``_hidden_of[slot]`` says whose: (request id, its token count then). A draft model:
+        # its own pool (``draft_k``, ``draft_v``), written by its prefill and verifications.
+        self.draft, self.draft_params = (None, None) if draft is None else draft_kind(draft)
         self._reset_hidden()
         self.logprobs_mode, self.scratch = logprobs_mode, num_pages
         self.counts = collections.Counter() if counts is None else counts
@@ -104,6 +115,10 @@ class Runner:
         self.table_width = pages_for(max_seq_len - 1 + (MAX_K if draft else 0), page_size)
         self._plan_rings(model, max_prefill_tokens)
         self.k, self.v = self.new_pool()
+        self.draft_k = self.draft_v = ()
+        if isinstance(self.draft, ModelDraft):
+            self.draft_prefill = engine_steps.jitted(self.draft.graphdef)[0]
+            self.draft_k, self.draft_v = self.new_draft_pool()
         self.compile_s = 0.0
 
     def _plan_rings(self, model, max_prefill_tokens: int) -> None:
@@ -133,24 +148,30 @@ class Runner:
         pool = KVCache.paged(self.config, self.scratch + 1, self.page_size, rows, **ring)
         return pool.k, pool.v
 
+    def new_draft_pool(self):
+        """A draft model's zeroed K and V pools: ``num_pages + 1`` pages of every layer of it
+        (no rings: its sliding layers, if any, mask)."""
+        rows = np.zeros((self.max_batch, 1), np.int32)
+        pool = KVCache.paged(self.draft.config, self.scratch + 1, self.page_size, rows)
+        return pool.k, pool.v
+
     def _reset_hidden(self) -> None:
         self.hidden = None
-        if self.draft_params is not None:
+        if isinstance(self.draft, MedusaDraft):
             self.hidden = jnp.zeros((self.max_batch, self.config.dim), self.config.jnp_dtype)
         self._hidden_of: list = [None] * self.max_batch
 
     def recover(self) -> None:
-        """After an exception in a step: a fresh pool when the old one's buffers were donated
-        and lost (or hold an execution error); no slot's hidden state is trusted."""
+        """After an exception in a step: a fresh pool (and draft pool) when the old one's
+        buffers were donated and lost (or hold an execution error); no slot's hidden state is
+        trusted."""
         self._reset_hidden()
-        try:
-            jax.block_until_ready((self.k, self.v))
-            lost = any(x.is_deleted() for x in (*self.k, *self.v))
-        except Exception:  # an execution error surfaced in the pool's buffers
-            lost = True
-        if lost:
+        if lost_buffers(self.k, self.v):
             self.k = self.v = ()
             self.k, self.v = self.new_pool()
+        if self.draft_k and lost_buffers(self.draft_k, self.draft_v):
+            self.draft_k = self.draft_v = ()
+            self.draft_k, self.draft_v = self.new_draft_pool()
 
     def _call(self, fn, *args):
         """``fn(*args)``, its time counted as compilation when it traced (``engine_steps.TRACES``)."""
@@ -204,10 +225,15 @@ class Runner:
             src, dst = np.array(part + pad, np.int32).T
             layers = None if self.ring_pages is None else self.pool_layers
             self.k, self.v = self._call(engine_steps.copy_pages, self.k, self.v, src, dst, layers)
+            if self.draft_k:
+                self.draft_k, self.draft_v = self._call(
+                    engine_steps.copy_pages, self.draft_k, self.draft_v, src, dst
+                )
             self.counts["page_copies"] += len(part)
 
     def prefill(self, chunk: Chunk) -> None:
-        """One prefill forward of ``chunk`` (padded to its bucket) into the row's pages."""
+        """One prefill forward of ``chunk`` (padded to its bucket) into the row's pages (and a
+        draft model's, at the same page ids; a ring replay is the target's alone)."""
         req, start, n = chunk.req, chunk.start, chunk.stop - chunk.start
         tokens = np.zeros((1, chunk_bucket(n)), np.int32)
         tokens[0, :n] = req.tokens[start : chunk.stop]
@@ -222,6 +248,16 @@ class Runner:
             np.array([start], np.int32),
             self._tables(table, [req.row], chunk.replay),
         )
+        if self.draft_k and not chunk.replay:
+            self.draft_k, self.draft_v = self._call(
+                self.draft_prefill,
+                self.draft_params[0],
+                self.draft_k,
+                self.draft_v,
+                tokens,
+                np.array([start], np.int32),
+                table,
+            )
 
     def _row_inputs(self, rows: tuple[DecodeRow, ...], width: int, logprobs: set[int]):
         """The per-row inputs of a decode or verification step at the fixed batch B, in the
@@ -267,22 +303,26 @@ class Runner:
             seq[row.req.row, : len(row.req.tokens)] = row.req.tokens
             lengths[row.req.row] = row.req.computed
         inputs = self._row_inputs(rows, self.table_width, logprobs)
-        medusa = ()
-        if self.draft_params is not None:  # a slot's hidden state serves its own request only
+        state = ()
+        if self.hidden is not None:  # a slot's hidden state serves its own request only
             ok = np.zeros(self.max_batch, bool)
             for row in rows:
                 ok[row.req.row] = self._hidden_of[row.req.row] == (row.req.rid, len(row.req.tokens))
-            medusa = (self.draft_params, (self.hidden, ok))
+            state = (self.draft_params, (self.hidden, ok))
+        elif self.draft_k:
+            state = (self.draft_params, (self.draft_k, self.draft_v))
         fn = engine_steps.jitted_verify(self.graphdef, self.draft, k, self.logprobs_mode)
-        drafted, n, nxt, lp, hidden, self.k, self.v = self._call(
-            fn, self.params, self.kernels, self.k, self.v, seq, lengths, *inputs, *medusa
+        drafted, n, nxt, lp, new_state, self.k, self.v = self._call(
+            fn, self.params, self.kernels, self.k, self.v, seq, lengths, *inputs, *state
         )
+        if isinstance(self.draft, ModelDraft):
+            self.draft_k, self.draft_v = new_state
         wanted = inputs[-1]
         drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
         self.counts["decode_steps"] += 1
         bs = [row.req.row for row in rows]
-        if hidden is not None:
-            self.hidden = hidden
+        if self.hidden is not None:
+            self.hidden = new_state
             for row in rows:
                 b = row.req.row
                 self._hidden_of[b] = (row.req.rid, len(row.req.tokens) + int(n[b]) + 1)

@@ -2,7 +2,7 @@
 
     python -m decoding.serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000 \\
         [--max-batch 32 --num-pages N --page-size 16 --max-queue 256 --max-seq-len 2048]
-        [--draft prompt-lookup|medusa|medusa+lookup [--num-draft-tokens K]]
+        [--draft prompt-lookup|medusa|medusa+lookup | --draft-model NAME] [--num-draft-tokens K]
         [--logprobs-mode raw|processed]
 
 ``--draft prompt-lookup`` runs speculation inside the engine (``Engine(draft=PromptLookup())``):
@@ -11,6 +11,9 @@ step; outputs are unchanged (greedy identical, sampled exactly distributed); k i
 the model's measured step costs unless ``--num-draft-tokens`` fixes it. ``--draft medusa`` drafts
 with the shipped Medusa heads trained on ``--model`` (``Engine(draft=Medusa(heads))``), and
 ``medusa+lookup`` takes prompt lookup's continuation where the last 3 tokens occurred before.
+``--draft-model NAME`` (a name, directory or .gguf, as ``--model``; e.g. ``--model code-target
+--draft-model code-draft``) drafts with a smaller model of the same vocabulary
+(``Engine(draft=model)``), its KV pages kept beside the target's.
 
 ``--logprobs-mode`` says what ``logprobs`` report (``Engine(logprobs_mode=...)``): ``raw``
 (default) the model's distribution, as OpenAI's API and vLLM's default do; ``processed`` the
@@ -119,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculation inside the engine (default: none)",
     )
     p.add_argument(
+        "--draft-model",
+        type=model_arg,
+        default=None,
+        help="a smaller model of the same vocabulary drafts inside the engine (name, dir or .gguf)",
+    )
+    p.add_argument(
         "--num-draft-tokens",
         type=positive_int,
         default=None,
@@ -152,8 +161,12 @@ STARTUP_FAILURE = 3
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every check that needs no model, so that a bad command line fails in seconds (exit 2)
     rather than after loading one."""
-    if args.num_draft_tokens is not None and args.draft is None:
-        parser.error("--num-draft-tokens needs --draft")
+    if args.draft is not None and args.draft_model is not None:
+        parser.error("--draft and --draft-model are two drafts: give one")
+    if args.draft_model is not None and args.mesh is not None:
+        parser.error("--draft-model runs on one process: drop --mesh")
+    if args.num_draft_tokens is not None and args.draft is None and args.draft_model is None:
+        parser.error("--num-draft-tokens needs --draft or --draft-model")
     if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_K:
         parser.error(f"--num-draft-tokens must be at most {MAX_K}, got {args.num_draft_tokens}")
     if (args.draft or "").startswith("medusa"):
@@ -212,17 +225,28 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if problem is not None:
         default = "" if args.num_pages else f" (the default for --max-batch {args.max_batch})"
         parser.error(problem + default)
-    engine = (Engine if args.mesh is None else DistributedEngine)(
-        model,
-        max_batch=args.max_batch,
-        num_pages=num_pages,
-        page_size=args.page_size,
-        max_prefill_tokens=args.max_prefill_tokens,
-        max_seq_len=max_seq_len,
-        draft=DRAFTS[args.draft](args.model) if args.draft else None,
-        num_draft_tokens=args.num_draft_tokens,
-        logprobs_mode=args.logprobs_mode,
-    )
+    draft = DRAFTS[args.draft](args.model) if args.draft else None
+    if args.draft_model is not None:
+        try:
+            draft = models.pretrained(args.draft_model)[0]
+        except (OSError, ValueError) as e:
+            parser.error(f"--draft-model {args.draft_model}: {e}")
+    try:
+        engine = (Engine if args.mesh is None else DistributedEngine)(
+            model,
+            max_batch=args.max_batch,
+            num_pages=num_pages,
+            page_size=args.page_size,
+            max_prefill_tokens=args.max_prefill_tokens,
+            max_seq_len=max_seq_len,
+            draft=draft,
+            num_draft_tokens=args.num_draft_tokens,
+            logprobs_mode=args.logprobs_mode,
+        )
+    except ValueError as e:  # a draft model that cannot draft for this one (vocabulary, length)
+        if args.draft_model is None:
+            raise
+        parser.error(f"--draft-model {args.draft_model}: {e}")
     if args.mesh is not None and not engine.is_leader:
         engine.serve_followers()  # until process 0's server stops
         return 0

@@ -1,4 +1,5 @@
-"""Speculation inside the engine (``Engine(model, draft=PromptLookup() | Medusa(heads), ...)``):
+"""Speculation inside the engine (``Engine(model, draft=PromptLookup() | Medusa(heads) |
+draft_model, ...)``):
 greedy output of every request identical to ``generate`` alone, with shared prefixes, preemption and arrivals;
 sampled output distributed exactly as the target's (chi-square against the enumerated joint) and
 independent of the batch; no recompiles as requests come and go; the draft length chosen from
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import random_transformer
+from flax import nnx
 from test_medusa import random_heads
 from test_speculative_exact import PROMPT, SMALL, V, assert_matches, exact_joints
 
@@ -18,6 +20,7 @@ from decoding.drafts import StepCosts
 from decoding.engine import Engine
 from decoding.generate import generate
 from decoding.sampling import SamplingConfig
+from models import Transformer
 
 MAX_NEW = 14
 PAGE = 8
@@ -45,7 +48,17 @@ def medusa_draft(model, lookup_ngram=None) -> Medusa:
     return Medusa(random_heads(model, 4, seed=3, scale=0.05), lookup_ngram=lookup_ngram)
 
 
-DRAFTS = ["lookup", "medusa", "medusa+lookup"]
+def shallow(model, num_layers: int) -> Transformer:
+    """A draft model: ``model``'s embedding, first ``num_layers`` layers, norm and head."""
+    small = Transformer(model.config.replace(num_layers=num_layers), rngs=nnx.Rngs(0))
+    src = dict(nnx.to_flat_state(nnx.state(model)))
+    nnx.update(
+        small, nnx.from_flat_state([(p, src[p]) for p, _ in nnx.to_flat_state(nnx.state(small))])
+    )
+    return small
+
+
+DRAFTS = ["lookup", "medusa", "medusa+lookup", "model"]
 
 
 def draft_of(model, name):
@@ -53,6 +66,7 @@ def draft_of(model, name):
         "lookup": lambda: PromptLookup(),
         "medusa": lambda: medusa_draft(model),
         "medusa+lookup": lambda: medusa_draft(model, lookup_ngram=2),
+        "model": lambda: shallow(model, 1),
     }[name]()
 
 
@@ -100,7 +114,7 @@ def test_greedy_equals_generate_alone(model, prompts, refs, draft):
     assert_clean(eng)
 
 
-@pytest.mark.parametrize("draft", ["lookup", "medusa"])
+@pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
 def test_preemption_prefix_caching_and_arrivals(model, prompts, refs, draft):
     """A pool too small for every row's k + 1 positions: rows are preempted and recomputed;
     repeated prompts hit the prefix cache; requests arrive while others run (Medusa: rows move
@@ -120,7 +134,7 @@ def test_preemption_prefix_caching_and_arrivals(model, prompts, refs, draft):
     assert_clean(eng)
 
 
-@pytest.mark.parametrize("draft", ["lookup", "medusa"])
+@pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
 def test_no_recompiles_as_requests_come_and_go(model, prompts, draft):
     eng = make_engine(model, draft=draft_of(model, draft))
     for p in prompts[:2]:
@@ -134,7 +148,7 @@ def test_no_recompiles_as_requests_come_and_go(model, prompts, draft):
     assert dict(engine_steps.TRACES) == before
 
 
-@pytest.mark.parametrize("draft", ["lookup", "medusa"])
+@pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
 def test_sampled_tokens_do_not_depend_on_the_batch(model, prompts, draft):
     top_p = SamplingConfig(temperature=1.0, top_p=0.9)
     alone = make_engine(model, draft=draft_of(model, draft))
@@ -149,11 +163,12 @@ def test_sampled_tokens_do_not_depend_on_the_batch(model, prompts, draft):
     assert all(len(out[r]) == MAX_NEW for r in others)
 
 
-@pytest.mark.parametrize("draft", ["lookup", "medusa"])
+@pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
 def test_sampled_distribution_exact(draft):
     """N requests of one prompt, 3 new tokens each, from k = 2 drafts: the first step's
     accepted drafts, residual samples and bonus tokens; joints of (t1, t2) and (t2, t3).
-    Medusa: the rows' first step drafts from zeros, the second from the kept hidden state."""
+    Medusa: the rows' first step drafts from zeros, the second from the kept hidden state. A
+    draft model: drawn from its own distributions (q not one-hot)."""
     n, sampling = 6000, SamplingConfig(temperature=1.0)
     target = random_transformer(10, num_layers=2, **SMALL)
     # pages of 4: every request but the first takes the prompt from the cache
@@ -164,7 +179,11 @@ def test_sampled_distribution_exact(draft):
         page_size=4,
         max_prefill_tokens=64,
         max_seq_len=16,
-        draft=PromptLookup() if draft == "lookup" else Medusa(random_heads(target, 2, seed=6)),
+        draft={
+            "lookup": PromptLookup,
+            "medusa": lambda: Medusa(random_heads(target, 2, seed=6)),
+            "model": lambda: shallow(target, 1),
+        }[draft](),
         num_draft_tokens=2,
     )
     ids = [eng.submit(PROMPT, 3, sampling=sampling, seed=s) for s in range(n)]
@@ -235,7 +254,13 @@ def test_host_lookup_is_the_drafts_first_token():
 
 def test_bad_arguments(tiny_model):
     with pytest.raises(TypeError, match="draft"):
-        Engine(tiny_model, num_pages=8, draft=tiny_model)
+        Engine(tiny_model, num_pages=8, draft="prompt-lookup")
+    other_vocab = random_transformer(1, vocab_size=tiny_model.config.vocab_size + 1)
+    with pytest.raises(ValueError, match="vocab"):
+        Engine(tiny_model, num_pages=8, draft=other_vocab)
+    short = random_transformer(1, max_position=64)
+    with pytest.raises(ValueError, match="max_position=64"):
+        Engine(tiny_model, num_pages=8, draft=short, max_seq_len=128)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         Engine(tiny_model, num_pages=8, num_draft_tokens=2)
     with pytest.raises(ValueError, match="num_draft_tokens"):
@@ -283,3 +308,27 @@ def test_a_step_without_any_match_is_a_plain_step(model):
     s = eng.stats()
     assert s["draft_proposed"] == 0 and s["decode_steps"] == s["generated_tokens"] == 3
     assert eng.acceptance.tested == before
+
+
+def test_model_draft_pool_follows_the_target(tiny_model):
+    """The target as its own draft: its pool (same page ids, prefilled with the target's chunks,
+    copied with its pages, reused on prefix hits, re-fed after a fully accepted step) holds the
+    target's own keys, so every drafted token is accepted, through preemptions and prefix hits;
+    greedy output equals ``generate`` alone."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (29, 37, 1, 22)]
+    refs = [generate(tiny_model, [p], max_new_tokens=MAX_NEW).tokens[0] for p in prompts]
+    eng = make_engine(tiny_model, num_pages=10, draft=tiny_model)
+    ids, step, order = {}, 0, [0, 1, 2, 0, 3, 1, 2]
+    while order or eng.busy:
+        if order and step % 2 == 0:
+            i = order.pop(0)
+            ids[eng.submit(prompts[i], MAX_NEW)] = i
+        eng.step()
+        step += 1
+    out = eng.pop_finished()
+    assert {r: out[r] for r in ids} == {r: refs[i] for r, i in ids.items()}
+    s = eng.stats()
+    assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
+    assert s["draft_proposed"] > 0 and s["draft_accepted"] == s["draft_proposed"]
+    assert_clean(eng)

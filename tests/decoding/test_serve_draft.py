@@ -1,4 +1,5 @@
-"""The server over an engine that speculates (``--draft prompt-lookup`` or ``medusa``): the official client's
+"""The server over an engine that speculates (``--draft prompt-lookup``, ``medusa`` or
+``--draft-model``): the official client's
 completions, streamed and not, equal plain ``generate`` at temperature 0; the command line's
 draft options and their usage errors."""
 
@@ -21,12 +22,14 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["prompt-lookup", "medusa"])
+@pytest.fixture(scope="module", params=["prompt-lookup", "medusa", "code-draft"])
 def drafted(request):
     model, tok = models.pretrained(CODE)
     draft = PromptLookup()
     if request.param == "medusa":  # the shipped heads trained on code-target
         draft = Medusa(models.pretrained(medusa_heads_for(CODE))[0])
+    if request.param == "code-draft":  # the shipped draft model for code-target
+        draft = models.pretrained("code-draft")[0]
     engine = Engine(
         model,
         max_batch=4,
@@ -61,7 +64,11 @@ def test_command_line_draft_options(capsys):
     assert (args.draft, args.num_draft_tokens) == ("prompt-lookup", 4)
     args = build_parser().parse_args(["--draft", "medusa+lookup"])
     assert args.draft == "medusa+lookup"
+    args = build_parser().parse_args(["--draft-model", "code-draft", "--num-draft-tokens", "2"])
+    assert (args.draft_model, args.num_draft_tokens) == ("code-draft", 2)
     for argv in (
+        ["--draft", "prompt-lookup", "--draft-model", "code-draft"],
+        ["--draft-model", "/nonexistent/draft.gguf"],
         ["--draft", "medusa-x"],
         ["--draft", "medusa", "--model", "code-draft"],  # no heads ship for it
         ["--num-draft-tokens", "2"],
