@@ -237,15 +237,28 @@ void panel_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy, in
 // faster (compute-bound past ~16 rows: 512-bit blocks of 8 rows still lost to it).
 #define PALLAS_ATTN_PANEL_PAIRS 1
 
+// Row k of the float32 pair w, v (kNB floats each, two cache lines) towards L1.
+inline void prefetch_pair_row(const float* w, const float* v, int64_t k) {
+  _mm_prefetch(reinterpret_cast<const char*>(w + k * kNB), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(w + k * kNB + 16), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(v + k * kNB), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(v + k * kNB + 16), _MM_HINT_T0);
+}
+
 // Weight rows [k0, k1) of the pair w, v for R rows of x (row stride K), added to the partial
-// sums t[R][2 kNB] (one FMA per k per lane, in k order; stored and reloaded exactly).
+// sums t[R][2 kNB] (one FMA per k per lane, in k order; stored and reloaded exactly). With
+// `ahead` > 0 each k also prefetches the pair's rows k + ahead (the next chunk) where they are
+// below K: a group after the chunk's first reads the pair from L1, so without it the memory
+// stream stops until the next chunk's first group misses again.
 template <int R>
 void pair_pass(const float* x, int64_t K, const float* w, const float* v, int64_t k0, int64_t k1,
-               float* t) {
+               float* t, int64_t ahead) {
   __m256 acc[R][8];
   for (int m = 0; m < R; ++m)
     for (int c = 0; c < 8; ++c) acc[m][c] = _mm256_loadu_ps(t + m * 2 * kNB + 8 * c);
+  const int64_t kp = ahead > 0 ? std::min(k1, K - ahead) : k0;  // [k0, kp) prefetch
   for (int64_t k = k0; k < k1; ++k) {
+    if (k < kp) prefetch_pair_row(w, v, k + ahead);
     __m256 xv[R];
     for (int m = 0; m < R; ++m) xv[m] = _mm256_broadcast_ss(x + m * K + k);
     for (int c = 0; c < 8; ++c) {
@@ -262,11 +275,13 @@ void pair_pass(const float* x, int64_t K, const float* w, const float* v, int64_
 // product 177 -> 156 us, 16 rows 234 -> 195, 32 rows 355 -> 267, against 256-bit groups of 3).
 template <int R>
 void pair_pass512(const float* x, int64_t K, const float* w, const float* v, int64_t k0,
-                  int64_t k1, float* t) {
+                  int64_t k1, float* t, int64_t ahead) {
   __m512 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_loadu_ps(t + m * 2 * kNB + 16 * c);
+  const int64_t kp = ahead > 0 ? std::min(k1, K - ahead) : k0;
   for (int64_t k = k0; k < k1; ++k) {
+    if (k < kp) prefetch_pair_row(w, v, k + ahead);
     for (int c = 0; c < 4; ++c) {
       const __m512 wv = _mm512_loadu_ps(c < 2 ? w + k * kNB + 16 * c : v + k * kNB + 16 * (c - 2));
       for (int m = 0; m < R; ++m)
@@ -304,7 +319,8 @@ void pair_groups(int64_t M, int64_t K, int64_t chunk, float* y, int64_t ldy, int
       const int64_t k1 = std::min(K, k0 + KB);
       for (int64_t m0 = 0; m0 < rows;) {
         const int r = pair_rows(rows - m0);
-        pass(r, b0 + m0, k0, k1, t[m0]);
+        // Groups after the first fetch the next chunk while they compute from L1.
+        pass(r, b0 + m0, k0, k1, t[m0], m0 > 0 ? KB : 0);
         m0 += r;
       }
     }
@@ -320,14 +336,14 @@ void pair_panels(const float* x, int64_t M, int64_t K, const float* w, const flo
                  int64_t ldy, int64_t cols_w, int64_t cols_v) {
   constexpr int64_t chunk = 8192 / (2 * kNB * sizeof(float));
   pair_groups(M, K, chunk, y, ldy, cols_w, cols_v,
-              [&](int r, int64_t m, int64_t k0, int64_t k1, float* t) {
+              [&](int r, int64_t m, int64_t k0, int64_t k1, float* t, int64_t ahead) {
                 const float* xm = x + m * K;
-                if (r == 1) pair_pass<1>(xm, K, w, v, k0, k1, t);
-                if (r == 2) pair_pass<2>(xm, K, w, v, k0, k1, t);
-                if (r == 3) pair_pass<3>(xm, K, w, v, k0, k1, t);
-                if (r == 4) pair_pass512<4>(xm, K, w, v, k0, k1, t);
-                if (r == 5) pair_pass512<5>(xm, K, w, v, k0, k1, t);
-                if (r == 6) pair_pass512<6>(xm, K, w, v, k0, k1, t);
+                if (r == 1) pair_pass<1>(xm, K, w, v, k0, k1, t, ahead);
+                if (r == 2) pair_pass<2>(xm, K, w, v, k0, k1, t, ahead);
+                if (r == 3) pair_pass<3>(xm, K, w, v, k0, k1, t, ahead);
+                if (r == 4) pair_pass512<4>(xm, K, w, v, k0, k1, t, ahead);
+                if (r == 5) pair_pass512<5>(xm, K, w, v, k0, k1, t, ahead);
+                if (r == 6) pair_pass512<6>(xm, K, w, v, k0, k1, t, ahead);
               });
 }
 #endif
@@ -376,10 +392,29 @@ constexpr int64_t kParallelBytes = 1 << 18;
 // (8 rows of the 187 KB Q4_0 output projection of a 135M model took 45 us on one thread).
 inline bool worth_sharing(int64_t bytes, int64_t M) { return bytes * M >= kParallelBytes; }
 
+// parallel_for over panels [0, P) cut in whole pairs, for the pair products: a range ending
+// mid-pair leaves its odd panel to the one-panel kernels, which read it at about half the rate
+// (a [1536, 576] product, cut in ranges of 3 panels, ran a third of them that way: 8 rows took
+// 191 us against 139 in pairs; its 192-column neighbours ran every panel alone).
+template <typename F>
+void parallel_pairs(ffi::ThreadPool& pool, int64_t P, bool share, const F& fn) {
+  pallas_attn::parallel_for(pool, (P + 1) / 2, share, [&](int64_t q0, int64_t q1) {
+    fn(2 * q0, std::min(P, 2 * q1));
+  });
+}
+
 template <typename W>
 void run(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const W* wp, int64_t P,
          float* y, int64_t N) {
   const int64_t bytes = P * K * kNB * int64_t(sizeof(W));
+#if defined(PALLAS_ATTN_PANEL_PAIRS)
+  if constexpr (sizeof(W) == 4) {
+    parallel_pairs(pool, P, worth_sharing(bytes, M), [&](int64_t p0, int64_t p1) {
+      panels(x, M, K, wp, y, N, p0, p1);
+    });
+    return;
+  }
+#endif
   pallas_attn::parallel_for(pool, P, worth_sharing(bytes, M), [&](int64_t p0, int64_t p1) {
     panels(x, M, K, wp, y, N, p0, p1);
   });
@@ -517,7 +552,7 @@ void bf16_pair_panels(const uint32_t* hi, const uint32_t* lo, int64_t M, int64_t
                       int64_t cols_v) {
   constexpr int64_t chunk = 8192 / (4 * kNB * sizeof(uint16_t));  // pair rows of 2 panels
   pair_groups(M, J, chunk, y, ldy, cols_w, cols_v,
-              [&](int r, int64_t m, int64_t j0, int64_t j1, float* t) {
+              [&](int r, int64_t m, int64_t j0, int64_t j1, float* t, int64_t /*ahead*/) {
                 const uint32_t *h = hi + m * J, *l = lo + m * J;
                 if (r == 1) bf16_pair_pass<1, kExact>(h, l, J, w, v, j0, j1, t);
                 if (r == 2) bf16_pair_pass<2, kExact>(h, l, J, w, v, j0, j1, t);
@@ -550,7 +585,7 @@ void run_bf16(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const 
   split_activations(x, M, K, acts);
   const BF16Acts& a = acts;
   const int64_t J = (K + 1) / 2, panel_elems = 2 * J * kNB;
-  pallas_attn::parallel_for(pool, P, worth_sharing(P * panel_elems * 2, M), [&](int64_t p0, int64_t p1) {
+  parallel_pairs(pool, P, worth_sharing(P * panel_elems * 2, M), [&](int64_t p0, int64_t p1) {
     for (; p0 + 1 < p1; p0 += 2) {
       const int64_t n0 = p0 * kNB, cols = N - n0 - kNB < kNB ? N - n0 - kNB : kNB;
       const uint16_t *w = wp + p0 * panel_elems, *v = w + panel_elems;
