@@ -1,15 +1,16 @@
 """The engine's jitted device steps over a shared page pool, at fixed shapes.
 
-* ``prefill_chunk``: writes one request's chunk of C prompt tokens [1, C] (right-padded) into its
-  pages: one ``Tq = C > 1`` cached forward through ``attention_with_kvcache`` with a block table.
-  Its logits are dead code (XLA drops them): the chunk's last token is fed by the decode step.
+* ``prefill_chunk``: writes chunks of C prompt tokens [n, C] (right-padded; one request's
+  each, n a power of two, padding rows on the scratch page) into their pages: one
+  ``Tq = C > 1`` cached forward through ``attention_with_kvcache`` with a block table. Its
+  logits are dead code (XLA drops them): the chunk's last token is fed by the decode step.
 * ``decode_rows``: feeds each row's last token [B, 1] at its own position, samples each row's next
   token with that row's sampling settings (``SamplingParams`` rows: data, so one compiled step
   serves every setting) and PRNG key.
 * ``verify_rows``: speculation: each row's draft of k tokens (``drafts.PromptLookup`` over the
   row's known tokens ``seq``, ``decoding.Medusa``'s heads on the row's hidden state from the
-  step before, or a draft model over its own page pool) and the target's verification of ``[last, d_1 .. d_k]`` (Tq = k + 1 for every
-  row) in one step; each row accepts its own number (the acceptance rule of
+  step before, or a draft model over its own page pool) and the target's verification of
+  ``[last, d_1 .. d_k]`` (Tq = k + 1 for every row) in one step; each row accepts its own number (the acceptance rule of
   ``decoding.speculative``, drawn with the row's own key), so rows are ragged only in what the
   host keeps.
 * ``copy_pages``: page copies for copy on write.
@@ -22,8 +23,10 @@ instead, ``[max_batch * R + 1, P, Hkv, D]`` (the last page scratch too), and the
 :class:`RingTables` where they take a block table.
 
 ``TRACES`` counts how often each step was traced (= compiled): the engine keeps every shape fixed
-(batch ``max_batch``, block table ``max_pages``, chunk lengths in power-of-two buckets), so it
-grows only with new chunk buckets, never as requests come and go or with new sampling settings.
+(batch ``max_batch``, block table ``max_pages``, chunk lengths in power-of-two buckets and
+chunks per prefill call in powers of two up to ``DECODE_MAX_ROWS // C``), so it grows only
+with new (bucket, rows) shapes, a few, never as requests come and go or with new sampling
+settings.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import struct
 
 from decoding.acceptance import accept, accept_greedy
 from decoding.drafts import Context, ModelDraft
@@ -93,11 +96,14 @@ def row_keys(seeds, index):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, index)
 
 
-def prefill_chunk(graphdef, params, k, v, tokens, start, table):
-    """tokens [1, C] at positions ``start[0] ..``, pages ``table`` [1, max_pages] (or
-    :class:`RingTables`; a replay writes only the rings) -> (k, v)."""
+def prefill_chunk(graphdef, params, kernels, k, v, tokens, start, table):
+    """tokens [n, C] (row i at positions ``start[i] ..``), pages ``table`` [n, max_pages] (or
+    :class:`RingTables`; a replay writes only the rings) -> (k, v). ``kernels``: the packed
+    weights (``decoding.packing``): a chunk of at most ``models.linear.DECODE_MAX_ROWS`` tokens
+    multiplies them, as a decode step does (on CPU about twice XLA's rate at 16-32 rows, and
+    each row's products are bit for bit a one-row step's)."""
     TRACES["prefill"] += 1
-    model = nnx.merge(graphdef, params)
+    model = packed_model(graphdef, params, kernels)
     _, cache = model(tokens, cache=step_cache(k, v, start, table))
     return cache.k, cache.v
 
@@ -256,7 +262,7 @@ def jitted(graphdef, logprobs_mode: str = "raw"):
     The graph definition is closed over (hashed once here, not at every call); cached so that
     engines over the same model share compilations.
     """
-    prefill = jax.jit(functools.partial(prefill_chunk, graphdef), donate_argnums=(1, 2))
+    prefill = jax.jit(functools.partial(prefill_chunk, graphdef), donate_argnums=(2, 3))
     decode = jax.jit(functools.partial(decode_rows, graphdef, logprobs_mode), donate_argnums=(2, 3))
     return prefill, decode
 

@@ -10,8 +10,9 @@ with which pages, is the plan's (``decoding.scheduler``); the engine (``decoding
 the sampled tokens back to the scheduler.
 
 One :meth:`Runner.run` applies the plan's page copies (``COPY_BATCH`` per call, padded, so one
-compiled shape), runs each prefill chunk as one ``Tq = C`` forward (C the chunk's power-of-two
-bucket, at least ``MIN_CHUNK``), then one decode step (or, with a draft, one verification of k
+compiled shape), runs the prefill chunks as ``Tq = C`` forwards (C the chunk's power-of-two
+bucket, at least ``MIN_CHUNK``; chunks of one bucket together where the packed products serve
+them: ``prefill_chunks``), then one decode step (or, with a draft, one verification of k
 drafts) for every decoding row at the fixed batch ``max_batch``: padding rows read the scratch
 page and decode greedily, the cheapest.
 """
@@ -37,6 +38,7 @@ from decoding.scheduler import Chunk, DecodeRow, StepPlan
 from decoding.speculative import draft_kind
 from models import KVCache
 from models.kv_cache import ring_pages_for
+from models.linear import DECODE_MAX_ROWS
 from models.sharding import mesh_of, to_host
 
 GREEDY = SamplingConfig()
@@ -200,8 +202,7 @@ class Runner:
         verification of ``plan.ahead - 1`` drafts) step for its decode rows; logprobs are
         computed for the rows of the request ids in ``logprobs``."""
         self.copy(plan.copies)
-        for chunk in plan.prefill:
-            self.prefill(chunk)
+        self.prefill_chunks(plan.prefill)
         if not plan.decode:
             return RunOutput([], [], None)
         if self.draft is not None and plan.ahead > 1 and self._worth_verifying(plan.decode):
@@ -231,31 +232,67 @@ class Runner:
                 )
             self.counts["page_copies"] += len(part)
 
-    def prefill(self, chunk: Chunk) -> None:
-        """One prefill forward of ``chunk`` (padded to its bucket) into the row's pages (and a
-        draft model's, at the same page ids; a ring replay is the target's alone)."""
-        req, start, n = chunk.req, chunk.start, chunk.stop - chunk.start
-        tokens = np.zeros((1, chunk_bucket(n)), np.int32)
-        tokens[0, :n] = req.tokens[start : chunk.stop]
-        table = np.full((1, self.max_pages), self.scratch, np.int32)
-        table[0, : len(chunk.pages)] = chunk.pages
+    def prefill_chunks(self, chunks) -> None:
+        """Runs a step's prefill chunks, those of one bucket C together in calls of up to
+        ``DECODE_MAX_ROWS // C`` rows (a power of two, padded with scratch rows) where the packed
+        few-row products serve them: at 16-64 rows a call costs far less than its chunks apart
+        (four 16-token chunks in one call about half as much), and each row's products are bit
+        for bit those of the chunk alone, so a request's keys never depend on what was batched
+        with it. Elsewhere (no packed weights: GPU, sharded) and for ring replays, one call per
+        chunk. A request's chunks (a ring replay, then its prefill) run in their order, in
+        separate calls: a later one reads what the earlier wrote."""
+        calls: list[tuple[int, bool, list[Chunk]]] = []  # in order: (C, replay, chunks)
+        after: dict[int, int] = {}  # request id -> the call after its latest chunk's
+        for chunk in chunks:
+            C = chunk_bucket(chunk.stop - chunk.start)
+            per = DECODE_MAX_ROWS // C if self.kernels and not chunk.replay else 1
+            rid = chunk.req.rid
+            j = next(
+                (
+                    j
+                    for j in range(after.get(rid, 0), len(calls))
+                    if calls[j][:2] == (C, chunk.replay) and len(calls[j][2]) < per
+                ),
+                len(calls),
+            )
+            if j == len(calls):
+                calls.append((C, chunk.replay, []))
+            calls[j][2].append(chunk)
+            after[rid] = j + 1
+        for C, replay, part in calls:
+            self.prefill(part, C, replay)
+
+    def prefill(self, chunks, C: int, replay: bool = False) -> None:
+        """One prefill forward of ``chunks`` (rows of C tokens, right-padded; rows padded to a
+        power of two with scratch rows) into their rows' pages (and a draft model's, at the
+        same page ids; a ring replay is the target's alone)."""
+        n = 1 << (len(chunks) - 1).bit_length()
+        tokens = np.zeros((n, C), np.int32)
+        table = np.full((n, self.max_pages), self.scratch, np.int32)
+        start = np.zeros(n, np.int32)
+        for i, chunk in enumerate(chunks):
+            tokens[i, : chunk.stop - chunk.start] = chunk.req.tokens[chunk.start : chunk.stop]
+            table[i, : len(chunk.pages)] = chunk.pages
+            start[i] = chunk.start
+        slots = [c.req.row for c in chunks] + [0] * (n - len(chunks))
         self.k, self.v = self._call(
             self.prefill_fn,
             self.params,
+            self.kernels,
             self.k,
             self.v,
             tokens,
-            np.array([start], np.int32),
-            self._tables(table, [req.row], chunk.replay),
+            start,
+            self._tables(table, slots, replay),
         )
-        if self.draft_k and not chunk.replay:
+        if self.draft_k and not replay:
             self.draft_k, self.draft_v = self._call(
                 self.draft_prefill,
-                self.draft_params[0],
+                *self.draft_params,
                 self.draft_k,
                 self.draft_v,
                 tokens,
-                np.array([start], np.int32),
+                start,
                 table,
             )
 

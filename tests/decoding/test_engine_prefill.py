@@ -1,0 +1,81 @@
+"""Prefill chunks of one bucket run together (``Runner.prefill_chunks``) where the CPU's packed
+few-row products serve them: fewer calls, the same keys bit for bit as one call per chunk,
+greedy output equal to ``generate`` alone."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import random_transformer
+
+from decoding import runner as runner_mod
+from decoding.engine import Engine
+from decoding.generate import generate
+from models import rows_matmul
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not rows_matmul.available(),
+    reason="grouping needs the CPU's packed few-row products",
+)
+
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Wide enough (256 x 256 kernels) for packed weights, so grouping applies."""
+    return random_transformer(3, dim=256, mlp_dim=512, num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(5)
+    # chunk buckets 16, 16, 16, 32, 16, 64, 16 (a chunk is the prompt less its last token)
+    return [rng.integers(0, 256, n).tolist() for n in (9, 17, 5, 30, 12, 50, 3)]
+
+
+def run(model, prompts, monkeypatch, grouped: bool):
+    if not grouped:  # every bucket's calls hold one chunk
+        monkeypatch.setattr(runner_mod, "DECODE_MAX_ROWS", 1)
+    eng = Engine(model, max_batch=8, num_pages=64, page_size=8, max_seq_len=96)
+    sizes = []
+    real = eng.runner.prefill
+
+    def counted(chunks, C, replay=False):
+        sizes.append((C, len(chunks)))
+        return real(chunks, C, replay)
+
+    monkeypatch.setattr(eng.runner, "prefill", counted)
+    ids = [eng.submit(p, MAX_NEW) for p in prompts]
+    eng.step()  # every prompt's prefill, then the first decode step
+    pool = [np.asarray(x) for x in (*eng.runner.k, *eng.runner.v)]
+    out = eng.run_until_done()
+    monkeypatch.undo()
+    return [out[r] for r in ids], sizes, pool
+
+
+def test_chunks_of_a_bucket_share_a_call(model, prompts, monkeypatch):
+    got, sizes, pool = run(model, prompts, monkeypatch, grouped=True)
+    alone, sizes1, pool1 = run(model, prompts, monkeypatch, grouped=False)
+    assert sorted(sizes) == [(16, 1), (16, 4), (32, 1), (64, 1)]
+    assert all(n == 1 for _, n in sizes1) and len(sizes1) == len(prompts)
+    want = [generate(model, [p], max_new_tokens=MAX_NEW).tokens[0] for p in prompts]
+    assert got == alone == want
+    for a, b in zip(pool, pool1, strict=True):  # every key and value bit for bit
+        np.testing.assert_array_equal(a, b)
+
+
+def test_prompts_cut_over_steps(model):
+    """Prompts longer than max_prefill_tokens are cut in chunks over steps, beside short ones
+    (a step's chunks of one request, a ring replay then its prefill, keep their order:
+    test_engine_windows' preemption test covers it on sliding-window models)."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (40, 37, 8)]
+    eng = Engine(
+        model, max_batch=4, num_pages=64, page_size=8, max_seq_len=96, max_prefill_tokens=16
+    )
+    ids = [eng.submit(p, MAX_NEW) for p in prompts]
+    out = eng.run_until_done()
+    want = [generate(model, [p], max_new_tokens=MAX_NEW).tokens[0] for p in prompts]
+    assert [out[r] for r in ids] == want
