@@ -23,7 +23,8 @@ P50/P99 latency. Both sides are warmed up on the same requests first (compilatio
 The server's rows also say where its time went, from the engine's counters over the rate's
 pass: ``engine_busy_frac`` (time inside ``Engine.step``, over the span: below 1 the HTTP side or
 the arrivals left it idle), ``mean_decode_rows`` (generated tokens per decode step) and
-``prefill_tokens``.
+``prefill_tokens``. The engine runs without its prefix cache: the passes repeat the same
+prompts, which it would otherwise serve from the cache after the first.
 
 Saturation is the ``inf`` rate: every request sent at once. Its requests/s includes the ramp-up
 and the tail, where the last long requests decode in a nearly empty batch (the baseline's last
@@ -158,6 +159,10 @@ def run_server(model, tok, requests, rates, args, seed: int) -> list[dict]:
         page_size=P,
         max_seq_len=longest,
         max_prefill_tokens=args.max_prefill_tokens,
+        # Every pass sends the same random prompts: with the prefix cache on, the warm-up and
+        # each earlier pass would leave later passes' prompts cached (the baseline recomputes
+        # every prompt). Random prompts share no other prefix, so off is this workload's cost.
+        prefix_caching=False,
     )
     rows = []
     with running_server(engine, tok, model_name=MODEL, max_queue=4 * len(requests)) as (url, _):

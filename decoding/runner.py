@@ -111,6 +111,9 @@ class Runner:
         self.counts = collections.Counter() if counts is None else counts
         self.graphdef, self.params = nnx.split(model)
         self.kernels = packed_weights(model, self.params)  # few-row steps (CPU)
+        # Decode steps run at the smallest power-of-two batch that holds their rows (each size
+        # compiles once), except on a sharded model, whose batch is split over the mesh.
+        self.compact = mesh_of(model) is None
         self.prefill_fn, self.decode_fn = engine_steps.jitted(self.graphdef, logprobs_mode)
         # A verification writes up to k positions past a row's last needed one (dropped later),
         # so the device block table is wider, its extra entries the scratch page.
@@ -296,40 +299,55 @@ class Runner:
                 table,
             )
 
-    def _row_inputs(self, rows: tuple[DecodeRow, ...], width: int, logprobs: set[int]):
-        """The per-row inputs of a decode or verification step at the fixed batch B, in the
-        steps' order: tables (block table [B, width]), seeds, new-token indices, sampling
-        settings, whether logprobs are wanted [B] bool; padding rows read the scratch page and
-        decode greedily (the cheapest)."""
-        B = self.max_batch
+    def decode_batch(self, n: int) -> int:
+        """The batch a decode step of n rows runs at: the smallest power of two >= n (at most
+        ``max_batch``) where ``compact``, else ``max_batch``."""
+        if not self.compact:
+            return self.max_batch
+        return min(self.max_batch, 1 << (n - 1).bit_length())
+
+    def _row_inputs(self, rows: tuple[DecodeRow, ...], width: int, logprobs: set[int], B=None):
+        """The per-row inputs of a decode or verification step in the steps' order: tables
+        (block table [B, width]), seeds, new-token indices, sampling settings, whether logprobs
+        are wanted [B] bool; padding rows read the scratch page and decode greedily (the
+        cheapest). Row b is slot b (``B`` None: ``max_batch`` rows), or with ``B`` given the
+        b-th of ``rows`` (a compact decode step: ``decode_batch``)."""
+        compact = B is not None
+        B = B or self.max_batch
         table = np.full((B, width), self.scratch, np.int32)
         seeds, index = np.zeros(B, np.uint32), np.zeros(B, np.int32)
         settings, wanted = [GREEDY] * B, np.zeros(B, bool)
-        for row in rows:
-            req, b = row.req, row.req.row
+        for i, row in enumerate(rows):
+            req = row.req
+            b = i if compact else req.row
             table[b, : len(row.pages)] = row.pages
             seeds[b], index[b] = req.seed, len(req.tokens) - req.prompt_len
             settings[b], wanted[b] = req.sampling, req.rid in logprobs
-        tables = self._tables(table, np.arange(B))
+        slots = [r.req.row for r in rows] + [0] * (B - len(rows)) if compact else np.arange(B)
+        tables = self._tables(table, slots)
         return tables, seeds, index, SamplingParams.rows(settings), wanted
 
     def decode(self, rows: tuple[DecodeRow, ...], logprobs: set[int]) -> RunOutput:
-        """One jitted decode step for every row (``engine_steps.decode_rows``)."""
-        last, lengths = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, np.int32)
-        for row in rows:
-            last[row.req.row], lengths[row.req.row] = row.req.tokens[-1], row.req.computed
-        inputs = self._row_inputs(rows, self.max_pages, logprobs)
+        """One jitted decode step for every row (``engine_steps.decode_rows``), at
+        ``decode_batch(len(rows))`` rows: a row's tokens are the same at any batch (each row's
+        products, attention and draw are its own), and a step of few rows costs less."""
+        B = self.decode_batch(len(rows))
+        pos = [i if self.compact else r.req.row for i, r in enumerate(rows)]
+        last, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        for b, row in zip(pos, rows, strict=True):
+            last[b], lengths[b] = row.req.tokens[-1], row.req.computed
+        inputs = self._row_inputs(rows, self.max_pages, logprobs, B if self.compact else None)
         new, lp, self.k, self.v = self._call(
             self.decode_fn, self.params, self.kernels, self.k, self.v, last, lengths, *inputs
         )
         wanted = inputs[-1]
         new = to_host(new)  # whole on every process, also when rows span processes
         self.counts["decode_steps"] += 1
-        tokens = [[int(new[row.req.row])] for row in rows]
+        tokens = [[int(new[b])] for b in pos]
         if not wanted.any():  # zeros: not worth a transfer
             return RunOutput(tokens, [0] * len(rows), None)
         lp = to_host(lp)
-        parts = [jax.tree.map(lambda x, b=r.req.row: x[[b]], lp) for r in rows]
+        parts = [jax.tree.map(lambda x, b=b: x[[b]], lp) for b in pos]
         return RunOutput(tokens, [0] * len(rows), parts)
 
     def verify(self, rows: tuple[DecodeRow, ...], k: int, logprobs: set[int]) -> RunOutput:

@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import warm_decode_batches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -194,6 +195,7 @@ def test_eos_stops_a_request(tiny_model, greedy_refs):
 def test_no_recompiles_as_requests_come_and_go(tiny_model):
     eng = make_engine(tiny_model)
     run_schedule(eng, [(0, 0, 3), (0, 3, 2), (2, 2, 2)])  # warm: decode, both buckets, a copy
+    warm_decode_batches(eng)
     before = dict(engine_steps.TRACES)
     run_schedule(eng, [(0, 1, 6), (1, 3, 2), (2, 4, 9), (4, 5, 3), (4, 0, 5), (6, 2, 2)])
     assert dict(engine_steps.TRACES) == before
@@ -319,6 +321,7 @@ def test_twenty_sampling_settings_compile_the_decode_step_once(tiny_model, greed
     step, and a greedy row among sampled rows gives its tokens alone."""
     eng = make_engine(tiny_model)
     run_schedule(eng, [(0, 0, 3), (0, 3, 2), (0, 4, 2)])  # warm: decode step, both chunk buckets
+    warm_decode_batches(eng)
     before = engine_steps.TRACES["decode"]
     temperatures = np.linspace(0.05, 2, 20)
     settings = [SamplingConfig(float(t), i % 5, 1 - i / 40) for i, t in enumerate(temperatures)]
@@ -486,6 +489,7 @@ def test_exceptions_at_random_points_rebuild_the_engine(tiny_model, greedy_refs)
         raise _Alarm
 
     eng = make_engine(tiny_model, num_pages=SMALL_POOL)
+    warm_decode_batches(eng)  # every decode batch compiled: no compile inside the alarms' span
     _timed_run(eng, PROMPTS)  # compiles: a span measured with it would outlast the warm runs,
     span = _timed_run(eng, PROMPTS)  # and every timer would be re-armed before it ever fired
     rng = np.random.default_rng(1)

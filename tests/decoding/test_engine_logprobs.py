@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 import test_engine
-from conftest import random_transformer
+from conftest import random_transformer, warm_decode_batches
 from flax import nnx
 
 from decoding import PromptLookup, engine_steps
@@ -157,6 +157,7 @@ def test_preemption_keeps_records_and_no_recompiles(model):
     for p in PROMPTS:
         eng.submit(p, 2)
     eng.run_until_done()  # warm: every step (and chunk bucket) traced once
+    warm_decode_batches(eng)
     before = dict(engine_steps.TRACES)
     ids = [eng.submit(p, 24, logprobs=1 if i % 2 else None) for i, p in enumerate(PROMPTS)]
     out = eng.run_until_done()
