@@ -25,7 +25,8 @@ The plan is made in this order, before any device work:
    the head of the queue, recomputed from its prompt and the tokens it already has when
    readmitted);
 4. the runner applies the plan's page copies (copy on write), runs its chunks, then one jitted
-   decode step for all decoding rows at the fixed batch ``max_batch``; post-processing feeds
+   decode step for all decoding rows (at the smallest power-of-two batch that holds them, up
+   to ``max_batch``; a verification at ``max_batch``); post-processing feeds
    each sampled token back, registers the newly computed full pages in the prefix cache and
    retires finished rows (``eos_id`` or ``max_new_tokens``), their pages released in the same
    step.
@@ -128,7 +129,8 @@ class Engine:
 
     Args:
       model: a ``models.Transformer``.
-      max_batch: B, rows decoded together (the decode step's fixed batch).
+      max_batch: B, rows decoded together at most (a decode step runs at the smallest power of
+        two that holds its rows, each such batch compiled once: ``Runner.decode_batch``).
       num_pages: pages in the pool (one more, a scratch page, is allocated for padding writes).
       page_size: P, positions per page.
       prefix_caching: reuse cached full pages of earlier prompts (and generated text).

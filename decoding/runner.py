@@ -13,8 +13,9 @@ One :meth:`Runner.run` applies the plan's page copies (``COPY_BATCH`` per call, 
 compiled shape), runs the prefill chunks as ``Tq = C`` forwards (C the chunk's power-of-two
 bucket, at least ``MIN_CHUNK``; chunks of one bucket together where the packed products serve
 them: ``prefill_chunks``), then one decode step (or, with a draft, one verification of k
-drafts) for every decoding row at the fixed batch ``max_batch``: padding rows read the scratch
-page and decode greedily, the cheapest.
+drafts) for every decoding row: a decode step at ``decode_batch(rows)`` (the smallest power of
+two holding them, on an unsharded model; a row's tokens do not depend on it), a verification at
+``max_batch``; padding rows read the scratch page and decode greedily, the cheapest.
 """
 
 from __future__ import annotations
@@ -42,13 +43,17 @@ from models.linear import DECODE_MAX_ROWS
 from models.sharding import mesh_of, to_host
 
 GREEDY = SamplingConfig()
-MIN_CHUNK = 16  # the smallest prefill chunk bucket
+MIN_CHUNK = 8  # the smallest prefill chunk bucket, and the step between buckets up to FINE_CHUNKS
+FINE_CHUNKS = 64
 COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
 
 
 def chunk_bucket(n: int) -> int:
-    """The prefill chunk length C compiled for n tokens (a power of two, >= MIN_CHUNK)."""
-    return max(MIN_CHUNK, 1 << (n - 1).bit_length())
+    """The prefill chunk length C compiled for n tokens: a multiple of MIN_CHUNK up to
+    FINE_CHUNKS, a power of two above."""
+    if n <= FINE_CHUNKS:
+        return max(MIN_CHUNK, -(-n // MIN_CHUNK) * MIN_CHUNK)
+    return 1 << (n - 1).bit_length()
 
 
 def lost_buffers(*pools) -> bool:

@@ -137,8 +137,9 @@ def test_preemption_prefix_caching_and_arrivals(model, prompts, refs, draft):
 @pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
 def test_no_recompiles_as_requests_come_and_go(model, prompts, draft):
     eng = make_engine(model, draft=draft_of(model, draft))
-    for p in prompts[:2]:
+    for p in prompts:  # every prefill chunk shape, one request admitted per step
         eng.submit(p, 5)
+        eng.step()
     eng.run_until_done()
     warm_decode_batches(eng)  # plain steps (no n-gram matches) at every decode batch
     before = dict(engine_steps.TRACES)
