@@ -95,6 +95,20 @@ def refs(model, prompts):
     return [generate(model, [p], max_new_tokens=MAX_NEW).tokens[0] for p in prompts]
 
 
+def arrivals(eng: Engine, prompts, refs, order) -> None:
+    """Submits ``prompts[i]`` for i in ``order``, one every other step, steps until done and
+    checks every request's greedy tokens against ``refs``."""
+    ids, step, order = {}, 0, list(order)
+    while order or eng.busy:
+        if order and step % 2 == 0:
+            i = order.pop(0)
+            ids[eng.submit(prompts[i], MAX_NEW)] = i
+        eng.step()
+        step += 1
+    out = eng.pop_finished()
+    assert {r: out[r] for r in ids} == {r: refs[i] for r, i in ids.items()}
+
+
 def assert_clean(eng: Engine) -> None:
     s = eng.stats()
     assert (s["running"], s["waiting"], s["pages_used"]) == (0, 0, 0)
@@ -120,15 +134,7 @@ def test_preemption_prefix_caching_and_arrivals(model, prompts, refs, draft):
     repeated prompts hit the prefix cache; requests arrive while others run (Medusa: rows move
     between batch slots, whose kept hidden states must then not be used)."""
     eng = make_engine(model, num_pages=12, draft=draft_of(model, draft))
-    ids, step, order = {}, 0, [0, 1, 2, 0, 3, 1, 4, 2]
-    while order or eng.busy:
-        if order and step % 2 == 0:
-            i = order.pop(0)
-            ids[eng.submit(prompts[i], MAX_NEW)] = i
-        eng.step()
-        step += 1
-    out = eng.pop_finished()
-    assert {r: out[r] for r in ids} == {r: refs[i] for r, i in ids.items()}
+    arrivals(eng, prompts, refs, [0, 1, 2, 0, 3, 1, 4, 2])
     s = eng.stats()
     assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0
     assert_clean(eng)
@@ -321,15 +327,7 @@ def test_model_draft_pool_follows_the_target(tiny_model):
     prompts = [rng.integers(0, 256, n).tolist() for n in (29, 37, 1, 22)]
     refs = [generate(tiny_model, [p], max_new_tokens=MAX_NEW).tokens[0] for p in prompts]
     eng = make_engine(tiny_model, num_pages=10, draft=tiny_model)
-    ids, step, order = {}, 0, [0, 1, 2, 0, 3, 1, 2]
-    while order or eng.busy:
-        if order and step % 2 == 0:
-            i = order.pop(0)
-            ids[eng.submit(prompts[i], MAX_NEW)] = i
-        eng.step()
-        step += 1
-    out = eng.pop_finished()
-    assert {r: out[r] for r in ids} == {r: refs[i] for r, i in ids.items()}
+    arrivals(eng, prompts, refs, [0, 1, 2, 0, 3, 1, 2])
     s = eng.stats()
     assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
     assert s["draft_proposed"] > 0 and s["draft_accepted"] == s["draft_proposed"]
