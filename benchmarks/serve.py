@@ -19,7 +19,8 @@ otherwise keep packed GGUF blocks wherever the ``kernels`` package provides a ma
 the baseline with PyTorch's ``sdpa`` attention on all cores.
 Per system and rate: requests/s and output tokens/s (completed over first arrival to last
 completion), TTFT (the baseline does not stream: its first token arrives with the rest), TPOT,
-P50/P99 latency. Both sides are warmed up on the same requests first (compilation excluded).
+P50/P99 latency. Both sides are warmed up on the same requests first (compilation excluded;
+the engine also compiles every step shape first, ``Engine.warmup``, as the server does).
 The server's rows also say where its time went, from the engine's counters over the rate's
 pass: ``engine_busy_frac`` (time inside ``Engine.step``, over the span: below 1 the HTTP side or
 the arrivals left it idle), ``mean_decode_rows`` (generated tokens per decode step) and
@@ -145,7 +146,8 @@ def engine_breakdown(before: dict, after: dict, span: float) -> dict:
     )
 
 
-def run_server(model, tok, requests, rates, args, seed: int) -> list[dict]:
+def run_server(model, tok, requests, rates, args, seed: int) -> tuple[list[dict], float]:
+    """The server's rows, one per rate, and the seconds its engine's warm-up took."""
     from decoding import Engine
     from decoding.paging import pages_for
     from decoding.serve.local import running_server
@@ -164,6 +166,7 @@ def run_server(model, tok, requests, rates, args, seed: int) -> list[dict]:
         # every prompt). Random prompts share no other prefix, so off is this workload's cost.
         prefix_caching=False,
     )
+    warmup_s = engine.warmup()  # every step shape, as python -m decoding.serve does
     rows = []
     with running_server(engine, tok, model_name=MODEL, max_queue=4 * len(requests)) as (url, _):
         asyncio.run(_load(url, requests, arrivals(len(requests), math.inf, seed)))  # warm-up
@@ -174,7 +177,7 @@ def run_server(model, tok, requests, rates, args, seed: int) -> list[dict]:
             span = max(r["end"] for r in results) - min(r["arrival"] for r in results)
             rows.append(row | engine_breakdown(before, engine.stats(), span))
             print(rows[-1], flush=True)
-    return rows
+    return rows, warmup_s
 
 
 # --------------------------------------------------------------------------------- the baseline
@@ -296,7 +299,7 @@ def main() -> None:
     # PyTorch's threads meet at a barrier after every op, so a loaded machine slows the baseline
     # far more than the engine (one native call per layer): its figures need a quiet machine.
     load = {"server_start": os.getloadavg()}
-    rows = run_server(model, tok, requests, args.rates, args, seed=1)
+    rows, warmup_s = run_server(model, tok, requests, args.rates, args, seed=1)
     if not args.no_baseline:
         load["baseline_start"] = os.getloadavg()
         rows += run_baseline(requests, args.rates, args.dtype, seed=1)
@@ -326,6 +329,7 @@ def main() -> None:
         dtype=args.dtype,
         baseline_batch=BASELINE_BATCH,
         static8_padding=static_padding(requests, BASELINE_BATCH),
+        engine_warmup_s=warmup_s,
         saturation_ratio=saturation_ratios(rows),
         load_average_at=load,
     )

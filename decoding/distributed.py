@@ -85,6 +85,11 @@ class DistributedEngine:
         self._stopped = False
         self._width = RECORD + self.engine.max_seq_len
 
+    def warmup(self) -> float:
+        """:meth:`Engine.warmup` -> seconds; every process calls it at the same point (its
+        steps are the same programs, in the same order, on every process)."""
+        return self.engine.warmup()
+
     # ----------------------------------------------------------------------------- leader
 
     def _check_leader(self, what: str) -> None:

@@ -448,6 +448,34 @@ class Engine:
         if req.done:
             del self._num_logprobs[req.rid]
 
+    def warmup(self) -> float:
+        """Compiles every device step this engine can run -> the seconds it took.
+
+        Each shape (a prefill chunk bucket with its chunks per call, a decode batch, a
+        verification's k, the page copies) otherwise compiles inside the first ``step`` that
+        needs it, about a second each on SmolLM2 and a few dozen of them, so early requests
+        and any new mix of lengths stall behind compilations. A server warms up before it
+        listens (``python -m decoding.serve`` unless ``--no-warmup``). The steps run on padding
+        rows, reading and writing the scratch page only; the counters of ``stats()`` are left as
+        they were except ``compile_s``. ``RuntimeError`` unless the engine is idle.
+        """
+        self._check_usable()
+        if self.busy:
+            raise RuntimeError("warmup() needs an idle engine: a request is waiting or running")
+        lengths: tuple[int, ...] = ()
+        if self.draft is not None:  # every k the rule may choose, or the fixed one
+            kind, params = self.runner.draft, self.runner.draft_params
+            costs = kind.costs(self._model, params)
+            fixed = self._fixed_k or costs.fixed_k
+            lengths = (fixed,) if fixed else tuple(range(1, costs.max_k + 1))
+        t0 = time.perf_counter()
+        try:
+            self.runner.warmup(lengths)
+        except BaseException:  # a step's donated pool may be gone: as after a failed step
+            self._rebuild()
+            raise
+        return time.perf_counter() - t0
+
     @property
     def busy(self) -> bool:
         """Some request is waiting or running."""

@@ -23,9 +23,10 @@ instead, ``[max_batch * R + 1, P, Hkv, D]`` (the last page scratch too), and the
 :class:`RingTables` where they take a block table.
 
 ``TRACES`` counts how often each step was traced (= compiled): the engine keeps every shape fixed
-(batch ``max_batch``, block table ``max_pages``, chunk lengths in power-of-two buckets and
-chunks per prefill call in powers of two up to ``DECODE_MAX_ROWS // C``), so it grows only
-with new (bucket, rows) shapes, a few, never as requests come and go or with new sampling
+(decode batches in powers of two up to ``max_batch``, block table ``max_pages``, chunk
+lengths in ``runner.chunk_bucket``'s buckets and chunks per prefill call in powers of two up to
+``DECODE_MAX_ROWS // C``), so it grows only with new shapes, a few dozen at most (all of them
+compiled up front by ``Engine.warmup``), never as requests come and go or with new sampling
 settings.
 """
 

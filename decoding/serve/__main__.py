@@ -15,6 +15,10 @@ with the shipped Medusa heads trained on ``--model`` (``Engine(draft=Medusa(head
 --draft-model code-draft``) drafts with a smaller model of the same vocabulary
 (``Engine(draft=model)``), its KV pages kept beside the target's.
 
+Before it listens the server compiles every step its engine can run (``Engine.warmup``: a few
+dozen shapes, tens of seconds on SmolLM2), so that no request waits behind a compilation;
+``--no-warmup`` skips that.
+
 ``--logprobs-mode`` says what ``logprobs`` report (``Engine(logprobs_mode=...)``): ``raw``
 (default) the model's distribution, as OpenAI's API and vLLM's default do; ``processed`` the
 tempered, filtered distribution each token was drawn from.
@@ -140,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="what logprobs report: the model's distribution (raw) or the sampled one",
     )
     p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="listen at once, without compiling every engine step first (Engine.warmup): each "
+        "step shape then compiles inside the first request that needs it",
+    )
+    p.add_argument(
         "--mesh",
         type=mesh_shape,
         default=None,
@@ -247,11 +257,14 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.draft_model is None:
             raise
         parser.error(f"--draft-model {args.draft_model}: {e}")
+    log = logging.getLogger("decoding.serve")
+    if not args.no_warmup:  # every process of a --mesh run compiles the same steps in order
+        log.info("warming up: compiling every engine step (--no-warmup skips this)")
+        log.info("warmed up in %.1f s", engine.warmup())
     if args.mesh is not None and not engine.is_leader:
         engine.serve_followers()  # until process 0's server stops
         return 0
     defaults = generation_defaults(model_path(args.model))
-    log = logging.getLogger("decoding.serve")
     log.info("sampling defaults for omitted fields: %s", defaults)
     app = create_app(
         engine,

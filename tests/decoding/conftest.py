@@ -25,17 +25,3 @@ def random_transformer(seed: int = 0, scale: float = 0.3, **overrides) -> Transf
 @pytest.fixture(scope="session")
 def tiny_model() -> Transformer:
     return random_transformer()
-
-
-def warm_decode_batches(eng, prompt=(1, 2, 3)) -> None:
-    """Runs ``eng``'s decode step at every batch it compiles one for (``Runner.decode_batch``:
-    the powers of two up to ``max_batch``), so that a test counting traces afterwards sees
-    none: n requests of one short prompt for n = 1, 2, 4, .. max_batch."""
-    n = 1
-    while True:
-        for _ in range(n):
-            eng.submit(list(prompt), 2)
-        eng.run_until_done()
-        if n >= eng.max_batch:
-            return
-        n = min(eng.max_batch, 2 * n)

@@ -16,7 +16,6 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import warm_decode_batches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -194,12 +193,43 @@ def test_eos_stops_a_request(tiny_model, greedy_refs):
 
 def test_no_recompiles_as_requests_come_and_go(tiny_model):
     eng = make_engine(tiny_model)
-    run_schedule(eng, [(0, 0, 3), (0, 3, 2), (2, 2, 2)])  # warm: decode, both buckets, a copy
-    warm_decode_batches(eng)
+    eng.warmup()  # every step shape
     before = dict(engine_steps.TRACES)
     run_schedule(eng, [(0, 1, 6), (1, 3, 2), (2, 4, 9), (4, 5, 3), (4, 0, 5), (6, 2, 2)])
     assert dict(engine_steps.TRACES) == before
-    assert eng.stats()["page_copies"] == 2
+    assert eng.stats()["page_copies"] == 1  # the warm-up's copy is not counted; this one's is
+
+
+def test_warmup_compiles_every_shape_and_changes_nothing(tiny_model, greedy_refs):
+    """After ``warmup()`` no workload traces a step (prompts of every length up to the
+    sequence limit, every batch size, preemption and copies on write), its steps left no trace
+    in the counters or the pool, and the outputs are those of an engine never warmed up."""
+    eng = make_engine(tiny_model, num_pages=SMALL_POOL)
+    assert eng.warmup() > 0 and eng.stats()["compile_s"] > 0
+    s = eng.stats()
+    assert s["decode_steps"] == s["page_copies"] == s["prefill_tokens"] == 0
+    assert s["pages_free"] == SMALL_POOL
+    before = dict(engine_steps.TRACES)
+    ids = [eng.submit(p, MAX_NEW) for p in PROMPTS]
+    out = eng.run_until_done()
+    assert [out[r] for r in ids] == greedy_refs
+    rng = np.random.default_rng(3)
+    for n in [1, 2, 3, 4, 1, 2]:  # n requests at once, lengths across every chunk bucket
+        for _ in range(n):
+            length = int(rng.integers(1, MAX_SEQ - 4))
+            new = int(rng.integers(1, MAX_SEQ - length))
+            eng.submit(rng.integers(0, 256, length).tolist(), new)
+        eng.run_until_done()
+    assert dict(engine_steps.TRACES) == before
+    assert eng.stats()["preemptions"] > 0
+
+
+def test_warmup_needs_an_idle_engine(tiny_model, greedy_refs):
+    eng = make_engine(tiny_model)
+    rid = eng.submit(PROMPTS[0], MAX_NEW)
+    with pytest.raises(RuntimeError, match="idle"):
+        eng.warmup()
+    assert eng.run_until_done()[rid] == greedy_refs[0]
 
 
 def test_sampled_tokens_do_not_depend_on_the_batch(tiny_model):
@@ -320,8 +350,7 @@ def test_twenty_sampling_settings_compile_the_decode_step_once(tiny_model, greed
     """Settings are data: 20 temperatures / top-p values batched together reuse one decode
     step, and a greedy row among sampled rows gives its tokens alone."""
     eng = make_engine(tiny_model)
-    run_schedule(eng, [(0, 0, 3), (0, 3, 2), (0, 4, 2)])  # warm: decode step, both chunk buckets
-    warm_decode_batches(eng)
+    eng.warmup()
     before = engine_steps.TRACES["decode"]
     temperatures = np.linspace(0.05, 2, 20)
     settings = [SamplingConfig(float(t), i % 5, 1 - i / 40) for i, t in enumerate(temperatures)]
@@ -489,7 +518,7 @@ def test_exceptions_at_random_points_rebuild_the_engine(tiny_model, greedy_refs)
         raise _Alarm
 
     eng = make_engine(tiny_model, num_pages=SMALL_POOL)
-    warm_decode_batches(eng)  # every decode batch compiled: no compile inside the alarms' span
+    eng.warmup()  # every step compiled: no compile inside the alarms' span
     _timed_run(eng, PROMPTS)  # compiles: a span measured with it would outlast the warm runs,
     span = _timed_run(eng, PROMPTS)  # and every timer would be re-armed before it ever fired
     rng = np.random.default_rng(1)

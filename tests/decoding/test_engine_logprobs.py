@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 import test_engine
-from conftest import random_transformer, warm_decode_batches
+from conftest import random_transformer
 from flax import nnx
 
 from decoding import PromptLookup, engine_steps
@@ -154,10 +154,7 @@ def test_preemption_keeps_records_and_no_recompiles(model):
     """A pool too small for every request: preempted requests are recomputed, their records
     are those of their tokens, one per token; asking or not never retraces the steps."""
     eng = make_engine(model)
-    for p in PROMPTS:
-        eng.submit(p, 2)
-    eng.run_until_done()  # warm: every step (and chunk bucket) traced once
-    warm_decode_batches(eng)
+    eng.warmup()  # every step shape traced once
     before = dict(engine_steps.TRACES)
     ids = [eng.submit(p, 24, logprobs=1 if i % 2 else None) for i, p in enumerate(PROMPTS)]
     out = eng.run_until_done()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_transformer, warm_decode_batches
+from conftest import random_transformer
 from flax import nnx
 from test_medusa import random_heads
 from test_speculative_exact import PROMPT, SMALL, V, assert_matches, exact_joints
@@ -143,11 +143,7 @@ def test_preemption_prefix_caching_and_arrivals(model, prompts, refs, draft):
 @pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
 def test_no_recompiles_as_requests_come_and_go(model, prompts, draft):
     eng = make_engine(model, draft=draft_of(model, draft))
-    for p in prompts:  # every prefill chunk shape, one request admitted per step
-        eng.submit(p, 5)
-        eng.step()
-    eng.run_until_done()
-    warm_decode_batches(eng)  # plain steps (no n-gram matches) at every decode batch
+    eng.warmup()  # every shape: chunks, plain decode batches, the verification
     before = dict(engine_steps.TRACES)
     for i, p in enumerate(prompts):  # other rows, lengths, settings
         eng.submit(p, 3 + i, sampling=SamplingConfig(temperature=0.5 + i, top_k=i))

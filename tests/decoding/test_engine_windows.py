@@ -18,15 +18,15 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from decoding import PromptLookup
+from decoding import PromptLookup, engine_steps
 from decoding.engine import Engine
 from decoding.generate import generate
-from decoding.runner import MIN_CHUNK
 from decoding.serve.metrics import Metrics
 from models import Transformer, TransformerConfig, shard
 from models.kv_cache import ring_pages_for
 
 WINDOW, PAGE, BATCH, MAX_SEQ, POOL = 4, 4, 3, 64, 40
+CHUNK = 16  # max_prefill_tokens: the longest step, longer than a verification's MAX_K + 1
 MAX_NEW = 20
 _BASE = dict(vocab_size=64, dim=32, num_heads=4, num_kv_heads=2, mlp_dim=64, attn_impl="xla")
 CONFIGS = {
@@ -74,7 +74,7 @@ def _engine(model, num_pages=POOL, **kw):
         max_batch=BATCH,
         num_pages=num_pages,
         page_size=PAGE,
-        max_prefill_tokens=MIN_CHUNK,
+        max_prefill_tokens=CHUNK,
         max_seq_len=MAX_SEQ,
         **kw,
     )
@@ -90,7 +90,7 @@ def test_sliding_layers_keep_rings_and_the_pool_serves_global_layers(case):
     name, model, _ = case
     c = model.config
     eng = _engine(model)
-    R = ring_pages_for(WINDOW, MIN_CHUNK, PAGE)  # the longest step: one chunk of 16
+    R = ring_pages_for(WINDOW, CHUNK, PAGE)  # the longest step: one chunk
     assert eng.ring_pages == R and R < eng.max_pages
     sliding = [i for i in range(c.num_layers) if c.is_sliding(i)]
     glob = [i for i in range(c.num_layers) if not c.is_sliding(i)]
@@ -124,6 +124,8 @@ def test_sliding_layers_keep_rings_and_the_pool_serves_global_layers(case):
 def test_outputs_equal_generate_with_prefix_hits(case):
     _, model, want = case
     eng = _engine(model)
+    eng.warmup()  # ring replays included: nothing below compiles
+    before = dict(engine_steps.TRACES)
     assert _run(eng) == want
     s = eng.stats()
     assert s["prefix_cache_hits"] > 0 and s["replay_tokens"] > 0
@@ -131,6 +133,7 @@ def test_outputs_equal_generate_with_prefix_hits(case):
     # the same prompts again: every one hits what the first round registered
     assert _run(eng) == want
     assert eng.stats()["prefix_cache_hits"] > s["prefix_cache_hits"]
+    assert dict(engine_steps.TRACES) == before
 
 
 def test_outputs_equal_generate_with_preemption(case):
@@ -143,7 +146,7 @@ def test_outputs_equal_generate_with_preemption(case):
 def test_outputs_equal_generate_with_speculation(case):
     _, model, want = case
     eng = _engine(model, draft=PromptLookup(), num_draft_tokens=3)
-    assert eng.ring_pages == ring_pages_for(WINDOW, MIN_CHUNK, PAGE)
+    assert eng.ring_pages == ring_pages_for(WINDOW, CHUNK, PAGE)
     assert _run(eng) == want
     assert eng.stats()["draft_proposed"] > 0
 
