@@ -267,6 +267,7 @@ class Engine:
         self._broken: str | None = None
         self._next_rid = 0
         self._busy_s = 0.0
+        self._warmup_compile_s = 0.0  # compile_s spent by warmup(), outside step()
 
     @property
     def allocator(self):
@@ -468,12 +469,14 @@ class Engine:
             costs = kind.costs(self._model, params)
             fixed = self._fixed_k or costs.fixed_k
             lengths = (fixed,) if fixed else tuple(range(1, costs.max_k + 1))
-        t0 = time.perf_counter()
+        t0, compiled = time.perf_counter(), self.runner.compile_s
         try:
             self.runner.warmup(lengths)
         except BaseException:  # a step's donated pool may be gone: as after a failed step
             self._rebuild()
             raise
+        finally:  # not inside step(): kept out of tokens_per_s's time
+            self._warmup_compile_s += self.runner.compile_s - compiled
         return time.perf_counter() - t0
 
     @property
@@ -566,8 +569,8 @@ class Engine:
         ``utilization`` is used token slots over allocated token slots: positions holding a
         cached token of a running request, over ``P`` times the pages running requests hold
         (0.0 when they hold none). ``prefix_cache_hits`` counts pages reused from the cache;
-        ``tokens_per_s`` is generated tokens over the time spent in ``step`` less ``compile_s``
-        (steps that traced a device step: its compilation); ``finished`` and ``aborted`` count
+        ``tokens_per_s`` is generated tokens over the time spent in ``step`` less its compilation
+        (steps that traced a device step); ``compile_s`` counts ``warmup()``'s too; ``finished`` and ``aborted`` count
         requests; ``rebuilds`` the times an exception in ``step`` made the engine rebuild.
 
         Memory: the ``pages_*`` counts are pool pages; a pool page holds P positions of the
@@ -586,7 +589,7 @@ class Engine:
                 used[page] = max(used.get(page, 0), min(P, max(req.computed - i * P, 0)))
         pages_used = alloc.num_pages - alloc.num_available
         c = self._counts
-        run_s = self._busy_s - self.runner.compile_s
+        run_s = self._busy_s - (self.runner.compile_s - self._warmup_compile_s)
         return dict(
             pages_total=alloc.num_pages,
             pages_free=alloc.num_free,

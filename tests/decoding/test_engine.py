@@ -209,7 +209,7 @@ def test_warmup_compiles_every_shape_and_changes_nothing(tiny_model, greedy_refs
     s = eng.stats()
     assert s["decode_steps"] == s["page_copies"] == s["prefill_tokens"] == 0
     assert s["pages_free"] == SMALL_POOL
-    before = dict(engine_steps.TRACES)
+    before, t0 = dict(engine_steps.TRACES), time.perf_counter()
     ids = [eng.submit(p, MAX_NEW) for p in PROMPTS]
     out = eng.run_until_done()
     assert [out[r] for r in ids] == greedy_refs
@@ -220,8 +220,12 @@ def test_warmup_compiles_every_shape_and_changes_nothing(tiny_model, greedy_refs
             new = int(rng.integers(1, MAX_SEQ - length))
             eng.submit(rng.integers(0, 256, length).tolist(), new)
         eng.run_until_done()
+    wall = time.perf_counter() - t0
     assert dict(engine_steps.TRACES) == before
-    assert eng.stats()["preemptions"] > 0
+    s = eng.stats()
+    assert s["preemptions"] > 0
+    # tokens_per_s's time is the steps' (most of the wall time here), not less the warm-up's
+    assert s["tokens_per_s"] > 0 and 0.5 * wall < s["generated_tokens"] / s["tokens_per_s"] < wall
 
 
 def test_warmup_needs_an_idle_engine(tiny_model, greedy_refs):
