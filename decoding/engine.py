@@ -26,7 +26,8 @@ The plan is made in this order, before any device work:
    readmitted);
 4. the runner applies the plan's page copies (copy on write), runs its chunks, then one jitted
    decode step for all decoding rows (at the smallest power-of-two batch that holds them, up
-   to ``max_batch``; a verification at ``max_batch``); post-processing feeds
+   to ``max_batch``; a verification at ``max_batch``; on CPU, from a batch of 8 on, the chunks
+   that fit ride in the decode step as rows of one token: ``Runner.fold``); post-processing feeds
    each sampled token back, registers the newly computed full pages in the prefix cache and
    retires finished rows (``eos_id`` or ``max_new_tokens``), their pages released in the same
    step.

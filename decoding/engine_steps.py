@@ -123,6 +123,7 @@ def decode_rows(
     index,
     sampling: SamplingParams,
     wanted,
+    prefill=None,
 ):
     """One token per row: last [B] fed at position lengths [B] through table [B, max_pages];
     ``kernels`` from ``decoding.packing.packed_weights`` (few-row products on CPU).
@@ -132,11 +133,29 @@ def decode_rows(
     (as at batch 1), a greedy row (temperature 0) takes the argmax. ``logprobs``:
     ``sampling.Logprobs`` [B] of the tokens under ``logprobs_mode`` (static), computed only
     when some row of ``wanted`` [B] bool asks (else zeros).
+
+    ``prefill``: None, or prompt tokens computed in the same forward, as rows after the B decode
+    rows: (tokens [N], positions [N], block table [N, max_pages]), each token a row of its own at
+    its position in its request's pages (padding rows: the scratch page). Every row's key and
+    value is written before any row attends (models.fused_decode; the jnp scatter likewise), so a
+    token sees the earlier tokens of its chunk, and a request whose prompt ends here decodes
+    in the same step. The weights stream once for both (``Runner.run`` says when it pays);
+    their logits are dead code.
     """
-    TRACES["decode"] += 1
     model = packed_model(graphdef, params, kernels)
-    cache = step_cache(k, v, lengths, table)
-    logits, cache = model(last[:, None], cache=cache)
+    if prefill is None:
+        TRACES["decode"] += 1
+        logits, cache = model(last[:, None], cache=step_cache(k, v, lengths, table))
+    else:  # the prompt tokens are rows B.. of the same forward; the LM head is the B rows'
+        TRACES["mixed"] += 1
+        B = last.shape[0]
+        rows = [
+            jnp.concatenate([a, b]) for a, b in zip((last, lengths, table), prefill, strict=True)
+        ]
+        _, cache, hidden = model(
+            rows[0][:, None], cache=step_cache(k, v, *rows[1:]), return_hidden=True
+        )
+        logits = model.logits(hidden[:B])
     tokens = sample(logits[:, -1], row_keys(seeds, index), sampling)
     lp = token_logprobs(logits[:, -1], tokens, sampling, logprobs_mode, wanted)
     return tokens, lp, cache.k, cache.v

@@ -15,7 +15,9 @@ compiled shape), runs the prefill chunks as ``Tq = C`` forwards (C the chunk's b
 them: ``prefill_chunks``), then one decode step (or, with a draft, one verification of k
 drafts) for every decoding row: a decode step at ``decode_batch(rows)`` (the smallest power of
 two holding them, on an unsharded model; a row's tokens do not depend on it), a verification at
-``max_batch``; padding rows read the scratch page and decode greedily, the cheapest.
+``max_batch``; padding rows read the scratch page and decode greedily, the cheapest. From a
+decode batch of ``MIX_MIN_BATCH`` on (CPU, no draft, no rings), the chunks that fit in the step's
+free rows are computed inside the decode step instead, a row per token (``fold``).
 :meth:`Runner.warmup` compiles every one of those shapes up front (``Engine.warmup``).
 """
 
@@ -47,6 +49,9 @@ GREEDY = SamplingConfig()
 MIN_CHUNK = 8  # the smallest prefill chunk bucket, and the step between buckets up to FINE_CHUNKS
 FINE_CHUNKS = 64
 COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
+# Prompt chunks ride in the decode step (``Runner.fold``) from this decode batch on: below it
+# the separate prefill call costs little more, and each (batch, rows) pair is a compiled shape.
+MIX_MIN_BATCH = 8
 
 
 def chunk_bucket(n: int) -> int:
@@ -128,6 +133,8 @@ class Runner:
         # so the device block table is wider, its extra entries the scratch page.
         self.table_width = pages_for(max_seq_len - 1 + (MAX_K if draft else 0), page_size)
         self._plan_rings(model, max_prefill_tokens)
+        # Prompt chunks ride in decode steps (``fold``) where the packed products serve both.
+        self.mixes = bool(self.kernels) and self.compact and self.ring_pages is None and not draft
         self.k, self.v = self.new_pool()
         self.draft_k = self.draft_v = ()
         if isinstance(self.draft, ModelDraft):
@@ -230,6 +237,9 @@ class Runner:
                 self.prefill([], C, replay=True, rows=1)
         for B in sorted({self.decode_batch(n) for n in range(1, self.max_batch + 1)}):
             self.decode((), frozenset(), batch=B)
+            if self.mixes and B >= MIX_MIN_BATCH:  # each number of folded rows
+                for rows in range(MIN_CHUNK, DECODE_MAX_ROWS - B + 1, MIN_CHUNK):
+                    self.decode((), frozenset(), batch=B, fold_rows=rows)
         for k in draft_lengths:
             self.verify((), k, frozenset())
         self._reset_hidden()
@@ -243,12 +253,54 @@ class Runner:
         verification of ``plan.ahead - 1`` drafts) step for its decode rows; logprobs are
         computed for the rows of the request ids in ``logprobs``."""
         self.copy(plan.copies)
-        self.prefill_chunks(plan.prefill)
+        folded, chunks = self.fold(plan)
+        self.prefill_chunks(chunks)
         if not plan.decode:
             return RunOutput([], [], None)
         if self.draft is not None and plan.ahead > 1 and self._worth_verifying(plan.decode):
             return self.verify(plan.decode, plan.ahead - 1, logprobs)
-        return self.decode(plan.decode, logprobs)  # also a draft's k = 0: a plain step
+        return self.decode(plan.decode, logprobs, folded=folded)  # a draft's k = 0: plain
+
+    def fold(self, plan: StepPlan) -> tuple[list[Chunk], list[Chunk]]:
+        """(chunks computed inside the plan's decode step, the rest, run before it by
+        ``prefill_chunks``). On CPU with packed weights, at a decode batch B of at least
+        ``MIX_MIN_BATCH`` and without a draft or rings, the chunks whose tokens fit in the
+        step's ``DECODE_MAX_ROWS - B`` free rows (in plan order; not a request's with a ring
+        replay) join it as rows of one token each (``engine_steps.decode_rows``' ``prefill``):
+        at 8-16 rows a step's products are compute-bound, so a separate prefill call pays its
+        own pass over the weights (about 10 ms of a 16-token chunk's 24 on SmolLM2) on top of
+        what its rows cost inside the step."""
+        chunks = list(plan.prefill)
+        B = self.decode_batch(len(plan.decode)) if plan.decode else 0
+        if not self.mixes or B < MIX_MIN_BATCH:
+            return [], chunks
+        replayed = {c.req.rid for c in chunks if c.replay}
+        # the folded rows are padded to a multiple of MIN_CHUNK: room for that many
+        folded, rest, room = [], [], (DECODE_MAX_ROWS - B) // MIN_CHUNK * MIN_CHUNK
+        for c in chunks:
+            n = c.stop - c.start
+            if not c.replay and c.req.rid not in replayed and n <= room:
+                folded.append(c)
+                room -= n
+            else:
+                rest.append(c)
+        return folded, rest
+
+    def _folded_inputs(self, chunks, rows: int | None = None):
+        """``decode_rows``' ``prefill`` for ``chunks``: (tokens, positions, tables) of their
+        tokens, padded to a multiple of ``MIN_CHUNK`` rows (or to ``rows``) on the scratch page."""
+        n = sum(c.stop - c.start for c in chunks)
+        N = rows or max(MIN_CHUNK, -(-n // MIN_CHUNK) * MIN_CHUNK)
+        tokens, positions = np.zeros(N, np.int32), np.zeros(N, np.int32)
+        table = np.full((N, self.max_pages), self.scratch, np.int32)
+        i = 0
+        for c in chunks:
+            j = i + c.stop - c.start
+            tokens[i:j] = c.req.tokens[c.start : c.stop]
+            positions[i:j] = np.arange(c.start, c.stop)
+            table[i:j, : len(c.pages)] = c.pages
+            i = j
+        return tokens, positions, table
 
     def _worth_verifying(self, rows: tuple[DecodeRow, ...]) -> bool:
         """False where prompt lookup has nothing to propose for any row (no suffix n-gram of
@@ -365,18 +417,32 @@ class Runner:
         tables = self._tables(table, slots)
         return tables, seeds, index, SamplingParams.rows(settings), wanted
 
-    def decode(self, rows: tuple[DecodeRow, ...], logprobs: set[int], batch=None) -> RunOutput:
+    def decode(
+        self, rows: tuple[DecodeRow, ...], logprobs: set[int], batch=None, folded=(), fold_rows=None
+    ) -> RunOutput:
         """One jitted decode step for every row (``engine_steps.decode_rows``), at ``batch`` or
         ``decode_batch(len(rows))`` rows: a row's tokens are the same at any batch (each row's
-        products, attention and draw are its own), and a step of few rows costs less."""
+        products, attention and draw are its own), and a step of few rows costs less. The
+        ``folded`` chunks (``fold``; or ``fold_rows`` padding rows) are computed in it."""
         B = batch or self.decode_batch(len(rows))
+        prefill = None
+        if folded or fold_rows:
+            prefill = self._folded_inputs(folded, fold_rows)
         pos = [i if self.compact else r.req.row for i, r in enumerate(rows)]
         last, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
         for b, row in zip(pos, rows, strict=True):
             last[b], lengths[b] = row.req.tokens[-1], row.req.computed
         inputs = self._row_inputs(rows, self.max_pages, logprobs, B if self.compact else None)
         new, lp, self.k, self.v = self._call(
-            self.decode_fn, self.params, self.kernels, self.k, self.v, last, lengths, *inputs
+            self.decode_fn,
+            self.params,
+            self.kernels,
+            self.k,
+            self.v,
+            last,
+            lengths,
+            *inputs,
+            prefill,
         )
         wanted = inputs[-1]
         new = to_host(new)  # whole on every process, also when rows span processes

@@ -1,6 +1,8 @@
 """Prefill chunks of one bucket run together (``Runner.prefill_chunks``) where the CPU's packed
 few-row products serve them: fewer calls, the same keys bit for bit as one call per chunk,
-greedy output equal to ``generate`` alone."""
+greedy output equal to ``generate`` alone. From a decode batch of ``MIX_MIN_BATCH`` on, chunks
+ride in the decode step instead (``Runner.fold``): the same outputs and keys (up to float32
+reassociation), and nothing compiles after ``Engine.warmup``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import random_transformer
 
+from decoding import engine_steps
 from decoding import runner as runner_mod
 from decoding.engine import Engine
 from decoding.generate import generate
@@ -36,6 +39,7 @@ def prompts():
 
 
 def run(model, prompts, monkeypatch, grouped: bool):
+    monkeypatch.setattr(runner_mod, "MIX_MIN_BATCH", 1 << 30)  # no chunk rides in a decode step
     if not grouped:  # every bucket's calls hold one chunk
         monkeypatch.setattr(runner_mod, "DECODE_MAX_ROWS", 1)
     eng = Engine(model, max_batch=8, num_pages=64, page_size=8, max_seq_len=96)
@@ -79,3 +83,48 @@ def test_prompts_cut_over_steps(model):
     out = eng.run_until_done()
     want = [generate(model, [p], max_new_tokens=MAX_NEW).tokens[0] for p in prompts]
     assert [out[r] for r in ids] == want
+
+
+def test_chunks_fold_into_decode_steps(model, monkeypatch):
+    """Prompts arriving while 6 rows decode (a decode batch of 8): their chunks are rows of the
+    decode step where they fit in its free rows (a 60-token one does not: its own call), and a
+    request whose prompt ends there decodes in the same step. Outputs equal ``generate`` alone
+    and the engine's without folding; the keys written agree to float32 reassociation."""
+    rng = np.random.default_rng(7)
+    running = [rng.integers(0, 256, 4).tolist() for _ in range(6)]
+    arriving = [rng.integers(0, 256, n).tolist() for n in (3, 17, 9, 60, 30, 1, 12)]
+
+    def serve(fold: bool):
+        if not fold:
+            monkeypatch.setattr(runner_mod, "MIX_MIN_BATCH", 1 << 30)
+        eng = Engine(model, max_batch=8, num_pages=96, page_size=8, max_seq_len=96)
+        eng.warmup()
+        traces = dict(engine_steps.TRACES)
+        folded, real = [], eng.runner.decode
+
+        def counted(rows, logprobs, batch=None, folded_=(), fold_rows=None, **kw):
+            folded.extend(c.req.rid for c in kw.get("folded", folded_))
+            return real(rows, logprobs, batch, **kw)
+
+        monkeypatch.setattr(eng.runner, "decode", counted)
+        ids = [eng.submit(p, 40) for p in running]
+        for _ in range(3):
+            eng.step()
+        ids += [eng.submit(p, MAX_NEW) for p in arriving]
+        out = eng.run_until_done()
+        pool = [np.asarray(x)[:-1] for x in (*eng.runner.k, *eng.runner.v)]
+        assert dict(engine_steps.TRACES) == traces
+        monkeypatch.undo()
+        return [out[r] for r in ids], folded, pool
+
+    got, folded, pool = serve(fold=True)
+    plain, none, pool0 = serve(fold=False)
+    assert none == [] and set(range(6)) < set(folded)  # every running prompt, some arriving
+    assert 6 + 3 not in folded  # the 60-token prompt: more than the step's free rows
+    want = [
+        generate(model, [p], max_new_tokens=len(o)).tokens[0]
+        for p, o in zip(running + arriving, got, strict=True)
+    ]
+    assert got == plain == want
+    for a, b in zip(pool, pool0, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -26,17 +26,25 @@ def _start(*extra: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         cmd, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True, env=os.environ | {}
     )
+    # Read the pipe's bytes as they come (os.read): readline() would buffer several lines at
+    # once, and the selector never wakes for lines already in that buffer.
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline, log = time.monotonic() + START_S, []
+    deadline, log, partial = time.monotonic() + START_S, [], ""
     while time.monotonic() < deadline and proc.poll() is None:
-        if sel.select(timeout=1.0):
-            line = proc.stdout.readline()
-            log.append(line)
-            if m := re.search(r"running on http://127\.0\.0\.1:(\d+)", line):
+        if not sel.select(timeout=1.0):
+            continue
+        *lines, partial = (
+            partial + os.read(proc.stdout.fileno(), 1 << 16).decode(errors="replace")
+        ).split("\n")
+        log += [line + "\n" for line in lines]
+        if m := re.search(r"running on http://127\.0\.0\.1:(\d+)", "".join(lines)):
+            # the engine's steps compiled before it listens, unless told not to
+            if any("warmed up in" in x for x in log) == ("--no-warmup" not in extra):
                 return proc, f"http://127.0.0.1:{m.group(1)}"
+            break
     proc.kill()
-    raise RuntimeError("the server did not start:\n" + "".join(log))
+    raise RuntimeError("the server did not start, or not warmed up as asked:\n" + "".join(log))
 
 
 def _stop(proc: subprocess.Popen) -> str:
@@ -78,7 +86,7 @@ def test_sigterm_finishes_or_aborts_in_flight_and_holds_no_page(grace):
 
 @pytest.mark.slow
 def test_sigterm_when_idle():
-    proc, url = _start()
+    proc, url = _start("--no-warmup")
     try:
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     finally:
