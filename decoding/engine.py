@@ -571,8 +571,9 @@ class Engine:
         cached token of a running request, over ``P`` times the pages running requests hold
         (0.0 when they hold none). ``prefix_cache_hits`` counts pages reused from the cache;
         ``tokens_per_s`` is generated tokens over the time spent in ``step`` less its compilation
-        (steps that traced a device step); ``compile_s`` counts ``warmup()``'s too; ``finished`` and ``aborted`` count
-        requests; ``rebuilds`` the times an exception in ``step`` made the engine rebuild.
+        (steps that traced a device step); ``compile_s`` counts ``warmup()``'s too; ``finished``
+        and ``aborted`` count requests; ``rebuilds`` the times an exception in ``step`` made the
+        engine rebuild.
 
         Memory: the ``pages_*`` counts are pool pages; a pool page holds P positions of the
         ``pool_layers`` layers, ``page_bytes`` of keys and values (with a draft model's page at

@@ -139,7 +139,7 @@ def decode_rows(
     its position in its request's pages (padding rows: the scratch page). Every row's key and
     value is written before any row attends (models.fused_decode; the jnp scatter likewise), so a
     token sees the earlier tokens of its chunk, and a request whose prompt ends here decodes
-    in the same step. The weights stream once for both (``Runner.run`` says when it pays);
+    in the same step. The weights stream once for both (``Runner.fold`` says when it pays);
     their logits are dead code.
     """
     model = packed_model(graphdef, params, kernels)
