@@ -153,6 +153,16 @@ def bf16_dot_available() -> bool:
     return "avx512_bf16" in _cpu_flags()
 
 
+def amx_available() -> bool:
+    """Whether ``"bf16"`` products run on the AMX tile unit (``amx_bf16``: Sapphire Rapids and
+    later; Linux grants the tile state per process): bound by reading the weights up to 16 rows
+    and beyond, where ``vdpbf16ps`` is compute-bound from about 8 rows (batched decode steps,
+    verification, prefill chunks). ``PALLAS_ATTN_AMX=0`` turns it off for a process. Each row's
+    sums still do not depend on the rows beside it; they differ from ``vdpbf16ps``'s in the last
+    bits."""
+    return "amx_bf16" in _cpu_flags() and os.environ.get("PALLAS_ATTN_AMX") != "0"
+
+
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
     try:

@@ -38,11 +38,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "parallel.h"
@@ -438,16 +444,19 @@ inline float bf16_to_float(uint16_t h) {
 }
 
 // The activations of one call as bfloat16 pairs: hi [M, K2 / 2] and lo [M, K2 / 2] 32-bit lanes
-// (low half k = 2j, high half 2j + 1; the pad k = K is zero); exact when every lo is zero.
+// (low half k = 2j, high half 2j + 1; the pad k = K is zero; rows past M up to a multiple of 16
+// zero, for the tiles); exact when every lo is zero.
 struct BF16Acts {
   std::vector<uint32_t> hi, lo;
   bool exact = true;
 };
 
 void split_activations(const float* x, int64_t M, int64_t K, BF16Acts& a) {
-  const int64_t J = (K + 1) / 2;
-  a.hi.resize(M * J);
-  a.lo.resize(M * J);
+  const int64_t J = (K + 1) / 2, padded = (M + 15) / 16 * 16;  // tile_panels reads 16 rows
+  a.hi.resize(padded * J);
+  a.lo.resize(padded * J);
+  std::fill(a.hi.begin() + M * J, a.hi.end(), 0u);
+  std::fill(a.lo.begin() + M * J, a.lo.end(), 0u);
   a.exact = true;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < J; ++j) {
@@ -566,6 +575,150 @@ void bf16_pair_panels(const uint32_t* hi, const uint32_t* lo, int64_t M, int64_t
 constexpr bool kBF16DotBuilt = false;
 #endif
 
+// ---- bfloat16 tile products (AMX) ---------------------------------------------------------------
+// Where the CPU has AMX-BF16 (Sapphire Rapids and later) and the kernel grants this process its
+// tile state, kWeightBF16 products run on the tile unit instead of vdpbf16ps: TDPBF16PS multiplies
+// a [16 rows, 16 pairs] tile of the split activations by a [16 pairs, 16 columns] tile of a pair
+// panel, which is the panel's layout read at a stride of one pair row (128 bytes), so the panels
+// are packed as before. One instruction does 16 x 16 x 32 products, so rows beyond the first cost
+// next to nothing and a product stays bound by reading its weights up to 16 rows and beyond:
+// where vdpbf16ps is compute-bound from about 8 rows on (the batched steps of the engine), this
+// is not. Every row count takes the same sequence of tile instructions per row (rows padded to
+// 16 with zeros), so a row's sums do not depend on the rows beside it; they differ from
+// vdpbf16ps's in the last bits (the tile unit's own order of accumulation).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+constexpr bool kAmxBuilt = true;
+constexpr int kTileRows = 16;   // rows of an activation tile (the row group)
+constexpr int kTilePairs = 16;  // pairs per tile step: 64 bytes of a tile row
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0 - 3 sums (two panels x two 16-column halves), 4 activations, 5 and 6 weights, 16 rows
+// each; for a step over the last `pairs` < 16 pairs, 4 takes pairs columns and 5, 6 pairs rows.
+inline void load_tiles(int pairs) {
+  TileConfig c;
+  for (int t = 0; t < 7; ++t) {
+    c.colsb[t] = t == 4 ? 4 * pairs : 64;
+    c.rows[t] = t == 5 || t == 6 ? pairs : kTileRows;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Whether the tile unit can run here: the CPU says AMX-BF16 and the kernel grants this process
+// the tile data state (Linux asks for it once per process: arch_prctl ARCH_REQ_XCOMP_PERM), and
+// PALLAS_ATTN_AMX is not "0".
+bool amx() {
+  static const bool ok = [] {
+    const char* env = std::getenv("PALLAS_ATTN_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)))
+      return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+// Sums of one step: pairs [j0, j0 + step) of activation rows [m0, m0 + 16) (split, hi and, unless
+// kExact, lo) times the pair panels w (tiles 0, 1) and, when v, v (tiles 2, 3).
+template <bool kExact>
+inline void tile_step(const uint32_t* hi, const uint32_t* lo, int64_t J, const uint16_t* w,
+                      const uint16_t* v, int64_t j0) {
+  constexpr int64_t kRow = 2 * kNB * sizeof(uint16_t);  // one pair row of a panel: 128 bytes
+  _tile_loadd(4, hi + j0, J * 4);
+  _tile_loadd(5, w + j0 * 2 * kNB, kRow);
+  _tile_loadd(6, w + j0 * 2 * kNB + kNB, kRow);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_dpbf16ps(1, 4, 6);
+  if (v != nullptr) {
+    _tile_loadd(5, v + j0 * 2 * kNB, kRow);
+    _tile_loadd(6, v + j0 * 2 * kNB + kNB, kRow);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  if (!kExact) {
+    _tile_loadd(4, lo + j0, J * 4);
+    _tile_loadd(5, w + j0 * 2 * kNB, kRow);
+    _tile_loadd(6, w + j0 * 2 * kNB + kNB, kRow);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    if (v != nullptr) {
+      _tile_loadd(5, v + j0 * 2 * kNB, kRow);
+      _tile_loadd(6, v + j0 * 2 * kNB + kNB, kRow);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+}
+
+// All M rows (the activations padded to a multiple of 16 rows) times the panels w and, when v,
+// v -> y[:, 0:cols_w] and y[:, kNB:kNB + cols_v]. The tile configuration is the caller's (full
+// steps); a last step of fewer than 16 pairs reconfigures around it and restores it.
+template <bool kExact>
+void tile_panels(const uint32_t* hi, const uint32_t* lo, int64_t M, int64_t J, const uint16_t* w,
+                 const uint16_t* v, float* y, int64_t ldy, int64_t cols_w, int64_t cols_v) {
+  alignas(64) float t[kTileRows][2 * kNB];
+  const int64_t full = J / kTilePairs * kTilePairs, tail = J - full;
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+    const uint32_t *h = hi + m0 * J, *l = lo + m0 * J;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j0 = 0; j0 < full; j0 += kTilePairs) tile_step<kExact>(h, l, J, w, v, j0);
+    _tile_stored(0, &t[0][0], sizeof(t[0]));
+    _tile_stored(1, &t[0][kLanes], sizeof(t[0]));
+    _tile_stored(2, &t[0][kNB], sizeof(t[0]));
+    _tile_stored(3, &t[0][kNB + kLanes], sizeof(t[0]));
+    if (tail > 0) {  // loading a configuration zeroes the tiles: the sums wait in t
+      load_tiles(int(tail));
+      _tile_loadd(0, &t[0][0], sizeof(t[0]));
+      _tile_loadd(1, &t[0][kLanes], sizeof(t[0]));
+      _tile_loadd(2, &t[0][kNB], sizeof(t[0]));
+      _tile_loadd(3, &t[0][kNB + kLanes], sizeof(t[0]));
+      tile_step<kExact>(h, l, J, w, v, full);
+      _tile_stored(0, &t[0][0], sizeof(t[0]));
+      _tile_stored(1, &t[0][kLanes], sizeof(t[0]));
+      _tile_stored(2, &t[0][kNB], sizeof(t[0]));
+      _tile_stored(3, &t[0][kNB + kLanes], sizeof(t[0]));
+      load_tiles(kTilePairs);
+    }
+    const int64_t rows = std::min<int64_t>(kTileRows, M - m0);
+    for (int64_t m = 0; m < rows; ++m) {
+      std::memcpy(y + (m0 + m) * ldy, t[m], cols_w * sizeof(float));
+      if (v != nullptr) std::memcpy(y + (m0 + m) * ldy + kNB, t[m] + kNB, cols_v * sizeof(float));
+    }
+  }
+}
+
+// Panels [p0, p1) (in pairs, an odd last one alone) on this thread's tile unit.
+void tile_range(const BF16Acts& a, int64_t M, int64_t J, const uint16_t* wp, int64_t p0,
+                int64_t p1, float* y, int64_t N) {
+  const int64_t panel_elems = 2 * J * kNB;
+  load_tiles(kTilePairs);
+  for (int64_t p = p0; p < p1; p += 2) {
+    const int64_t n0 = p * kNB;
+    const uint16_t* w = wp + p * panel_elems;
+    const uint16_t* v = p + 1 < p1 ? w + panel_elems : nullptr;
+    const int64_t cols_w = std::min<int64_t>(kNB, N - n0);
+    const int64_t cols_v = v != nullptr ? std::min<int64_t>(kNB, N - n0 - kNB) : 0;
+    if (a.exact)
+      tile_panels<true>(a.hi.data(), a.lo.data(), M, J, w, v, y + n0, N, cols_w, cols_v);
+    else
+      tile_panels<false>(a.hi.data(), a.lo.data(), M, J, w, v, y + n0, N, cols_w, cols_v);
+  }
+  _tile_release();  // the thread's tile state back to its initial (cheap to switch) one
+}
+#else
+constexpr bool kAmxBuilt = false;
+bool amx() { return false; }
+#endif
+
 // Whether kWeightBF16 runs the dot products: built for them (-march=native on a CPU with
 // avx512_bf16) and the CPU running this has them (a library built elsewhere).
 bool bf16_dot() {
@@ -579,12 +732,20 @@ bool bf16_dot() {
 
 void run_bf16(ffi::ThreadPool pool, const float* x, int64_t M, int64_t K, const uint16_t* wp,
               int64_t P, float* y, int64_t N, bool exact_kind) {
-  if (exact_kind || !bf16_dot()) return run(pool, x, M, K, wp, P, y, N);
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (exact_kind || !(bf16_dot() || amx())) return run(pool, x, M, K, wp, P, y, N);
   thread_local BF16Acts acts;  // the calling thread's; pool tasks only read it during the call
   split_activations(x, M, K, acts);
   const BF16Acts& a = acts;
   const int64_t J = (K + 1) / 2, panel_elems = 2 * J * kNB;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+  if (amx()) {
+    parallel_pairs(pool, P, worth_sharing(P * panel_elems * 2, M), [&](int64_t p0, int64_t p1) {
+      tile_range(a, M, J, wp, p0, p1, y, N);
+    });
+    return;
+  }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
   parallel_pairs(pool, P, worth_sharing(P * panel_elems * 2, M), [&](int64_t p0, int64_t p1) {
     for (; p0 + 1 < p1; p0 += 2) {
       const int64_t n0 = p0 * kNB, cols = N - n0 - kNB < kNB ? N - n0 - kNB : kNB;

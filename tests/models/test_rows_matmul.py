@@ -69,6 +69,52 @@ def test_bf16_dot_products(M, K, N):
         np.testing.assert_array_equal(np.asarray(f(xs, panels, N, "bf16")), np.concatenate(rows))
 
 
+_TILE_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from models import rows_matmul
+x, w = np.load(sys.argv[1]), np.load(sys.argv[2])
+panels = rows_matmul.pack(jnp.asarray(w).astype(jnp.bfloat16))
+y = jax.jit(rows_matmul.matmul, static_argnums=(2, 3))(jnp.asarray(x), panels, w.shape[1], "bf16")
+np.save(sys.argv[3], np.asarray(y))
+"""
+
+
+@pytest.mark.skipif(not rows_matmul.amx_available(), reason="no AMX-BF16 on this CPU")
+def test_tile_products_against_dot_products(tmp_path):
+    """On an AMX CPU the "bf16" products run on the tile unit (all row counts, full 16-pair steps
+    and a last partial one, odd K): the same error bounds as vdpbf16ps's (PALLAS_ATTN_AMX=0, in a
+    child process: the choice is made once per process), and not its bits, so the tiles ran."""
+    import os
+    import subprocess
+    import sys
+
+    M, K, N = 37, 2 * 16 * 3 + 2 * 5 + 1, 130  # three full steps, then 5 pairs and an odd row
+    x, w, _ = _case(M, K, N, jnp.bfloat16, seed=4)
+    xb = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32))
+    wf = np.asarray(w.astype(jnp.float32))
+    out = {}
+    for env in ("1", "0"):
+        for name, xs in (("exact", xb), ("split", np.asarray(x))):
+            paths = [tmp_path / f"{n}.npy" for n in ("x", "w", f"y{env}{name}")]
+            np.save(paths[0], xs)
+            np.save(paths[1], wf)
+            env_vars = {**os.environ, "PALLAS_ATTN_AMX": env}
+            subprocess.run(
+                [sys.executable, "-c", _TILE_SCRIPT, *map(str, paths)],
+                check=True,
+                env=env_vars,
+                timeout=300,
+            )
+            out[env, name] = np.load(paths[2])
+    for name, xs in (("exact", xb), ("split", np.asarray(x))):
+        ref = np.asarray(xs, np.float64) @ _f64(w)
+        scale = np.abs(np.asarray(xs, np.float64)) @ np.abs(_f64(w))
+        bound = (2.0**-20 if name == "exact" else 2.0**-17 + 2.0**-20) * scale
+        for env in ("1", "0"):
+            assert np.all(np.abs(out[env, name] - ref) <= bound), (env, name)
+        assert not np.array_equal(out["1", name], out["0", name])
+
+
 @pytest.mark.parametrize("K,N", [(77, 70), (576, 200)])
 @pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
 def test_rows_independent_of_blocking(K, N, wdtype):
