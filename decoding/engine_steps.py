@@ -52,6 +52,7 @@ from decoding.sampling import (
     token_logprobs,
 )
 from models import KVCache
+from pallas_attn.cache import set_rows
 
 TRACES: collections.Counter = collections.Counter()
 # Folded into a row's key for a model draft's draws, so they are independent of the
@@ -287,6 +288,12 @@ def jitted(graphdef, logprobs_mode: str = "raw"):
     return prefill, decode
 
 
+def _copy(x, src, dst):
+    """Pages dst[i] = pages src[i] of one layer (``set_rows``: in place for bfloat16 on CPU)."""
+    pages = x.reshape(x.shape[0], 1, -1)
+    return set_rows(pages, dst, jnp.zeros_like(dst), pages[src, 0]).reshape(x.shape)
+
+
 @functools.partial(jax.jit, donate_argnames=("k", "v"), static_argnames=("layers",))
 def copy_pages(k, v, src, dst, layers=None):
     """Page ``dst[i]`` becomes a copy of page ``src[i]`` in every layer, or in the layers of
@@ -294,6 +301,6 @@ def copy_pages(k, v, src, dst, layers=None):
     TRACES["copy"] += 1
     pick = range(len(k)) if layers is None else layers
     copy = lambda xs: tuple(  # noqa: E731
-        x.at[dst].set(x[src]) if i in pick else x for i, x in enumerate(xs)
+        _copy(x, src, dst) if i in pick else x for i, x in enumerate(xs)
     )
     return copy(k), copy(v)

@@ -290,7 +290,7 @@ class Runner:
         """``decode_rows``' ``prefill`` for ``chunks``: (tokens, positions, tables) of their
         tokens, padded to a multiple of ``MIN_CHUNK`` rows (or to ``rows``) on the scratch page."""
         n = sum(c.stop - c.start for c in chunks)
-        N = rows or max(MIN_CHUNK, -(-n // MIN_CHUNK) * MIN_CHUNK)
+        N = rows or chunk_bucket(n)  # n <= the step's free rows < FINE_CHUNKS
         tokens, positions = np.zeros(N, np.int32), np.zeros(N, np.int32)
         table = np.full((N, self.max_pages), self.scratch, np.int32)
         i = 0

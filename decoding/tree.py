@@ -25,6 +25,7 @@ import numpy as np
 
 from decoding.checks import check_int, is_int
 from models import KVCache
+from pallas_attn.cache import set_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +233,7 @@ def compact_path(spec: TreeSpec, cache: KVCache, start, best):
     d0, d1 = cache_slots(cache, dst)
 
     def move(x):
-        return x.at[d0, d1].set(x[s0, s1], mode="drop")
+        return set_rows(x, d0, d1, x[s0, s1])
 
     return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 

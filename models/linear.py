@@ -29,9 +29,11 @@ class PackedWeights(nnx.Variable):
     :func:`models.transformer.attach_decode_weights`; not a parameter)."""
 
 
-def few_rows(x) -> bool:
-    """Whether ``x [..., K]`` has the few rows that :func:`models.rows_matmul.matmul` is for."""
-    return x.size // x.shape[-1] <= DECODE_MAX_ROWS
+def few_rows(x, packed=None) -> bool:
+    """Whether ``x [..., K]`` has the few rows that :func:`models.rows_matmul.matmul` is for,
+    or any number where the ``packed`` panels take any (:func:`models.rows_matmul.max_rows`)."""
+    limit = DECODE_MAX_ROWS if packed is None else rows_matmul.max_rows(packed)
+    return x.size // x.shape[-1] <= limit
 
 
 class Linear(nnx.Linear):
@@ -42,7 +44,8 @@ class Linear(nnx.Linear):
     packed_kernel: PackedWeights | None = None
 
     def __call__(self, x, out_sharding=None):
-        if self.packed_kernel is None or not few_rows(x) or out_sharding is not None:
+        packed = self.packed_kernel
+        if packed is None or not few_rows(x, packed[...]) or out_sharding is not None:
             return super().__call__(x, out_sharding)
         return native.on_cpu(self._packed, super().__call__, x)  # plain where lowered for GPU
 

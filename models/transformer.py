@@ -87,7 +87,21 @@ class Embed(nnx.Embed):
     scale: float | None = None
 
     def __call__(self, inputs):
-        x = super().__call__(inputs)
+        table = self.embedding[...]
+        if (
+            table.dtype.itemsize == 2
+            and jnp.issubdtype(table.dtype, jnp.floating)
+            and self.dtype in (None, table.dtype)
+            and self.num_embeddings > 1
+            and jnp.issubdtype(inputs.dtype, jnp.integer)
+        ):
+            # XLA:CPU widens a 16-bit float table to float32 whole before gathering from it
+            # (113 MB written per step for SmolLM2 in bfloat16); the rows' bits gather as
+            # integers. Out-of-range ids: the unsigned fill 0xffff is a NaN, as jnp.take's.
+            bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
+            x = jax.lax.bitcast_convert_type(jnp.take(bits, inputs, axis=0), table.dtype)
+        else:
+            x = super().__call__(inputs)
         if self.scale is None:
             return x
         return x * jnp.asarray(np.float32(self.scale)).astype(x.dtype)  # float32 first, as HF
@@ -499,7 +513,7 @@ class Transformer(nnx.Module):
 
     def logits(self, h):
         """LM head on final hidden states h [B, T, dim] -> [B, T, V] float32 (with softcap)."""
-        if self.packed_head is not None and few_rows(h):
+        if self.packed_head is not None and few_rows(h, self.packed_head[...]):
             packed = lambda h: rows_matmul.matmul(  # noqa: E731
                 h.astype(self.embed.dtype), self.packed_head[...], self.config.vocab_size
             )

@@ -9,12 +9,13 @@ The reference, the "xla" path and both Pallas kernels (append, decode) call it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from pallas_attn import rotary
+from pallas_attn import native, rotary
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -123,6 +124,36 @@ def rotate_queries(static: Static, args: CacheArgs, q):
     return rotate(static, args, q, per_token=static.window != (-1, -1))
 
 
+def set_rows(x, i0, i1, values):
+    """``x.at[i0, i1].set(values, mode="drop")`` (values cast to ``x``'s dtype; i0, i1 int
+    arrays of one shape S, values [*S, *x.shape[2:]]). On CPU a 16-bit float ``x`` (bfloat16,
+    float16) is written by a native kernel, in place (``pallas_attn/native/cache_write.cc``):
+    XLA:CPU computes such a scatter in float32, widening and narrowing the whole of ``x`` (for a
+    KV pool, every page of the layer per prefill chunk)."""
+    values = jnp.asarray(values).astype(x.dtype)
+
+    def plain(x, i0, i1, values):
+        return x.at[i0, i1].set(values, mode="drop")
+
+    if not (x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)):
+        return plain(x, i0, i1, values)
+    if not native.available():
+        return plain(x, i0, i1, values)
+    n = math.prod(jnp.shape(i0))
+
+    def fast(x, i0, i1, values):
+        return jax.ffi.ffi_call(
+            native.CACHE_WRITE, jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0}
+        )(
+            x,
+            jnp.asarray(i0, jnp.int32).reshape(n),
+            jnp.broadcast_to(jnp.asarray(i1, jnp.int32), jnp.shape(i0)).reshape(n),
+            values.reshape(n, *x.shape[2:]),
+        )
+
+    return native.on_cpu(fast, plain, x, i0, i1, values)
+
+
 def write(static: Static, args: CacheArgs, k_cache, v_cache, k, v):
     """The jnp cache write (reference and "xla"): rotary on the new keys, FP8 quantisation, and a
     ``mode="drop"`` scatter to positions ``cache_seqlens + t`` (in place under donation)."""
@@ -139,8 +170,8 @@ def write(static: Static, args: CacheArgs, k_cache, v_cache, k, v):
         page_of = lambda blk: jnp.take_along_axis(index, blk, axis=1)  # noqa: E731
         idx0, idx1, ok = locate(pos, k_cache.shape, page_of=page_of, max_blocks=index.shape[1])
     idx0 = jnp.where(ok, idx0, k_cache.shape[0])  # out of bounds: the scatter drops it
-    k_cache = k_cache.at[idx0, idx1].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[idx0, idx1].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = set_rows(k_cache, idx0, idx1, k)
+    v_cache = set_rows(v_cache, idx0, idx1, v)
     return k_cache, v_cache
 
 

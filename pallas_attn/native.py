@@ -37,11 +37,13 @@ ROWS_MATMUL = "pallas_attn_rows_matmul"  # FFI target names (jax.ffi.ffi_call)
 ROWS_MATMUL_Q = "pallas_attn_rows_matmul_q"
 KV_ATTENTION = "pallas_attn_kv_attention"
 DECODE_LAYER = "pallas_attn_decode_layer"
+CACHE_WRITE = "pallas_attn_cache_write"
 TARGETS = {  # target -> symbol
     ROWS_MATMUL: "PallasAttnRowsMatmul",
     ROWS_MATMUL_Q: "PallasAttnRowsMatmulQ",
     KV_ATTENTION: "PallasAttnKVAttention",
     DECODE_LAYER: "PallasAttnDecodeLayer",
+    CACHE_WRITE: "PallasAttnCacheWrite",
 }
 
 
