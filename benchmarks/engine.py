@@ -184,12 +184,14 @@ def speculation(args) -> None:
     the chat's end token or after ``new`` tokens), a warm-up pass that compiles, then a timed
     one; tokens/s counts the tokens generated; every drafted row checked identical to the
     undrafted one."""
+    import jax.numpy as jnp
+
     import models
     from benchmarks.speculative import REAL_PROMPTS, real_prompt_ids
     from decoding import Medusa, PromptLookup
     from decoding.medusa import LOOKUP_NGRAM
 
-    model, tok = models.pretrained("smollm2-135m-instruct")
+    model, tok = models.pretrained("smollm2-135m-instruct", dtype=getattr(jnp, args.dtype))
     heads, _ = models.pretrained("smollm2-135m-instruct-medusa")
     drafts = {
         "prompt-lookup": PromptLookup(),
@@ -228,6 +230,7 @@ def speculation(args) -> None:
             rows.append(row)
     settings = dict(
         model="smollm2-135m-instruct",
+        dtype=args.dtype,
         max_new_tokens=new,
         eos="the chat's end token",
         greedy=True,
@@ -236,7 +239,8 @@ def speculation(args) -> None:
         quick=args.quick,
         loadavg=os.getloadavg(),
     )
-    common.finish(args, "engine_speculative", rows, list(rows[0]), settings=settings)
+    name = "engine_speculative" + ("_bf16" if args.dtype == "bfloat16" else "")
+    common.finish(args, name, rows, list(rows[0]), settings=settings)
 
 
 def main() -> None:
@@ -245,6 +249,9 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=1, help="divide every length by this")
     parser.add_argument(
         "--speculation", action="store_true", help="only SmolLM2 with and without a draft"
+    )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="SmolLM2's weights"
     )
     args = parser.parse_args()
     if args.speculation:
