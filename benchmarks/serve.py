@@ -317,7 +317,7 @@ def main() -> None:
     ]
     common.finish(
         args,
-        "serve_cpu",
+        "serve_cpu" + ("_bf16" if args.dtype == "bfloat16" else ""),
         rows,
         columns,
         model=MODEL,
