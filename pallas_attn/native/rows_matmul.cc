@@ -624,13 +624,12 @@ bool amx() {
   return ok;
 }
 
-// Sums of one step: pairs [j0, j0 + step) of activation rows [m0, m0 + 16) (split, hi and, unless
-// kExact, lo) times the pair panels w (tiles 0, 1) and, when v, v (tiles 2, 3).
-template <bool kExact>
-inline void tile_step(const uint32_t* hi, const uint32_t* lo, int64_t J, const uint16_t* w,
-                      const uint16_t* v, int64_t j0) {
+// One pass of a step: pairs [j0, j0 + 16) (or the configured last few) of the activation rows x
+// (row stride J) times the pair panels w (into tiles 0, 1) and, when v, v (tiles 2, 3).
+inline void tile_pass(const uint32_t* x, int64_t J, const uint16_t* w, const uint16_t* v,
+                      int64_t j0) {
   constexpr int64_t kRow = 2 * kNB * sizeof(uint16_t);  // one pair row of a panel: 128 bytes
-  _tile_loadd(4, hi + j0, J * 4);
+  _tile_loadd(4, x + j0, J * 4);
   _tile_loadd(5, w + j0 * 2 * kNB, kRow);
   _tile_loadd(6, w + j0 * 2 * kNB + kNB, kRow);
   _tile_dpbf16ps(0, 4, 5);
@@ -641,19 +640,14 @@ inline void tile_step(const uint32_t* hi, const uint32_t* lo, int64_t J, const u
     _tile_dpbf16ps(2, 4, 5);
     _tile_dpbf16ps(3, 4, 6);
   }
-  if (!kExact) {
-    _tile_loadd(4, lo + j0, J * 4);
-    _tile_loadd(5, w + j0 * 2 * kNB, kRow);
-    _tile_loadd(6, w + j0 * 2 * kNB + kNB, kRow);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 6);
-    if (v != nullptr) {
-      _tile_loadd(5, v + j0 * 2 * kNB, kRow);
-      _tile_loadd(6, v + j0 * 2 * kNB + kNB, kRow);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_dpbf16ps(3, 4, 6);
-    }
-  }
+}
+
+// Sums of one step: the split activations' hi pass and, unless kExact, their lo pass.
+template <bool kExact>
+inline void tile_step(const uint32_t* hi, const uint32_t* lo, int64_t J, const uint16_t* w,
+                      const uint16_t* v, int64_t j0) {
+  tile_pass(hi, J, w, v, j0);
+  if (!kExact) tile_pass(lo, J, w, v, j0);
 }
 
 // All M rows (the activations padded to a multiple of 16 rows) times the panels w and, when v,
