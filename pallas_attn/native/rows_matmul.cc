@@ -451,26 +451,44 @@ struct BF16Acts {
   bool exact = true;
 };
 
+// float_to_bf16 on the bits, without branches, so that split_activations' loop vectorizes (as
+// a scalar loop it took a tenth of a batched bfloat16 decode step on the tile unit).
+inline uint16_t bf16_bits(uint32_t u) {
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
 void split_activations(const float* x, int64_t M, int64_t K, BF16Acts& a) {
   const int64_t J = (K + 1) / 2, padded = (M + 15) / 16 * 16;  // tile_panels reads 16 rows
   a.hi.resize(padded * J);
   a.lo.resize(padded * J);
   std::fill(a.hi.begin() + M * J, a.hi.end(), 0u);
   std::fill(a.lo.begin() + M * J, a.lo.end(), 0u);
-  a.exact = true;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < J; ++j) {
-      uint32_t hi = 0, lo = 0;
-      for (int i = 0; i < 2 && 2 * j + i < K; ++i) {
-        const float v = x[m * K + 2 * j + i];
-        const uint16_t h = float_to_bf16(v), l = float_to_bf16(v - bf16_to_float(h));
-        hi |= uint32_t(h) << (16 * i);
-        lo |= uint32_t(l) << (16 * i);
-      }
-      a.hi[m * J + j] = hi;
-      a.lo[m * J + j] = lo;
-      a.exact &= (lo & 0x7fff7fffu) == 0;  // +-0 halves add nothing
+  thread_local std::vector<uint16_t> h, l;  // one row, k in order (pair j = halves 2j, 2j + 1)
+  h.assign(2 * J, 0);
+  l.assign(2 * J, 0);
+  uint32_t any_lo = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    for (int64_t k = 0; k < K; ++k) {
+      uint32_t u;
+      std::memcpy(&u, xm + k, 4);
+      const uint16_t hb = bf16_bits(u);
+      const uint32_t hu = uint32_t(hb) << 16;
+      float hf;
+      std::memcpy(&hf, &hu, 4);
+      const float d = xm[k] - hf;
+      uint32_t du;
+      std::memcpy(&du, &d, 4);
+      const uint16_t lb = bf16_bits(du);
+      h[k] = hb;
+      l[k] = lb;
+      any_lo |= lb & 0x7fffu;  // +-0 adds nothing
     }
+    std::memcpy(a.hi.data() + m * J, h.data(), 4 * J);
+    std::memcpy(a.lo.data() + m * J, l.data(), 4 * J);
+  }
+  a.exact = any_lo == 0;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
