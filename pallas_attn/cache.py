@@ -141,15 +141,14 @@ def set_rows(x, i0, i1, values):
         return plain(x, i0, i1, values)
     n = math.prod(jnp.shape(i0))
 
+    def flat(i, dim):  # negative indices count from the end, as jnp's indexing
+        i = jnp.broadcast_to(jnp.asarray(i, jnp.int32), jnp.shape(i0)).reshape(n)
+        return jnp.where(i < 0, i + dim, i)
+
     def fast(x, i0, i1, values):
         return jax.ffi.ffi_call(
             native.CACHE_WRITE, jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0}
-        )(
-            x,
-            jnp.asarray(i0, jnp.int32).reshape(n),
-            jnp.broadcast_to(jnp.asarray(i1, jnp.int32), jnp.shape(i0)).reshape(n),
-            values.reshape(n, *x.shape[2:]),
-        )
+        )(x, flat(i0, x.shape[0]), flat(i1, x.shape[1]), values.reshape(n, *x.shape[2:]))
 
     return native.on_cpu(fast, plain, x, i0, i1, values)
 

@@ -22,17 +22,20 @@ def _plain(x, i0, i1, values):
 def test_matches_the_scatter(dtype, shape, idx):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal(shape), dtype)
-    # in range, repeated rows (the last write wins, as in the scatter's order), and out of
-    # range in either index (dropped), negative included
+    # in range, repeated rows (the last write wins, as in the scatter's order), negative (from
+    # the end) and out of range in either index (dropped)
     i0 = rng.integers(-1, shape[0] + 2, idx).astype(np.int32)
     i1 = rng.integers(0, shape[1] + 1, idx).astype(np.int32)
     i0.flat[0], i1.flat[0] = 1, 0
+    i0.flat[-1], i1.flat[-1] = -1, shape[1] - 1  # counts from the end, as in jnp
+    i0.flat[1 % i0.size], i1.flat[1 % i0.size] = -shape[0] - 1, 0  # below -dim: dropped
     values = jnp.asarray(rng.standard_normal((*idx, *shape[2:])), jnp.float32)
     got = jax.jit(cache.set_rows)(x, i0, i1, values)
     want = jax.jit(_plain)(x, i0, i1, values)
     assert got.dtype == x.dtype and got.shape == x.shape
     # distinct positions: equal bit for bit (the scatter leaves repeated ones unordered)
-    flat = [(a, b) for a, b in zip(i0.ravel(), i1.ravel(), strict=True)]
+    norm = lambda i, d: i + d if -d <= i < 0 else i  # noqa: E731
+    flat = [(norm(a, shape[0]), b) for a, b in zip(i0.ravel(), i1.ravel(), strict=True)]
     if len(set(flat)) == len(flat):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     else:
