@@ -207,7 +207,7 @@ class DistributedEngine:
 
     @property
     def busy(self) -> bool:
-        """Some request is waiting or running (the same on every process after a step)."""
+        """:attr:`Engine.busy` (the same on every process after a step)."""
         return self.engine.busy
 
     @property

@@ -71,7 +71,8 @@ exception inside ``step()`` (an asynchronous one included) leaves the pool possi
 deleted and the page tables possibly mid-change, so the engine rebuilds both from the requests'
 tokens (the one source of truth) before re-raising: every unfinished request goes back to the
 queue and is recomputed when readmitted, exactly as after a preemption, so its tokens are
-unchanged; the prefix cache starts empty. If that rebuild fails, every later call raises
+unchanged; one whose last token was already appended finishes as it is; tokens appended before
+the exception come with the next ``step()``; the prefix cache starts empty. If that rebuild fails, every later call raises
 ``RuntimeError`` saying so.
 
 Example::
@@ -400,14 +401,23 @@ class Engine:
         self._check_usable()
         with deferred_interrupts():
             t0 = time.perf_counter()
+            # What was pending before this step; the lists are replaced, never extended, so
+            # handing a row's tokens out can be redone after an exception (see below).
+            events, logprobs, lengths = dict(self._events), dict(self._step_logprobs), None
             try:
                 ahead = self.num_draft_tokens + 1 if self.draft is not None else 1
                 plan = self.scheduler.schedule(ahead)
                 out = self.runner.run(plan, set(self._num_logprobs))
-                emitted = self.scheduler.postprocess(plan, out.tokens)
-                self._emit(plan, out, emitted)
+                lengths = [len(row.req.tokens) for row in plan.decode]
+                self.scheduler.postprocess(plan, out.tokens)
+                self._emit(plan, out, lengths, events, logprobs)
+                self._count_drafts(plan, out, lengths)
             except BaseException:
-                self._rebuild()
+                try:  # the tokens some rows appended before the exception are theirs: handed
+                    if lengths is not None:  # out like any step's, or a stream would skip them
+                        self._emit(plan, out, lengths, events, logprobs)
+                finally:
+                    self._rebuild()
                 raise
             finally:
                 self._busy_s += time.perf_counter() - t0
@@ -439,17 +449,6 @@ class Engine:
                 self._logprobs.setdefault(rid, []).extend(records)
         self._returned_logprobs = ()
 
-    def _record_logprobs(self, req: Request, tokens: list[int], lp) -> None:
-        """Keeps the ``TokenLogprob`` of ``tokens`` (emitted by ``req`` this step) when it
-        asked; ``lp`` host ``Logprobs`` of the row's sampled tokens (leading axis: token)."""
-        n = self._num_logprobs.get(req.rid)
-        if n is None or not tokens:
-            return
-        part = jax.tree.map(lambda x: x[: len(tokens)], lp)
-        self._step_logprobs.setdefault(req.rid, []).extend(logprob_records(tokens, part, n))
-        if req.done:
-            del self._num_logprobs[req.rid]
-
     def warmup(self) -> float:
         """Compiles every device step this engine can run -> the seconds it took.
 
@@ -463,7 +462,10 @@ class Engine:
         """
         self._check_usable()
         if self.busy:
-            raise RuntimeError("warmup() needs an idle engine: a request is waiting or running")
+            raise RuntimeError(
+                "warmup() needs an idle engine: a request is waiting or running, or tokens "
+                "are yet to be returned by step()"
+            )
         lengths: tuple[int, ...] = ()
         if self.draft is not None:  # every k the rule may choose, or the fixed one
             kind, params = self.runner.draft, self.runner.draft_params
@@ -482,8 +484,10 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Some request is waiting or running."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Some request is waiting or running, or some tokens are yet to be returned by
+        ``step()`` (those of a step that raised), so ``while eng.busy: eng.step()`` streams
+        every token even when the last step was interrupted."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._events)
 
     def pop_finished(self) -> dict[int, list[int]]:
         """``{request id: generated tokens}`` of the requests finished since the last call, each
@@ -492,7 +496,7 @@ class Engine:
         return out
 
     def run_until_done(self) -> dict[int, list[int]]:
-        """Steps until no request is waiting or running -> ``pop_finished()``: the requests that
+        """Steps while ``busy`` -> ``pop_finished()``: the requests that
         finished during this call (and any finished earlier that were not yet handed out)."""
         while self.busy:
             self.step()
@@ -517,15 +521,29 @@ class Engine:
             )
             raise
 
-    def _emit(self, plan: StepPlan, out: RunOutput, emitted: list[list[int]]) -> None:
-        """Keeps the step's emitted tokens (and their logprobs) for ``step()``'s caller; with a
-        draft, counts what each row accepted and every ``RECHOOSE_STEPS`` verifications
-        chooses k again."""
-        for i, (row, tokens) in enumerate(zip(plan.decode, emitted, strict=True)):
-            if tokens:
-                self._events.setdefault(row.req.rid, []).extend(tokens)
-            if out.logprobs is not None:
-                self._record_logprobs(row.req, tokens, out.logprobs[i])
+    def _emit(self, plan: StepPlan, out: RunOutput, lengths: list[int], events, logprobs) -> None:
+        """Keeps for ``step()``'s caller the tokens each decode row appended this step (its
+        request's tokens past ``lengths[i]``) and, when the request asked, their logprobs,
+        after ``events`` / ``logprobs`` (what was pending before the step). Idempotent: run
+        again after an exception it sets the same lists."""
+        for i, row in enumerate(plan.decode):
+            req = row.req
+            tokens = req.tokens[lengths[i] :]
+            if not tokens:
+                continue
+            self._events[req.rid] = events.get(req.rid, []) + tokens
+            n = self._num_logprobs.get(req.rid)
+            if n is not None and out.logprobs is not None:
+                m = len(tokens)
+                part = jax.tree.map(lambda x, m=m: x[:m], out.logprobs[i])
+                records = logprob_records(tokens, part, n)
+                self._step_logprobs[req.rid] = logprobs.get(req.rid, []) + records
+                if req.done:
+                    del self._num_logprobs[req.rid]
+
+    def _count_drafts(self, plan: StepPlan, out: RunOutput, lengths: list[int]) -> None:
+        """With a draft: counts what each row accepted and every ``RECHOOSE_STEPS``
+        verifications chooses k again."""
         if not plan.decode or self.draft is None:
             return
         k = plan.ahead - 1
@@ -533,14 +551,12 @@ class Engine:
             # Not drafting: would the draft's first token have been this step's token? Only
             # where some row had a match: a step where none has is never verified.
             lo, hi = self.draft.min_ngram, self.draft.max_ngram
-            known = [
-                row.req.tokens[: len(row.req.tokens) - len(t)]
-                for row, t in zip(plan.decode, emitted, strict=True)
-            ]
+            known = [row.req.tokens[:n] for row, n in zip(plan.decode, lengths, strict=True)]
             if any(lookup_found(x, lo, hi) for x in known):
-                for x, tokens in zip(known, emitted, strict=True):
-                    if tokens:
-                        self.acceptance.update(int(lookup_next(x, lo, hi) == tokens[0]), 1)
+                for row, x in zip(plan.decode, known, strict=True):
+                    if len(row.req.tokens) > len(x):
+                        nxt = row.req.tokens[len(x)]
+                        self.acceptance.update(int(lookup_next(x, lo, hi) == nxt), 1)
         for n in out.accepted if out.verified else ():
             self._counts["draft_accepted"] += n
             self._counts["draft_proposed"] += k

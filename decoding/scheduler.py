@@ -375,8 +375,9 @@ class Scheduler:
         return req.out
 
     def reset(self) -> None:
-        """A fresh allocator and block tables; every live request back to the queue, running
-        ones first in admission order, to be recomputed from its tokens (as after a preemption)."""
+        """A fresh allocator and block tables; every unfinished live request back to the queue,
+        running ones first in admission order, to be recomputed from its tokens (as after a
+        preemption)."""
         running = sorted(self.running, key=lambda r: r.admitted)
         order = running + list(self.waiting) + list(self.live.values())
         order = [r for r in dict.fromkeys(order) if self.live.get(r.rid) is r]
@@ -384,5 +385,12 @@ class Scheduler:
         for r in order:
             r.computed = r.registered = r.replay = 0
             r.row, r.hashes = -1, []
-        self.running, self.waiting = [], collections.deque(order)
+        # A request whose last token was appended but whose retirement the exception cut short
+        # is finished, not recomputed (readmitted, it would decode one token past its end).
+        self.running, self.waiting = [], collections.deque(r for r in order if not r.done)
+        for r in order:
+            if r.done:
+                self.finished[r.rid] = r.out
+                del self.live[r.rid]
+                self.counts["finished"] += 1
         self._copies, self._preempted = [], []

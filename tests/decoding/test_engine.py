@@ -508,6 +508,133 @@ def test_sigint_at_random_times_loses_nothing(tiny_model, greedy_refs, ctrl_c_ra
     assert eng.stats()["rebuilds"] == 0  # nothing was torn down
 
 
+class _Fault(Exception):
+    pass
+
+
+def _raise_once(eng, fault):
+    """Patches ``eng`` so that one exception is raised at the point ``fault`` names, once."""
+    fired = []
+
+    def once():
+        if fired:
+            return False
+        fired.append(True)
+        return True
+
+    sched = eng.scheduler
+    if fault in ("retire", "retire_after_result"):  # the request is done, its retirement cut
+        real = sched.retire
+
+        def retire(req):
+            if once():
+                if fault == "retire_after_result":
+                    sched.finished[req.rid] = req.out
+                raise _Fault
+            real(req)
+
+        sched.retire = retire
+    elif fault == "register":  # a decode row has appended its token, the rest of the step not
+        real = sched.register
+
+        def register(req):
+            if len(req.tokens) > req.prompt_len + 2 and once():
+                raise _Fault
+            real(req)
+
+        sched.register = register
+    elif fault == "logprob_records":  # inside handing the tokens out
+        import decoding.engine as engine_module
+
+        real = engine_module.logprob_records
+
+        def records(*args):
+            if once():
+                raise _Fault
+            return real(*args)
+
+        return records
+    elif fault == "count_drafts":  # after the tokens were handed out
+        real = eng._count_drafts
+
+        def count(*args):
+            if once():
+                raise _Fault
+            real(*args)
+
+        eng._count_drafts = count
+    return None
+
+
+@pytest.mark.parametrize(
+    "fault", ["retire", "retire_after_result", "register", "logprob_records", "count_drafts"]
+)
+def test_an_exception_after_tokens_were_appended(tiny_model, greedy_refs, fault, monkeypatch):
+    """An exception in a step after some rows appended their tokens (during postprocessing,
+    retirement or handing out): the engine rebuilds, the appended tokens are streamed all the
+    same (with their logprobs), a request whose last token was appended finishes with exactly
+    its tokens (never decoded past its end), none is lost, no page leaks."""
+    eng = make_engine(tiny_model)
+    patched = _raise_once(eng, fault)
+    if patched is not None:
+        monkeypatch.setattr("decoding.engine.logprob_records", patched)
+    ids = {eng.submit(p, MAX_NEW, logprobs=2 if i % 2 else None): i for i, p in enumerate(PROMPTS)}
+    streamed, records, raised = {}, {}, 0
+    for _ in range(200):  # bounded: every request finishes in well under this
+        if not eng.busy:
+            break
+        try:
+            events = eng.step()
+        except _Fault:
+            raised += 1
+            continue
+        for rid, tokens in events.items():
+            streamed.setdefault(rid, []).extend(tokens)
+        for rid, lps in eng.pop_logprobs().items():
+            records.setdefault(rid, []).extend(lps)
+    out = eng.pop_finished()
+    assert raised == 1 and eng.stats()["rebuilds"] == 1
+    assert out == {rid: greedy_refs[i] for rid, i in ids.items()}
+    assert streamed == out
+    assert {rid: [r.token for r in lps] for rid, lps in records.items()} == {
+        rid: out[rid] for rid, i in ids.items() if i % 2
+    }
+    assert eng.stats()["finished"] == len(PROMPTS)
+    assert_clean(eng)
+
+
+def test_the_last_steps_tokens_come_after_an_interrupt(tiny_model, greedy_refs, ctrl_c_raises):
+    """Ctrl-C in the step that finishes the last request (so nothing is left waiting or
+    running), then an exception in one that retires it: the engine stays ``busy`` until a
+    ``step()`` has returned those tokens, so ``while eng.busy: eng.step()`` streams them all."""
+    for fault in ("sigint", "exception"):
+        eng = make_engine(tiny_model)
+        rid = eng.submit(PROMPTS[4], MAX_NEW)
+        sched, real = eng.scheduler, eng.scheduler.retire
+
+        def retire(req, fault=fault, real=real):
+            if fault == "sigint":
+                os.kill(os.getpid(), signal.SIGINT)  # held until the step is consistent
+                real(req)
+            else:
+                raise _Fault
+
+        sched.retire = retire
+        streamed, raised = [], 0
+        for _ in range(2 * MAX_NEW):
+            if not eng.busy:
+                break
+            try:
+                streamed += eng.step().get(rid, [])
+            except (KeyboardInterrupt, _Fault):
+                raised += 1
+                sched.retire = real
+                assert eng.busy and not (sched.running or sched.waiting)
+        assert raised == 1 and not eng.busy
+        assert streamed == greedy_refs[4] and eng.pop_finished() == {rid: greedy_refs[4]}
+        assert_clean(eng)
+
+
 class _Alarm(Exception):
     pass
 
