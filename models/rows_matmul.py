@@ -156,30 +156,20 @@ def max_rows(panels) -> int | float:
 
 
 def bf16_dot_available() -> bool:
-    """Whether this CPU has AVX-512 BF16 (``avx512_bf16``), which the ``"bf16"`` activations of
-    :func:`matmul` need to differ from ``"f32"``: the kernels are built with ``-march=native``
-    and check the feature at run time as well."""
-    return "avx512_bf16" in _cpu_flags()
+    """Whether the kernels run AVX-512 BF16 dot products (``avx512_bf16`` built for and on this
+    CPU: :func:`pallas_attn.native.features`), which the ``"bf16"`` activations of
+    :func:`matmul` need to differ from ``"f32"``."""
+    return "avx512_bf16" in native.features()
 
 
 def amx_available() -> bool:
-    """Whether ``"bf16"`` products run on the AMX tile unit (``amx_bf16``: Sapphire Rapids and
-    later; Linux grants the tile state per process): bound by reading the weights up to 16 rows
+    """Whether ``"bf16"`` products run on the AMX tile unit (``amx_bf16`` built for and on this
+    CPU: Sapphire Rapids and later; Linux grants the tile state per process): bound by reading the weights up to 16 rows
     and beyond, where ``vdpbf16ps`` is compute-bound from about 8 rows (batched decode steps,
     verification, prefill chunks). ``PALLAS_ATTN_AMX=0`` turns it off for a process. Each row's
     sums still do not depend on the rows beside it; they differ from ``vdpbf16ps``'s in the last
     bits."""
-    return "amx_bf16" in _cpu_flags() and os.environ.get("PALLAS_ATTN_AMX") != "0"
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((s for s in f if s.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+    return "amx_bf16" in native.features() and os.environ.get("PALLAS_ATTN_AMX") != "0"
 
 
 # Block-quantized weights (models/quant.py): the same product over panels of GGUF-style blocks.

@@ -89,14 +89,13 @@ class Embed(nnx.Embed):
     def __call__(self, inputs):
         table = self.embedding[...]
         if (
-            table.dtype.itemsize == 2
-            and jnp.issubdtype(table.dtype, jnp.floating)
+            native.widened_on_cpu(table.dtype)
             and self.dtype in (None, table.dtype)
             and self.num_embeddings > 1
             and jnp.issubdtype(inputs.dtype, jnp.integer)
         ):
-            # XLA:CPU widens a 16-bit float table to float32 whole before gathering from it
-            # (113 MB written per step for SmolLM2 in bfloat16); the rows' bits gather as
+            # XLA:CPU widens the table to float32 whole before gathering from it (113 MB
+            # written per step for SmolLM2 in bfloat16); the rows' bits gather as
             # integers. Out-of-range ids: the unsigned fill 0xffff is a NaN, as jnp.take's.
             bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
             x = jax.lax.bitcast_convert_type(jnp.take(bits, inputs, axis=0), table.dtype)

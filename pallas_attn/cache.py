@@ -135,9 +135,7 @@ def set_rows(x, i0, i1, values):
     def plain(x, i0, i1, values):
         return x.at[i0, i1].set(values, mode="drop")
 
-    if not (x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)):
-        return plain(x, i0, i1, values)
-    if not native.available():
+    if not (native.widened_on_cpu(x.dtype) and native.available()):
         return plain(x, i0, i1, values)
     n = math.prod(jnp.shape(i0))
 

@@ -10,7 +10,7 @@ block-quantized weights, see :mod:`models.rows_matmul` and :mod:`models.quant`);
 (:mod:`models.fused_decode`).
 
 They are compiled on first use with the system C++ compiler (``$CXX`` or ``c++``, ``-O3
--march=native``) into one library under ``$PALLAS_ATTN_CACHE`` (default
+-march=native``; ``$PALLAS_ATTN_MARCH`` names another target, see :func:`flags`) into one library under ``$PALLAS_ATTN_CACHE`` (default
 ``~/.cache/pallas_attn``), keyed by the sources, the flags, jaxlib's FFI headers and the CPU's
 features, and registered with XLA's CPU backend. Where that fails (no compiler)
 :func:`available` warns once and returns False, and callers keep their XLA paths;
@@ -29,10 +29,12 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 SOURCES = Path(__file__).with_name("native")
-FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-fPIC", "-shared", "-w")
+FLAGS = ("-O3", "-std=gnu++17", "-fPIC", "-shared", "-w")
 ROWS_MATMUL = "pallas_attn_rows_matmul"  # FFI target names (jax.ffi.ffi_call)
 ROWS_MATMUL_Q = "pallas_attn_rows_matmul_q"
 KV_ATTENTION = "pallas_attn_kv_attention"
@@ -62,6 +64,14 @@ def _cpu_features() -> str:
         return ""
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler flags: ``-march=$PALLAS_ATTN_MARCH`` (default ``native``: this CPU's
+    instructions). ``PALLAS_ATTN_MARCH=haswell`` builds the AVX2 + FMA kernels an AVX-512 host
+    never runs otherwise (the tests do, to check them; a benchmark to time them)."""
+    march = os.environ.get("PALLAS_ATTN_MARCH") or "native"
+    return (*FLAGS, f"-march={march}")
+
+
 def build() -> Path:
     """Compiles the kernels for this machine (once; cached) and returns the library's path."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -69,14 +79,14 @@ def build() -> Path:
         raise RuntimeError("no C++ compiler (set $CXX or install g++)")
     files = sorted(SOURCES.glob("*.cc")) + sorted(SOURCES.glob("*.h"))
     parts = [f.name + "\0" + f.read_text() for f in files]
-    parts += [cxx, *FLAGS, jaxlib.__version__, jax.ffi.include_dir(), _cpu_features()]
+    parts += [cxx, *flags(), jaxlib.__version__, jax.ffi.include_dir(), _cpu_features()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     out = cache_dir() / f"pallas_attn_native-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{SOURCES}"]
+    cmd = [cxx, *flags(), f"-I{jax.ffi.include_dir()}", f"-I{SOURCES}"]
     cmd += [str(f) for f in files if f.suffix == ".cc"] + ["-o", str(tmp)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
@@ -100,6 +110,39 @@ def available() -> bool:
         warnings.warn(f"pallas_attn.native: CPU kernels unavailable, using XLA ({e})", stacklevel=2)
         return False
     return True
+
+
+def widened_on_cpu(dtype) -> bool:
+    """A 16-bit float (bfloat16, float16): XLA:CPU computes a gather from or a scatter into an
+    array of it in float32, widening and narrowing the whole array, which the native cache write
+    and the embedding's bit gather avoid."""
+    dtype = np.dtype(dtype)  # bfloat16 too: ml_dtypes registers it with numpy
+    return dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+
+
+# What PallasAttnBuiltFeatures (rows_matmul.cc) reports, bit i for entry i, in /proc/cpuinfo's
+# names.
+BUILT_FEATURES = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_bf16",
+)
+
+
+@functools.cache
+def features() -> frozenset[str]:
+    """The instruction sets the kernels run with: built for (``-march``, see :func:`flags`) and
+    present on this CPU (the kernels check the CPU as well). Empty where they are unavailable."""
+    if not available():
+        return frozenset()
+    bits = ctypes.cdll.LoadLibrary(str(build())).PallasAttnBuiltFeatures()
+    cpu = set(_cpu_features().partition(":")[2].split())
+    return frozenset(f for i, f in enumerate(BUILT_FEATURES) if bits >> i & 1 and f in cpu)
 
 
 def on_cpu(native_fn, default_fn, *args):

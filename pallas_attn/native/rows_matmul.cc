@@ -1320,6 +1320,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasAttnRowsMatmulQ, RowsMatmulQ,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt"));
 
+// The instruction sets this library was compiled for, bit i for pallas_attn.native.BUILT_FEATURES[i]
+// (-march=native, or $PALLAS_ATTN_MARCH): the Python side asks which kernels can run.
+extern "C" __attribute__((visibility("default"))) int PallasAttnBuiltFeatures() {
+  int bits = 0;
+#if defined(__AVX2__)
+  bits |= 1 << 0;
+#endif
+#if defined(__FMA__)
+  bits |= 1 << 1;
+#endif
+#if defined(__F16C__)
+  bits |= 1 << 2;
+#endif
+#if defined(__AVX512F__)
+  bits |= 1 << 3;
+#endif
+#if defined(__AVX512BW__)
+  bits |= 1 << 4;
+#endif
+#if defined(__AVX512VNNI__)
+  bits |= 1 << 5;
+#endif
+#if defined(__AVX512BF16__)
+  bits |= 1 << 6;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  bits |= 1 << 7;
+#endif
+  return bits;
+}
+
 // ---- Entry points for other kernels (rows_matmul.h; decode_layer.cc owns this block) ----------
 
 namespace pallas_attn {

@@ -58,7 +58,7 @@ def test_distill_steps_move_the_student_towards_the_teacher():
 
 
 @pytest.mark.slow
-def test_cli_distill_from_a_checkpoint(tmp_path):
+def test_cli_distill_from_a_checkpoint(tmp_path, capsys):
     args = ["--preset", "tiny", *TINY_TRAINING_ARGS]
     teacher = tmp_path / "teacher"
     train.main([*args, "--steps", "1", "--out", str(teacher)])
@@ -67,9 +67,11 @@ def test_cli_distill_from_a_checkpoint(tmp_path):
     assert (student / "training.json").exists()
     other_vocab = tmp_path / "other-vocab"
     save_hf_checkpoint(_tiny(0, vocab_size=64), str(other_vocab))
-    with pytest.raises(ValueError, match="distill-from"):
+    with pytest.raises(SystemExit) as e:  # a usage error before training, naming the flag
         out = str(tmp_path / "unused")
         train.main([*args, "--steps", "1", "--out", out, "--distill-from", str(other_vocab)])
+    assert e.value.code == 2 and "--distill-from" in capsys.readouterr().err
+    assert not (tmp_path / "unused").exists()
 
 
 class _ChatTokens:
