@@ -635,8 +635,10 @@ def test_the_last_steps_tokens_come_after_an_interrupt(tiny_model, greedy_refs, 
         assert_clean(eng)
 
 
-class _Alarm(Exception):
-    pass
+class _Alarm(BaseException):
+    """Raised asynchronously, like KeyboardInterrupt: not an ``Exception``, so that library code
+    with an ``except Exception`` handler around the bytecode it lands on (JAX's ``tree_map`` has
+    one, which then fails on its own unbound name) re-raises it unchanged."""
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # alarm in a gc hook
