@@ -7,7 +7,7 @@
 // bfloat16, float16 or FP8 e4m3 with a per-(row, head) descale), in chunks of kChunk keys with
 // an online softmax (natural-log lse); the spans of a row are merged at the end (split-KV).
 // Within a chunk, each query row's scores come 16 keys at a time (16 products summed across lanes
-// by one shuffle tree; rows of 64+ elements: per key, for 8 query rows at once), and values are
+// by one shuffle tree; long rows (kLongRow): per key, for 8 query rows at once), and values are
 // accumulated for 8 query rows at a time in registers.
 // The masks are masks.visible's: keys [kv_start, kv_len), query i at q_offset + i, window
 // (left, right) with -1 unbounded, and an optional tree mask over the last Tq keys. Rows that
@@ -279,8 +279,16 @@ void weigh_values(const float* const* v, int64_t n, int64_t off, const float* w,
 
 // Rows of at least this many elements get their scores position-major (score_rows: a horizontal
 // sum per score is cheap next to the row's products, and streaming positions in order keeps the
-// hardware prefetcher on when the cache is in DRAM); shorter ones per query row (scores16).
+// hardware prefetcher on when the cache is in DRAM); shorter ones per query row (scores16). With
+// AVX-512, 64-element rows (SmolLM2, Llama 3.2 1B) go per query row too: 16 keys' sums share
+// one shuffle tree, where a 64-element row's horizontal sum costs as much as its 4 FMAs (a
+// decode step's attention at batch 8 over 200 keys 1.3x faster). AVX2 compiles scores16's
+// 16-lane shuffles through memory (1.7x slower there), so it keeps 64.
+#if defined(__AVX512F__)
+constexpr int64_t kLongRow = 128;
+#else
 constexpr int64_t kLongRow = 64;
+#endif
 
 // s[r * kChunk] = q[r] . k[0 : D] for RB query rows: the key row is loaded once for all of them.
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -334,13 +342,21 @@ void score_rows(const float* q, const float* k, int64_t D, float* s) {
 // Running softmax state of every query row of one batch row over a span of its keys: per head
 // h and row r = i * G + g, the max m, the sum l and the unnormalised output acc [D].
 struct Partial {
-  std::vector<float> m, l, acc;
-  void reset(int64_t rows, int64_t D) {
-    m.assign(rows, kNegInf);
-    l.assign(rows, 0.f);
-    acc.assign(rows * D, 0.f);
+  float *m, *l, *acc;  // [rows], [rows], [rows * D]: views of run's one buffer
+  void reset(float* at, int64_t rows, int64_t D) {
+    m = at, l = at + rows, acc = at + 2 * rows;
+    for (int64_t r = 0; r < rows; ++r) m[r] = kNegInf, l[r] = 0.f;
+    std::memset(acc, 0, rows * D * sizeof(float));
   }
 };
+
+// A thread's scratch, kept across calls: a decode step runs this kernel once per layer with
+// tasks of a few dozen keys each, where allocating per task was a tenth of the kernel's time.
+template <typename T>
+T* scratch(std::vector<T>& v, int64_t n) {
+  if (int64_t(v.size()) < n) v.resize(n);
+  return v.data();
+}
 
 // Keys [lo, hi) that query i of batch row b may see (before the tree mask): masks.visible's
 // rule, [kv_start, kv_len) cut to the window around its position q_offset + i.
@@ -358,17 +374,20 @@ template <typename E>
 void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, int64_t b,
           int64_t k0, int64_t k1, Partial& part) {
   const int64_t R = p.Tq * p.G, D = p.D, H = p.Hkv, rows = H * R;
-  part.reset(rows, D);
-  // The row's queries, scaled, as qs[h * R + r] (r = i * G + g): q[b, i, h * G + g, :] * scale.
-  std::vector<float> qs(rows * D), s(rows * kChunk);
-  std::unique_ptr<float[]> kbuf, vbuf;  // a chunk converted to float32 (else read in place)
+  // The row's queries, scaled, as qs[h * R + r] (r = i * G + g): q[b, i, h * G + g, :] * scale;
+  // the scores s; a chunk converted to float32 (else read in place: kbuf, vbuf null).
+  thread_local std::vector<float> qs_v, s_v, kbuf_v, vbuf_v;
+  thread_local std::vector<int64_t> range_v;
+  float* qs = scratch(qs_v, rows * D);
+  float* s = scratch(s_v, rows * kChunk);
+  int64_t* lo = scratch(range_v, 2 * p.Tq + kChunk);
+  int64_t *hi = lo + p.Tq, *at = hi + p.Tq;
   const float *kp[kChunk], *vp[kChunk];  // each position's H x D keys / values as float32
   for (int64_t h = 0; h < H; ++h)
     for (int64_t r = 0; r < R; ++r) {
       const float* src = p.q + ((b * p.Tq + r / p.G) * p.Hq + h * p.G + r % p.G) * D;
       for (int64_t d = 0; d < D; ++d) qs[(h * R + r) * D + d] = src[d] * p.scale;
     }
-  std::vector<int64_t> lo(p.Tq), hi(p.Tq), at(kChunk);
   for (int64_t i = 0; i < p.Tq; ++i) key_range(p, b, i, lo[i], hi[i]);
   const int64_t tree_start = p.q_offset[b];
   const int32_t* tree = p.tree ? p.tree + b * p.Tq * p.Tq : nullptr;
@@ -379,8 +398,8 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
   for (int64_t h = 0; h < H; ++h) k_unscaled = k_unscaled && kd[h] == 1.f;
   for (int64_t h = 0; h < H; ++h) v_unscaled = v_unscaled && vd[h] == 1.f;
   constexpr bool f32 = std::is_same_v<E, F32>;
-  if (!(f32 && k_unscaled)) kbuf.reset(new float[kChunk * H * D]);
-  if (!(f32 && v_unscaled)) vbuf.reset(new float[kChunk * H * D]);
+  float* kbuf = f32 && k_unscaled ? nullptr : scratch(kbuf_v, kChunk * H * D);
+  float* vbuf = f32 && v_unscaled ? nullptr : scratch(vbuf_v, kChunk * H * D);
   // Cache offset of each position's row (pages clamped into the pool: masked keys read junk).
   const auto row_at = [&](int64_t pos) {
     int64_t page = blocks[pos / p.P];
@@ -408,8 +427,8 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
     if (c0 + n < k1) prefetch(c0 + n, k1 - c0 - n < kChunk ? k1 : c0 + n + kChunk);
     for (int64_t c = 0; c < n; ++c) at[c] = row_at(c0 + c);
     for (int64_t c = 0; c < n; ++c) {
-      float* kb = kbuf ? kbuf.get() + c * H * D : nullptr;
-      float* vb = vbuf ? vbuf.get() + c * H * D : nullptr;
+      float* kb = kbuf ? kbuf + c * H * D : nullptr;
+      float* vb = vbuf ? vbuf + c * H * D : nullptr;
       kp[c] = as_float<E>(kc + at[c], kb, H, D, kd, k_unscaled);
       vp[c] = as_float<E>(vc + at[c], vb, H, D, vd, v_unscaled);
     }
@@ -437,7 +456,12 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
       float* sr = &s[hr * kChunk];
       const int64_t i = (hr % R) / p.G;
       float cm = kNegInf;
-      if (n == kChunk && c0 >= lo[i] && c0 + n <= hi[i] && !tree_here) {  // all visible
+      if (!tree_here) {  // the visible keys are one run [a, e) of the chunk: mask its ends
+        const int64_t a = lo[i] - c0 < 0 ? 0 : lo[i] - c0 > n ? n : lo[i] - c0;
+        int64_t e = hi[i] - c0 > n ? n : hi[i] - c0;
+        e = e < a ? a : e;
+        for (int64_t c = 0; c < a; ++c) sr[c] = kNegInf;
+        for (int64_t c = e; c < kChunk; ++c) sr[c] = kNegInf;
         vn mv = splatn(kNegInf);
         for (int64_t c = 0; c < kChunk; c += kNative) mv = pallas_attn::vmath::vmax(loadn(sr + c), mv);
         for (int j = 0; j < kNative; ++j) cm = mv[j] > cm ? mv[j] : cm;
@@ -531,6 +555,9 @@ void run(ffi::ThreadPool& pool, const Problem& p, const void* kc, const void* vc
   }
   const bool parallel = 2 * keys * p.Hq * p.Tq * p.D >= kParallelWork;
   std::vector<Partial> parts(task0[p.B]);
+  const int64_t rows = p.Hkv * p.Tq * p.G, per = rows * (p.D + 2);
+  std::unique_ptr<float[]> states(new float[task0[p.B] * per]);
+  for (int64_t t = 0; t < task0[p.B]; ++t) parts[t].reset(&states[t * per], rows, p.D);
   const auto* k = static_cast<const typename E::T*>(kc);
   const auto* v = static_cast<const typename E::T*>(vc);
   pallas_attn::parallel_for(pool, task0[p.B], parallel, [&](int64_t t0, int64_t t1) {

@@ -390,7 +390,7 @@ def test_reference_and_xla_long_rows(case):
     check_impls(case, seed=5)
 
 
-WIDE_HEADS = [  # D >= 64: the native kernel's position-major score path (and its D % 16 tail)
+WIDE_HEADS = [  # D >= 64: the native kernel's position-major scores (D >= 128 with AVX-512), D % 16
     Case(Tq=1, Tn=1, Hq=8, Hkv=2, D=64, S=64, page=16, causal=True),
     Case(Tq=5, Tn=5, Hq=8, Hkv=1, D=80, S=96, page=16, causal=True, softcap=3.0),
     Case(Tq=3, Tn=3, Hq=4, Hkv=4, D=128, S=33, page=None, leftpad=True, window=(5, 0)),
