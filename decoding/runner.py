@@ -11,8 +11,8 @@ the sampled tokens back to the scheduler.
 
 One :meth:`Runner.run` applies the plan's page copies (``COPY_BATCH`` per call, padded, so one
 compiled shape), runs the prefill chunks as ``Tq = C`` forwards (C the chunk's bucket,
-``chunk_bucket``; chunks of one bucket together where the packed products serve
-them: ``prefill_chunks``), then one decode step (or, with a draft, one verification of k
+``chunk_bucket``; a long chunk that its bucket would pad much as pieces, ``prefill_pieces``;
+chunks of one bucket together where the packed products serve them: ``prefill_chunks``), then one decode step (or, with a draft, one verification of k
 drafts) for every decoding row: a decode step at ``decode_batch(rows)`` (the smallest power of
 two holding them, on an unsharded model; a row's tokens do not depend on it), a verification at
 ``max_batch``; padding rows read the scratch page and decode greedily, the cheapest. From a
@@ -48,6 +48,7 @@ from models.sharding import mesh_of, to_host
 GREEDY = SamplingConfig()
 MIN_CHUNK = 8  # the smallest prefill chunk bucket, and the step between buckets up to FINE_CHUNKS
 FINE_CHUNKS = 64
+SPLIT_PADDING = 16  # padded tokens beyond which a long chunk runs as two calls (prefill_pieces)
 COPY_BATCH = 8  # page copies per copy_pages call (padded, so one compiled shape)
 # Prompt chunks ride in the decode step (``Runner.fold``) from this decode batch on: below it
 # the separate prefill call costs little more, and each (batch, rows) pair is a compiled shape.
@@ -62,6 +63,19 @@ def chunk_bucket(n: int) -> int:
     if n <= FINE_CHUNKS:
         return max(MIN_CHUNK, -(-n // MIN_CHUNK) * MIN_CHUNK)
     return 1 << (n - 1).bit_length()
+
+
+def prefill_pieces(n: int) -> list[int]:
+    """The lengths of the prefill calls a chunk of n tokens runs as (in order): a chunk longer
+    than ``FINE_CHUNKS`` whose bucket would pad it by more than ``SPLIT_PADDING`` tokens splits
+    off half its bucket, repeatedly. A call costs a pass over the weights (about 13 padded tokens'
+    compute on SmolLM2 in float32) plus its padded tokens: a 154-token prompt ran as one 256-token
+    call in 400 ms, and as 128 + 32 in 263."""
+    out = []
+    while n > FINE_CHUNKS and chunk_bucket(n) - n > SPLIT_PADDING:
+        out.append(chunk_bucket(n) // 2)
+        n -= out[-1]
+    return out + [n]
 
 
 def lost_buffers(*pools) -> bool:
@@ -336,7 +350,7 @@ class Runner:
         separate calls: a later one reads what the earlier wrote."""
         calls: list[tuple[int, bool, list[Chunk]]] = []  # in order: (C, replay, chunks)
         after: dict[int, int] = {}  # request id -> the call after its latest chunk's
-        for chunk in chunks:
+        for chunk in self._pieces(chunks):
             C = chunk_bucket(chunk.stop - chunk.start)
             per = DECODE_MAX_ROWS // C if self.kernels and not chunk.replay else 1
             rid = chunk.req.rid
@@ -354,6 +368,19 @@ class Runner:
             after[rid] = j + 1
         for C, replay, part in calls:
             self.prefill(part, C, replay)
+
+    def _pieces(self, chunks):
+        """``chunks`` with each one that is not a ring replay cut at ``prefill_pieces``' lengths,
+        each piece with the pages up to its end (an unpadded piece writes only its own)."""
+        for chunk in chunks:
+            if chunk.replay:
+                yield chunk
+                continue
+            start = chunk.start
+            for n in prefill_pieces(chunk.stop - chunk.start):
+                pages = chunk.pages[: pages_for(start + n, self.page_size)]
+                yield Chunk(chunk.req, start, start + n, pages)
+                start += n
 
     def prefill(self, chunks, C: int, replay: bool = False, rows: int | None = None) -> None:
         """One prefill forward of ``chunks`` (rows of C tokens, right-padded; rows padded to a

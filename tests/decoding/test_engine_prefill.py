@@ -128,3 +128,65 @@ def test_chunks_fold_into_decode_steps(model, monkeypatch):
     assert got == plain == want
     for a, b in zip(pool, pool0, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_pieces():
+    """A long chunk whose bucket pads it by more than SPLIT_PADDING tokens runs as pieces."""
+    assert runner_mod.prefill_pieces(130) == [128, 2]
+    assert runner_mod.prefill_pieces(99) == [64, 35]
+    assert runner_mod.prefill_pieces(200) == [128, 64, 8]
+    assert runner_mod.prefill_pieces(250) == [250]  # 6 padded tokens: one call
+    assert runner_mod.prefill_pieces(64) == [64]
+    assert runner_mod.prefill_pieces(5) == [5]
+    for n in range(1, 600):
+        pieces = runner_mod.prefill_pieces(n)
+        assert sum(pieces) == n and all(p > 0 for p in pieces)
+        assert all(runner_mod.chunk_bucket(p) == p for p in pieces[:-1])  # unpadded but the last
+
+
+def test_long_chunks_run_as_pieces(model, monkeypatch):
+    """Prompts of 131 and 100 tokens prefill as 128 + 2 and 64 + 35 tokens, in order, to the
+    same outputs as ``generate`` and keys within float32 rounding (three layers) of one padded
+    call each."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (131, 100)]
+    monkeypatch.setattr(runner_mod, "MIX_MIN_BATCH", 1 << 30)
+
+    def run(split: bool):
+        if not split:
+            monkeypatch.setattr(runner_mod, "SPLIT_PADDING", 1 << 30)
+        eng = Engine(model, max_batch=2, num_pages=64, page_size=8, max_seq_len=160)
+        calls = []
+        real = eng.runner.prefill
+
+        def counted(chunks, C, replay=False):
+            calls.append([(c.req.rid, c.start, c.stop, C) for c in chunks])
+            return real(chunks, C, replay)
+
+        monkeypatch.setattr(eng.runner, "prefill", counted)
+        ids = [eng.submit(p, MAX_NEW) for p in prompts]
+        eng.step()
+        pool = [np.asarray(x) for x in (*eng.runner.k, *eng.runner.v)]
+        out = eng.run_until_done()
+        monkeypatch.undo()
+        monkeypatch.setattr(runner_mod, "MIX_MIN_BATCH", 1 << 30)
+        return [out[r] for r in ids], calls, pool, ids
+
+    got, calls, pool, ids = run(split=True)
+    a, b = ids
+    assert sorted(c for call in calls for c in call) == [
+        (a, 0, 128, 128),
+        (a, 128, 130, 8),
+        (b, 0, 64, 64),
+        (b, 64, 99, 40),
+    ]
+    order = [c[:2] for call in calls for c in call]  # a request's pieces in order
+    assert order.index((a, 0)) < order.index((a, 128)) and order.index((b, 0)) < order.index(
+        (b, 64)
+    )
+    whole, calls1, pool1, _ = run(split=False)
+    assert sorted(c[3] for call in calls1 for c in call) == [128, 256]
+    want = [generate(model, [p], max_new_tokens=MAX_NEW).tokens[0] for p in prompts]
+    assert got == whole == want
+    for x, y in zip(pool, pool1, strict=True):
+        np.testing.assert_allclose(x[:-1], y[:-1], rtol=1e-4, atol=2e-4)  # float32 reassociation
