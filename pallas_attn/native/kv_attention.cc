@@ -343,8 +343,8 @@ void score_rows(const float* q, const float* k, int64_t D, float* s) {
 // h and row r = i * G + g, the max m, the sum l and the unnormalised output acc [D].
 struct Partial {
   float *m, *l, *acc;  // [rows], [rows], [rows * D]: views of run's one buffer
-  void reset(float* at, int64_t rows, int64_t D) {
-    m = at, l = at + rows, acc = at + 2 * rows;
+  void bind(float* at, int64_t rows) { m = at, l = at + rows, acc = at + 2 * rows; }
+  void reset(int64_t rows, int64_t D) {  // by the task itself: in parallel, and into its cache
     for (int64_t r = 0; r < rows; ++r) m[r] = kNegInf, l[r] = 0.f;
     std::memset(acc, 0, rows * D * sizeof(float));
   }
@@ -374,6 +374,7 @@ template <typename E>
 void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, int64_t b,
           int64_t k0, int64_t k1, Partial& part) {
   const int64_t R = p.Tq * p.G, D = p.D, H = p.Hkv, rows = H * R;
+  part.reset(rows, D);
   // The row's queries, scaled, as qs[h * R + r] (r = i * G + g): q[b, i, h * G + g, :] * scale;
   // the scores s; a chunk converted to float32 (else read in place: kbuf, vbuf null).
   thread_local std::vector<float> qs_v, s_v, kbuf_v, vbuf_v;
@@ -557,7 +558,7 @@ void run(ffi::ThreadPool& pool, const Problem& p, const void* kc, const void* vc
   std::vector<Partial> parts(task0[p.B]);
   const int64_t rows = p.Hkv * p.Tq * p.G, per = rows * (p.D + 2);
   std::unique_ptr<float[]> states(new float[task0[p.B] * per]);
-  for (int64_t t = 0; t < task0[p.B]; ++t) parts[t].reset(&states[t * per], rows, p.D);
+  for (int64_t t = 0; t < task0[p.B]; ++t) parts[t].bind(&states[t * per], rows);
   const auto* k = static_cast<const typename E::T*>(kc);
   const auto* v = static_cast<const typename E::T*>(vc);
   pallas_attn::parallel_for(pool, task0[p.B], parallel, [&](int64_t t0, int64_t t1) {
