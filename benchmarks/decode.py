@@ -13,7 +13,9 @@ runs there) and the blockwise ``"xla"`` path's (float32, B in {1, 8}, S in {1k, 
 paged P = 16), with the same bandwidth figures (``num_splits`` does not apply to them);
 plus the shipped code-target's decode and verification calls (Hq = 8, Hkv = 4, D = 32, S = 160,
 paged P = 16, B = 1, Tq in {1, 3, 5}; ``small_heads``), timed as a jitted loop of calls (each call
-is a few microseconds, below one dispatch). Writes ``benchmarks/results/decode_cpu.json``.
+is a few microseconds, below one dispatch); and SmolLM2-135M's attention per decode step and
+k = 1 verification (Hq = 9, Hkv = 3, D = 64, 30 layers' paged caches, B in {1, 8}, S in {256, 1k,
+4k}; ``smollm2_heads``). Writes ``benchmarks/results/decode_cpu.json``.
 """
 
 from __future__ import annotations
@@ -173,6 +175,56 @@ def small_heads(runs: int, warmup: int) -> list[dict]:
     return rows
 
 
+SMOLLM2 = dict(Hq=9, Hkv=3, D=64, P=16, layers=30)  # SmolLM2-135M's attention shapes
+
+
+def smollm2_heads(runs: int, warmup: int, quick: bool) -> list[dict]:
+    """Milliseconds of the attention of one decode step (Tq = 1) and one k = 1 verification
+    (Tq = 2) of SmolLM2-135M, the native kernel (``"auto"`` on CPU): one call per layer over
+    30 layers' own paged float32 caches (more bytes than the last-level cache holds from S =
+    1024 at B = 8, as in a real step, whose weights evict the cache), B in {1, 8}, S in {256,
+    1024, 4096} keys per row."""
+    h, kv_heads, d, P, L = (SMOLLM2[n] for n in ("Hq", "Hkv", "D", "P", "layers"))
+    rows = []
+    configs = [(B, S) for B in ((1,) if quick else (1, 8)) for S in (256, 1024, 4096)]
+    for B, S in tqdm(configs, desc="SmolLM2 shapes"):
+        pages = B * S // P
+        keys = jax.random.split(jax.random.key(2), 2 * L + 1)
+        caches = [jax.random.normal(k, (pages, P, kv_heads, d), jnp.float32) for k in keys[1:]]
+        perm = np.random.default_rng(3).permutation(pages).astype(np.int32)
+        table = jnp.asarray(perm.reshape(B, S // P))
+        lengths = jnp.full((B,), S, jnp.int32)
+        for Tq in (1, 2):
+            q = jax.random.normal(keys[0], (B, Tq, h, d), jnp.float32)
+            if not cpu.eligible(q, caches[0]):
+                continue
+
+            @jax.jit
+            def step(q, caches, lengths, table):
+                out = q
+                for k_cache, v_cache in zip(caches[::2], caches[1::2], strict=True):
+                    out = (
+                        out
+                        + attention_with_kvcache(
+                            q,
+                            k_cache,
+                            v_cache,
+                            cache_seqlens=lengths,
+                            block_table=table,
+                            causal=True,
+                            impl="native",
+                        ).out
+                    )
+                return out
+
+            seconds = common.time_fn(step, q, caches, lengths, table, runs=runs, warmup=warmup)
+            kv_bytes = 2 * L * B * S * kv_heads * d * 4
+            row = dict(impl="native", B=B, S=S, layout=f"paged P={P}", case="smollm2", Tq=Tq)
+            rows.append(dict(row, ms=1e3 * seconds, GB_per_s=kv_bytes / seconds / 1e9))
+        del caches
+    return rows
+
+
 PLOTS = {
     "decode_cpu": (
         Plot(
@@ -191,6 +243,16 @@ PLOTS = {
             y=("us_per_call",),
             series=("impl",),
             where=(("case", "code-target"),),
+        ),
+        Plot(
+            "smollm2",
+            x="S",
+            y=("ms",),
+            series=("Tq",),
+            facet="B",
+            where=(("case", "smollm2"),),
+            logx=True,
+            logy=True,
         ),
     ),
     "decode_gpu": (
@@ -231,7 +293,9 @@ def main(argv=None) -> None:
         )
         small = small_heads(args.runs, args.warmup)
         common.print_table(small, ["impl", "Tq", "S", "layout", "us_per_call"])
-        rows += small
+        smollm2 = smollm2_heads(args.runs, args.warmup, args.quick)
+        common.print_table(smollm2, ["B", "S", "Tq", "ms", "GB_per_s"])
+        rows += small + smollm2
     cols = ["impl", "B", "S", "layout", "num_splits", "ms", "GB_per_s", "vs_copy", "copy_GB_per_s"]
     cols += ["Tq", "us_per_call"] if not gpu else []
     goal = [
@@ -240,6 +304,7 @@ def main(argv=None) -> None:
         if r.get("impl") == "pallas" and r["B"] == 8 and r["S"] == 32768 and "vs_copy" in r
     ]
     meta = dict(shape=dict(Hq=Hq, Hkv=Hkv, D=D, Tq=1), code_target_shape=SMALL)
+    meta["smollm2_shape"] = SMOLLM2
     if goal:
         meta["goal_B8_S32k_best_vs_copy"] = max(r["vs_copy"] for r in goal)
     common.finish(args, "decode_gpu" if gpu else "decode_cpu", rows, cols, **meta)
