@@ -96,6 +96,7 @@ from decoding.checks import check_bool, check_int, check_model, check_optional_i
 from decoding.drafts import (
     MAX_K,
     AcceptanceEstimate,
+    ObservedCosts,
     PromptLookup,
     lookup_found,
     lookup_next,
@@ -118,6 +119,10 @@ from models.sharding import mesh_of
 
 # Verification steps between re-choices of k (num_draft_tokens=None): each k compiles once.
 RECHOOSE_STEPS = 16
+# While prompt lookup drafts, one step in EXPLORE_STEPS runs plain until the engine has timed a
+# few plain steps, then one in EXPLORE_EVERY: the k rule compares its own steps' costs.
+EXPLORE_STEPS = 16
+EXPLORE_EVERY = 256
 
 
 def _check_sampling(name: str, sampling) -> SamplingConfig | None:
@@ -158,10 +163,13 @@ class Engine:
         copies and prefix hits; ``page_bytes`` counts both), prefilled with the target's chunks;
         each step it re-feeds the row's last two tokens and draws k tokens under the row's own
         settings and key, verified against its distributions (exact, batch-independent).
-      num_draft_tokens: k; None = chosen from the target's measured step costs at
-        ``max_batch`` rows and the batch's running acceptance rate
+      num_draft_tokens: k; None = chosen from the target's step costs at ``max_batch`` rows
+        (measured once, then the engine's own steps' times as they run:
+        ``drafts.ObservedCosts``) and the batch's running acceptance rate
         (``speculative.chosen_num_draft_tokens``), re-chosen every ``RECHOOSE_STEPS``
-        decode steps (each k in use compiles its step once). With prompt lookup the choice
+        decode steps (each k in use compiles its step once). With prompt lookup the rule also
+        weighs the share of rows that have a match (the others emit one token at a
+        verification's cost). With prompt lookup the choice
         may be 0, plain decode steps, where no k pays; the estimate then follows the draft's
         first token against each row's new token (``drafts.lookup_next``), so k can come
         back; and a step where no running row's n-gram matched (``drafts.lookup_found``) is a
@@ -260,6 +268,10 @@ class Engine:
             kind, params = self.runner.draft, self.runner.draft_params
             kind.check(model, k or 1)  # Medusa: the heads' shapes, k <= num_heads
             self.acceptance = AcceptanceEstimate(kind.costs(model, params).prior)
+            # The steps' own costs and, for prompt lookup, the share of rows with a match:
+            # what the k rule weighs (_choose_k).
+            self._observed = ObservedCosts()
+            self._drafting = AcceptanceEstimate(1.0)
             self._choose_k()
         self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
         self._num_logprobs: dict[int, int] = {}  # live requests that asked: rid -> n
@@ -407,7 +419,7 @@ class Engine:
             try:
                 ahead = self.num_draft_tokens + 1 if self.draft is not None else 1
                 plan = self.scheduler.schedule(ahead)
-                out = self.runner.run(plan, set(self._num_logprobs))
+                out = self.runner.run(plan, set(self._num_logprobs), plain=self._explore(plan))
                 lengths = [len(row.req.tokens) for row in plan.decode]
                 self.scheduler.postprocess(plan, out.tokens)
                 self._emit(plan, out, lengths, events, logprobs)
@@ -547,12 +559,19 @@ class Engine:
         if not plan.decode or self.draft is None:
             return
         k = plan.ahead - 1
-        if k == 0 and isinstance(self.draft, PromptLookup):
-            # Not drafting: would the draft's first token have been this step's token? Only
-            # where some row had a match: a step where none has is never verified.
+        # A step's cost where it computed the rows a verification does (max_batch of them): a
+        # plain step (k = 0 chosen, or nothing to propose) or a verification of k.
+        full = out.verified or self.runner.decode_batch(len(plan.decode)) == self.max_batch
+        if out.seconds is not None and full:
+            self._observed.observe(k if out.verified else 0, out.seconds)
+        if isinstance(self.draft, PromptLookup):
             lo, hi = self.draft.min_ngram, self.draft.max_ngram
             known = [row.req.tokens[:n] for row, n in zip(plan.decode, lengths, strict=True)]
-            if any(lookup_found(x, lo, hi) for x in known):
+            found = [lookup_found(x, lo, hi) for x in known]
+            self._drafting.add(sum(found), len(found))
+            # Not drafting: would the draft's first token have been this step's token? Only
+            # where some row had a match: a step where none has is never verified.
+            if k == 0 and any(found):
                 for row, x in zip(plan.decode, known, strict=True):
                     if len(row.req.tokens) > len(x):
                         nxt = row.req.tokens[len(x)]
@@ -563,6 +582,19 @@ class Engine:
             self.acceptance.update(n, k)
         if self._counts["decode_steps"] % RECHOOSE_STEPS == 0:
             self._choose_k()
+
+    def _explore(self, plan: StepPlan) -> bool:
+        """Whether this step runs plain although prompt lookup drafts (k >= 1): the k rule
+        weighs a verification's cost against a plain step's as this engine runs them (real
+        contexts, the lookup and acceptance around the forward), so while k >= 1 a plain step
+        is timed now and then: every ``EXPLORE_STEPS`` until a few are, then every
+        ``EXPLORE_EVERY``. Its tokens are a plain step's, exact as a verification's."""
+        if not isinstance(self.draft, PromptLookup) or plan.ahead == 1 or not plan.decode:
+            return False
+        if self.runner.decode_batch(len(plan.decode)) != self.max_batch:
+            return False  # not a verification's rows: its time would not compare
+        every = EXPLORE_STEPS if self._observed.count(0) < 4 else EXPLORE_EVERY
+        return self._counts["decode_steps"] % every == every // 2
 
     def _choose_k(self) -> None:
         """k for the next verification steps (fixed, or the rule on the running estimate)."""
@@ -576,6 +608,8 @@ class Engine:
                 # Medusa's guesses are only seen by verifying them: it always drafts.
                 allow_zero=isinstance(self.draft, PromptLookup),
                 keep=self.num_draft_tokens,
+                observed=self._observed,
+                drafting=self._drafting.rate if isinstance(self.draft, PromptLookup) else 1.0,
             )
 
     # ----------------------------------------------------------------------------- stats

@@ -16,8 +16,9 @@ chunks of one bucket together where the packed products serve them: ``prefill_ch
 drafts) for every decoding row: a decode step at ``decode_batch(rows)`` (the smallest power of
 two holding them, on an unsharded model; a row's tokens do not depend on it), a verification at
 ``max_batch``; padding rows read the scratch page and decode greedily, the cheapest. From a
-decode batch of ``MIX_MIN_BATCH`` on (CPU, no draft, no rings), the chunks that fit in the step's
-free rows are computed inside the decode step instead, a row per token (``fold``).
+decode batch of ``MIX_MIN_BATCH`` on (CPU, no rings; no draft, or prompt lookup's plain steps),
+the chunks that fit in the step's free rows are computed inside the decode step instead, a row
+per token (``fold``).
 :meth:`Runner.warmup` compiles every one of those shapes up front (``Engine.warmup``).
 """
 
@@ -92,12 +93,15 @@ class RunOutput(NamedTuple):
     sampled (one; a verification's accepted drafts, then its next token); ``accepted[i]`` the
     drafts it accepted (0 without a draft); ``logprobs[i]`` their host ``sampling.Logprobs``
     (leading axis: token), or None when no row asked; ``verified``, whether drafts were
-    verified (a plan with a draft may run a plain step: ``Runner.run``)."""
+    verified (a plan with a draft may run a plain step: ``Runner.run``); ``seconds``, the
+    wall time of the decode or verification call until its tokens were on the host (None when
+    it compiled, or without decode rows)."""
 
     tokens: list[list[int]]
     accepted: list[int]
     logprobs: list | None
     verified: bool = False
+    seconds: float | None = None
 
 
 class Runner:
@@ -147,8 +151,15 @@ class Runner:
         # so the device block table is wider, its extra entries the scratch page.
         self.table_width = pages_for(max_seq_len - 1 + (MAX_K if draft else 0), page_size)
         self._plan_rings(model, max_prefill_tokens)
-        # Prompt chunks ride in decode steps (``fold``) where the packed products serve both.
-        self.mixes = bool(self.kernels) and self.compact and self.ring_pages is None and not draft
+        # Prompt chunks ride in decode steps (``fold``) where the packed products serve both; with
+        # prompt lookup, in its plain steps (k = 0, or nothing to propose): a verification's
+        # rows and a Medusa or model draft's state do not take them.
+        self.mixes = (
+            bool(self.kernels)
+            and self.compact
+            and self.ring_pages is None
+            and (draft is None or isinstance(self.draft, PromptLookup))
+        )
         self.k, self.v = self.new_pool()
         self.draft_k = self.draft_v = ()
         if isinstance(self.draft, ModelDraft):
@@ -262,25 +273,34 @@ class Runner:
 
     # ----------------------------------------------------------------------------- a plan
 
-    def run(self, plan: StepPlan, logprobs: set[int] = frozenset()) -> RunOutput:
+    def run(
+        self, plan: StepPlan, logprobs: set[int] = frozenset(), plain: bool = False
+    ) -> RunOutput:
         """Executes ``plan``: its page copies, its prefill chunks, then one decode (or
-        verification of ``plan.ahead - 1`` drafts) step for its decode rows; logprobs are
-        computed for the rows of the request ids in ``logprobs``."""
+        verification of ``plan.ahead - 1`` drafts, unless ``plain``) step for its decode rows;
+        logprobs are computed for the rows of the request ids in ``logprobs``."""
         self.copy(plan.copies)
-        folded, chunks = self.fold(plan)
+        verify = (
+            self.draft is not None
+            and plan.ahead > 1
+            and not plain
+            and bool(plan.decode)
+            and self._worth_verifying(plan.decode)
+        )
+        folded, chunks = ([], list(plan.prefill)) if verify else self.fold(plan)
         self.prefill_chunks(chunks)
         if not plan.decode:
             return RunOutput([], [], None)
-        if self.draft is not None and plan.ahead > 1 and self._worth_verifying(plan.decode):
+        if verify:
             return self.verify(plan.decode, plan.ahead - 1, logprobs)
         return self.decode(plan.decode, logprobs, folded=folded)  # a draft's k = 0: plain
 
     def fold(self, plan: StepPlan) -> tuple[list[Chunk], list[Chunk]]:
         """(chunks computed inside the plan's decode step, the rest, run before it by
         ``prefill_chunks``). On CPU with packed weights, at a decode batch B of at least
-        ``MIX_MIN_BATCH`` and without a draft or rings, the chunks whose tokens fit in the
-        step's ``DECODE_MAX_ROWS - B`` free rows (in plan order; not a request's with a ring
-        replay) join it as rows of one token each (``engine_steps.decode_rows``' ``prefill``):
+        ``MIX_MIN_BATCH``, without rings and in a plain step (``mixes``), the chunks whose
+        tokens fit in the step's ``DECODE_MAX_ROWS - B`` free rows (in plan order; not a
+        request's with a ring replay) join it as rows of one token each (``engine_steps.decode_rows``' ``prefill``):
         at 8-16 rows a step's products are compute-bound, so a separate prefill call pays its
         own pass over the weights (about 10 ms of a 16-token chunk's 24 on SmolLM2) on top of
         what its rows cost inside the step."""
@@ -460,6 +480,7 @@ class Runner:
         for b, row in zip(pos, rows, strict=True):
             last[b], lengths[b] = row.req.tokens[-1], row.req.computed
         inputs = self._row_inputs(rows, self.max_pages, logprobs, B if self.compact else None)
+        t0, compiled = time.perf_counter(), self.compile_s
         new, lp, self.k, self.v = self._call(
             self.decode_fn,
             self.params,
@@ -473,13 +494,14 @@ class Runner:
         )
         wanted = inputs[-1]
         new = to_host(new)  # whole on every process, also when rows span processes
+        seconds = time.perf_counter() - t0 if self.compile_s == compiled else None
         self.counts["decode_steps"] += 1
         tokens = [[int(new[b])] for b in pos]
         if not wanted.any():  # zeros: not worth a transfer
-            return RunOutput(tokens, [0] * len(rows), None)
+            return RunOutput(tokens, [0] * len(rows), None, seconds=seconds)
         lp = to_host(lp)
         parts = [jax.tree.map(lambda x, b=b: x[[b]], lp) for b in pos]
-        return RunOutput(tokens, [0] * len(rows), parts)
+        return RunOutput(tokens, [0] * len(rows), parts, seconds=seconds)
 
     def verify(self, rows: tuple[DecodeRow, ...], k: int, logprobs: set[int]) -> RunOutput:
         """One speculative step of k drafts for every row (``engine_steps.verify_rows``)."""
@@ -498,6 +520,7 @@ class Runner:
         elif self.draft_k:
             state = (self.draft_params, (self.draft_k, self.draft_v))
         fn = engine_steps.jitted_verify(self.graphdef, self.draft, k, self.logprobs_mode)
+        t0, compiled = time.perf_counter(), self.compile_s
         drafted, n, nxt, lp, new_state, self.k, self.v = self._call(
             fn, self.params, self.kernels, self.k, self.v, seq, lengths, *inputs, *state
         )
@@ -505,6 +528,7 @@ class Runner:
             self.draft_k, self.draft_v = new_state
         wanted = inputs[-1]
         drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
+        seconds = time.perf_counter() - t0 if self.compile_s == compiled else None
         self.counts["decode_steps"] += 1
         bs = [row.req.row for row in rows]
         if self.hidden is not None:
@@ -515,7 +539,7 @@ class Runner:
         tokens = [[*drafted[b, : n[b]].tolist(), int(nxt[b])] for b in bs]
         accepted = [int(n[b]) for b in bs]
         if not wanted.any():
-            return RunOutput(tokens, accepted, None, True)
+            return RunOutput(tokens, accepted, None, True, seconds)
         lp = to_host(lp)  # sampled token j sits at verified position j of row b
         parts = [jax.tree.map(lambda x, b=b: x[b], lp) for b in bs]
-        return RunOutput(tokens, accepted, parts, True)
+        return RunOutput(tokens, accepted, parts, True, seconds)

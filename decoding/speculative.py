@@ -33,6 +33,7 @@ from decoding.drafts import (
     DraftKind,
     EarlyExit,
     ModelDraft,
+    ObservedCosts,
     PromptLookup,
     Verified,
     choose_num_draft_tokens,
@@ -319,13 +320,17 @@ def chosen_num_draft_tokens(
     acceptance=None,
     allow_zero: bool = False,
     keep: int | None = None,
+    observed: ObservedCosts | None = None,
+    drafting: float = 1.0,
 ):
     """k for ``num_draft_tokens=None``: :func:`drafts.choose_num_draft_tokens` on the target's
     (and a model draft's) measured step costs at ``batch`` rows (``drafts.measured_costs``,
-    measured once per shape) and ``acceptance`` (default the kind's prior), with the kind's
-    :class:`drafts.DraftCosts`; 0 (do not draft) only with ``allow_zero``; ``keep``, the k in
-    use, stays unless another is clearly faster (``drafts.KEEP_MARGIN``). A Medusa tree's k is
-    its depth."""
+    measured once per shape), with the caller's own step times in their place where it has
+    them (``observed``, :class:`drafts.ObservedCosts`), and ``acceptance`` (default the kind's
+    prior), with the kind's :class:`drafts.DraftCosts`; 0 (do not draft) only with
+    ``allow_zero``; ``keep``, the k in use, stays unless another is clearly faster
+    (``drafts.KEEP_MARGIN``); ``drafting``, the fraction of rows that get a draft. A Medusa
+    tree's k is its depth."""
     dc = kind.costs(target, params)
     if dc.fixed_k is not None:
         return dc.fixed_k
@@ -336,8 +341,17 @@ def chosen_num_draft_tokens(
     if own:
         costs = costs._replace(draft=costs.target[0])
     a = dc.prior if acceptance is None else acceptance
+    calls = dc.calls
+    if observed is not None and observed.seconds:
+        costs, calls = observed.apply(costs, dc.calls), None  # the draft's calls included
     return choose_num_draft_tokens(
-        costs, a, draft_calls=dc.calls, max_k=dc.max_k, allow_zero=allow_zero, keep=keep
+        costs,
+        a,
+        draft_calls=calls,
+        max_k=dc.max_k,
+        allow_zero=allow_zero,
+        keep=keep,
+        drafting=drafting,
     )
 
 

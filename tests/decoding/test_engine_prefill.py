@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import random_transformer
 
-from decoding import engine_steps
+from decoding import PromptLookup, drafts, engine_steps
 from decoding import runner as runner_mod
 from decoding.engine import Engine
 from decoding.generate import generate
@@ -128,6 +128,60 @@ def test_chunks_fold_into_decode_steps(model, monkeypatch):
     assert got == plain == want
     for a, b in zip(pool, pool0, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_prompt_lookup_folds_chunks_into_its_plain_steps(model, monkeypatch, k):
+    """With prompt lookup, chunks ride in the plain steps (k = 0 chosen where verifying costs
+    too much; or no running row has a match) and never in a verification; outputs equal
+    ``generate`` alone, and nothing compiles after the warm-up."""
+    steep = drafts.StepCosts(tuple(1.0 + t for t in range(drafts.MAX_K + 1)))
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep.target)
+    rng = np.random.default_rng(8)
+    running = [rng.integers(0, 256, 4).tolist() * 3 for _ in range(6)]  # repeats: matches
+    arriving = [rng.integers(0, 256, n).tolist() for n in (3, 17, 9, 30, 1, 12)]
+    eng = Engine(
+        model,
+        max_batch=8,
+        num_pages=96,
+        page_size=8,
+        max_seq_len=96,
+        draft=PromptLookup(),
+        num_draft_tokens=k,
+    )
+    assert eng.num_draft_tokens == (0 if k is None else k)
+    eng.warmup()
+    traces = dict(engine_steps.TRACES)
+    steps, decode, verify = [], eng.runner.decode, eng.runner.verify
+
+    def decoded(rows, logprobs, batch=None, **kw):
+        steps.append(("plain", [c.req.rid for c in kw.get("folded", ())]))
+        return decode(rows, logprobs, batch, **kw)
+
+    def verified(rows, k, logprobs):
+        steps.append(("verify", []))
+        return verify(rows, k, logprobs)
+
+    monkeypatch.setattr(eng.runner, "decode", decoded)
+    monkeypatch.setattr(eng.runner, "verify", verified)
+    ids = [eng.submit(p, 30) for p in running]
+    for _ in range(3):
+        eng.step()
+    ids += [eng.submit(p, MAX_NEW) for p in arriving]
+    out = eng.run_until_done()
+    assert dict(engine_steps.TRACES) == traces
+    folded = [rid for kind, rids in steps if kind == "plain" for rid in rids]
+    assert folded  # some prompt rode in a plain step
+    if k is None:
+        assert all(kind == "plain" for kind, _ in steps)
+    else:
+        assert any(kind == "verify" for kind, _ in steps)
+    got = [out[r] for r in ids]
+    want = [
+        generate(model, [p], max_new_tokens=len(o)).tokens[0]
+        for p, o in zip(running + arriving, got, strict=True)
+    ]
+    assert got == want
 
 
 def test_prefill_pieces():

@@ -238,6 +238,49 @@ def test_no_draft_while_it_does_not_pay(model, monkeypatch, prompts, refs):
     assert eng.stats()["draft_proposed"] > 0
 
 
+def test_k_follows_the_engines_own_step_costs(model, monkeypatch, prompts, refs):
+    """The engine times its steps (``RunOutput.seconds``; compiling calls excluded): while
+    prompt lookup drafts, a plain step now and then (``EXPLORE_STEPS``), whose tokens are
+    the same. Its k rule then weighs those times (``drafts.ObservedCosts``) and the share of
+    rows with a match, not the measured forward alone: verifications seen to cost 3 plain
+    steps turn drafting off, seen to cost as little as one turn it back on."""
+    flat = StepCosts(tuple(1.0 + 0.01 * t for t in range(drafts.MAX_K + 1)))
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: flat.target)
+    monkeypatch.setattr("decoding.engine.EXPLORE_STEPS", 4)
+    eng = make_engine(model, num_draft_tokens=None)
+    eng.warmup()
+    k = eng.num_draft_tokens
+    assert k > 0
+    plain, run = [], eng.runner.run
+
+    def counted(plan, logprobs=frozenset(), plain_=False, **kw):
+        plain.append(kw.get("plain", plain_))
+        return run(plan, logprobs, **kw)
+
+    monkeypatch.setattr(eng.runner, "run", counted)
+    rids = [eng.submit(p, MAX_NEW) for p in prompts[:4]]  # 4 rows: a verification's batch
+    out = eng.run_until_done()
+    assert [out[r] for r in rids] == refs[:4]
+    assert any(plain) and not all(plain)
+    obs = eng._observed
+    assert obs.count(0) > 0 and any(obs.count(j) > 0 for j in range(1, drafts.MAX_K + 1))
+    assert all(s > 0 for s in obs.seconds.values())
+    assert 0 < eng._drafting.rate <= 1
+    for _ in range(64):
+        obs.observe(0, 0.01)
+        for j in range(1, drafts.MAX_K + 1):
+            obs.observe(j, 0.03)
+    eng._choose_k()
+    assert eng.num_draft_tokens == 0
+    eng.acceptance.add(1000, 1000)  # every draft accepted
+    eng._drafting.add(1000, 1000)
+    for _ in range(64):
+        for j in range(1, drafts.MAX_K + 1):
+            obs.observe(j, 0.01 * (1 + 0.001 * j))
+    eng._choose_k()
+    assert eng.num_draft_tokens > 0
+
+
 def test_host_lookup_is_the_drafts_first_token():
     """``drafts.lookup_next`` (the engine's estimate while k = 0) proposes what the jitted
     lookup's first token is, on sequences with and without repeats."""

@@ -11,6 +11,7 @@ from conftest import random_transformer
 from decoding import PromptLookup, drafts, speculative
 from decoding.drafts import (
     AcceptanceEstimate,
+    ObservedCosts,
     StepCosts,
     choose_num_draft_tokens,
     expected_tokens,
@@ -137,6 +138,40 @@ def test_zero_only_when_allowed_and_when_no_k_pays():
     assert choose_num_draft_tokens(COMPUTE_BOUND, 0.2) >= 1
     assert choose_num_draft_tokens(COMPUTE_BOUND, 0.2, allow_zero=True) == 0
     assert choose_num_draft_tokens(MEMORY_BOUND, 0.5, allow_zero=True) > 0
+
+
+def test_rows_without_a_draft_weigh_against_verifying():
+    """``drafting`` f: rows with nothing to propose emit one token at a verification's cost.
+    Verification at 1.45 decode steps and a = 0.45 roughly breaks even when every row drafts,
+    and loses when a fifth of them has no match (SmolLM2's engine at batch 8)."""
+    costs = StepCosts((1.0, 1.45, 1.9))
+    assert choose_num_draft_tokens(costs, 0.5, allow_zero=True) == 1
+    assert choose_num_draft_tokens(costs, 0.5, allow_zero=True, drafting=0.8) == 0
+    assert choose_num_draft_tokens(MEMORY_BOUND, 0.5, allow_zero=True, drafting=0.3) > 0
+    for f in (0.0, 1e-9):  # nothing ever drafted: a plain step (or the smallest k)
+        assert choose_num_draft_tokens(MEMORY_BOUND, 0.9, allow_zero=True, drafting=f) == 0
+        assert choose_num_draft_tokens(MEMORY_BOUND, 0.9, drafting=f) == 1
+
+
+def test_observed_costs_replace_measured_ones_and_scale_the_rest():
+    """Observed step times replace the measured cost of their k; a k not observed keeps its
+    measured cost times the mean observed / measured ratio; a draft's calls are folded in."""
+    measured = StepCosts((1.0, 1.2, 1.4, 1.6), draft=0.5)
+    obs = ObservedCosts()
+    assert obs.apply(measured, lambda k: k).target == (1.0, 1.7, 2.4, 3.1)  # nothing observed
+    obs.observe(1, 3.4)  # twice its measured 1.7
+    assert obs.count(1) == 1 and obs.count(0) == 0
+    assert obs.apply(measured, lambda k: k) == StepCosts((2.0, 3.4, 4.8, 6.2), 0.0)
+    obs.observe(0, 1.0)  # ratios 1 and 2: the others scale by 1.5
+    out = obs.apply(measured, lambda k: k).target
+    assert out[:2] == (1.0, 3.4) and np.allclose(out[2:], (3.6, 4.65))
+    for _ in range(200):  # a running mean over the last HORIZON_STEPS or so
+        obs.observe(0, 2.0)
+    assert abs(obs.seconds[0] - 2.0) < 1e-3 and obs.count(0) == ObservedCosts.HORIZON_STEPS
+    obs = ObservedCosts()
+    obs.observe(0, 1.0)
+    obs.observe(0, 3.0)
+    assert obs.seconds[0] == 2.0  # the mean of the first observations
 
 
 def test_speculative_generate_follows_the_acceptance_it_observed(monkeypatch):
