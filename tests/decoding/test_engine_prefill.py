@@ -85,6 +85,16 @@ def test_prompts_cut_over_steps(model):
     assert [out[r] for r in ids] == want
 
 
+def arrive(eng, running, arriving, running_new: int):
+    """Submits ``running``, steps 3 times (they decode), then submits ``arriving`` (prompts
+    that arrive while they decode) and runs to the end -> (request ids, outputs)."""
+    ids = [eng.submit(p, running_new) for p in running]
+    for _ in range(3):
+        eng.step()
+    ids += [eng.submit(p, MAX_NEW) for p in arriving]
+    return ids, eng.run_until_done()
+
+
 def test_chunks_fold_into_decode_steps(model, monkeypatch):
     """Prompts arriving while 6 rows decode (a decode batch of 8): their chunks are rows of the
     decode step where they fit in its free rows (a 60-token one does not: its own call), and a
@@ -107,11 +117,7 @@ def test_chunks_fold_into_decode_steps(model, monkeypatch):
             return real(rows, logprobs, batch, **kw)
 
         monkeypatch.setattr(eng.runner, "decode", counted)
-        ids = [eng.submit(p, 40) for p in running]
-        for _ in range(3):
-            eng.step()
-        ids += [eng.submit(p, MAX_NEW) for p in arriving]
-        out = eng.run_until_done()
+        ids, out = arrive(eng, running, arriving, 40)
         pool = [np.asarray(x)[:-1] for x in (*eng.runner.k, *eng.runner.v)]
         assert dict(engine_steps.TRACES) == traces
         monkeypatch.undo()
@@ -164,11 +170,7 @@ def test_prompt_lookup_folds_chunks_into_its_plain_steps(model, monkeypatch, k):
 
     monkeypatch.setattr(eng.runner, "decode", decoded)
     monkeypatch.setattr(eng.runner, "verify", verified)
-    ids = [eng.submit(p, 30) for p in running]
-    for _ in range(3):
-        eng.step()
-    ids += [eng.submit(p, MAX_NEW) for p in arriving]
-    out = eng.run_until_done()
+    ids, out = arrive(eng, running, arriving, 30)
     assert dict(engine_steps.TRACES) == traces
     folded = [rid for kind, rids in steps if kind == "plain" for rid in rids]
     assert folded  # some prompt rode in a plain step
