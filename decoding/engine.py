@@ -169,12 +169,11 @@ class Engine:
         (``speculative.chosen_num_draft_tokens``), re-chosen every ``RECHOOSE_STEPS``
         decode steps (each k in use compiles its step once). With prompt lookup the rule also
         weighs the share of rows that have a match (the others emit one token at a
-        verification's cost). With prompt lookup the choice
-        may be 0, plain decode steps, where no k pays; the estimate then follows the draft's
-        first token against each row's new token (``drafts.lookup_next``), so k can come
-        back; and a step where no running row's n-gram matched (``drafts.lookup_found``) is a
-        plain decode step whatever k is. Medusa always drafts (k >= 1): its guesses are only
-        seen by verifying them.
+        verification's cost), and the choice may be 0, plain decode steps, where no k pays;
+        the estimate then follows the draft's first token against each row's new token
+        (``drafts.lookup_next``), so k can come back; and a step where no running row's
+        n-gram matched (``drafts.lookup_found``) is a plain decode step whatever k is.
+        Medusa always drafts (k >= 1): its guesses are only seen by verifying them.
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
@@ -589,7 +588,9 @@ class Engine:
         contexts, the lookup and acceptance around the forward), so while k >= 1 a plain step
         is timed now and then: every ``EXPLORE_STEPS`` until a few are, then every
         ``EXPLORE_EVERY``. Its tokens are a plain step's, exact as a verification's."""
-        if not isinstance(self.draft, PromptLookup) or plan.ahead == 1 or not plan.decode:
+        if not isinstance(self.draft, PromptLookup) or self._fixed_k is not None:
+            return False  # only the k rule reads the times
+        if plan.ahead == 1 or not plan.decode:
             return False
         if self.runner.decode_batch(len(plan.decode)) != self.max_batch:
             return False  # not a verification's rows: its time would not compare

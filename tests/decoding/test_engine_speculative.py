@@ -279,6 +279,18 @@ def test_k_follows_the_engines_own_step_costs(model, monkeypatch, prompts, refs)
             obs.observe(j, 0.01 * (1 + 0.001 * j))
     eng._choose_k()
     assert eng.num_draft_tokens > 0
+    fixed = make_engine(model)  # num_draft_tokens=K: nothing reads the times, no plain probe
+    probes, fixed_run = [], fixed.runner.run
+
+    def probed(plan, logprobs=frozenset(), **kw):
+        probes.append(kw.get("plain", False))
+        return fixed_run(plan, logprobs, **kw)
+
+    monkeypatch.setattr(fixed.runner, "run", probed)
+    rids = [fixed.submit(p, MAX_NEW) for p in prompts[:4]]
+    out = fixed.run_until_done()
+    assert [out[r] for r in rids] == refs[:4]
+    assert probes and not any(probes)
 
 
 def test_host_lookup_is_the_drafts_first_token():
