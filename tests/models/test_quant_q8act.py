@@ -56,10 +56,11 @@ def _reference(fmt, x, a):
 
 @native
 @pytest.mark.parametrize("fmt", quant.FORMATS)
-@pytest.mark.parametrize("M", range(1, 9))
+@pytest.mark.parametrize("M", [*range(1, 9), 12, 17])
 def test_q8_activations_equal_the_integer_reference(fmt, M):
     """Equal to the exact sum over the blocks' integer products up to float32 rounding: one
-    rounding of d_w * d_x and one per accumulated block (and the minimum's term for q4_1)."""
+    rounding of d_w * d_x and one per accumulated block (and the minimum's term for q4_1).
+    M = 12, 17: more rows than one register block (8 at a time, then the rest)."""
     x, a, panels = _case(fmt, M, seed=M)
     y = np.asarray(rows_matmul.matmul_quantized(jnp.asarray(x), panels, N, fmt, "q8"))
     ref, mag = _reference(fmt, x, a)
@@ -69,6 +70,22 @@ def test_q8_activations_equal_the_integer_reference(fmt, M):
     # the activations were quantized: far from the float32-activation product
     yf = np.asarray(rows_matmul.matmul_quantized(jnp.asarray(x), panels, N, fmt, "f32"))
     assert np.abs(yf - y).max() > 100 * err.max()
+
+
+@native
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_q8_rows_independent_of_blocking(fmt):
+    """The rows of an M-row call equal M one-row calls bit for bit (one row and several take
+    different kernels, with the same integer sums and float steps per block): a request's
+    tokens do not depend on what shares its batch."""
+    x, _, panels = _case(fmt, 17, seed=30)
+    x = jnp.asarray(x)
+    single = np.concatenate(
+        [np.asarray(rows_matmul.matmul_quantized(x[m : m + 1], panels, N, fmt)) for m in range(17)]
+    )
+    for M in [2, 3, 5, 8, 9, 12, 17]:
+        y = np.asarray(rows_matmul.matmul_quantized(x[:M], panels, N, fmt))
+        np.testing.assert_array_equal(y, single[:M], err_msg=f"M={M}")
 
 
 def _rounding_bound(x, w):
