@@ -98,7 +98,6 @@ from decoding.drafts import (
     AcceptanceEstimate,
     ObservedCosts,
     PromptLookup,
-    lookup_found,
     lookup_next,
 )
 from decoding.medusa import Medusa
@@ -566,7 +565,7 @@ class Engine:
         if isinstance(self.draft, PromptLookup):
             lo, hi = self.draft.min_ngram, self.draft.max_ngram
             known = [row.req.tokens[:n] for row, n in zip(plan.decode, lengths, strict=True)]
-            found = [lookup_found(x, lo, hi) for x in known]
+            found = out.found  # the runner's, from these known tokens
             self._drafting.add(sum(found), len(found))
             # Not drafting: would the draft's first token have been this step's token? Only
             # where some row had a match: a step where none has is never verified.

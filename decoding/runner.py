@@ -95,13 +95,16 @@ class RunOutput(NamedTuple):
     (leading axis: token), or None when no row asked; ``verified``, whether drafts were
     verified (a plan with a draft may run a plain step: ``Runner.run``); ``seconds``, the
     wall time of the decode or verification call until its tokens were on the host (None when
-    it compiled, or without decode rows)."""
+    it compiled, or without decode rows); ``found[i]``, with prompt lookup, whether row i's
+    known tokens had an n-gram match before the step (``drafts.lookup_found``; None without
+    it)."""
 
     tokens: list[list[int]]
     accepted: list[int]
     logprobs: list | None
     verified: bool = False
     seconds: float | None = None
+    found: list[bool] | None = None
 
 
 class Runner:
@@ -280,20 +283,23 @@ class Runner:
         verification of ``plan.ahead - 1`` drafts, unless ``plain``) step for its decode rows;
         logprobs are computed for the rows of the request ids in ``logprobs``."""
         self.copy(plan.copies)
+        found = self._lookup_found(plan.decode)
         verify = (
             self.draft is not None
             and plan.ahead > 1
             and not plain
             and bool(plan.decode)
-            and self._worth_verifying(plan.decode)
+            and (found is None or any(found))
         )
         folded, chunks = ([], list(plan.prefill)) if verify else self.fold(plan)
         self.prefill_chunks(chunks)
         if not plan.decode:
             return RunOutput([], [], None)
         if verify:
-            return self.verify(plan.decode, plan.ahead - 1, logprobs)
-        return self.decode(plan.decode, logprobs, folded=folded)  # a draft's k = 0: plain
+            out = self.verify(plan.decode, plan.ahead - 1, logprobs)
+        else:
+            out = self.decode(plan.decode, logprobs, folded=folded)  # a draft's k = 0: plain
+        return out._replace(found=found)
 
     def fold(self, plan: StepPlan) -> tuple[list[Chunk], list[Chunk]]:
         """(chunks computed inside the plan's decode step, the rest, run before it by
@@ -336,14 +342,15 @@ class Runner:
             i = j
         return tokens, positions, table
 
-    def _worth_verifying(self, rows: tuple[DecodeRow, ...]) -> bool:
-        """False where prompt lookup has nothing to propose for any row (no suffix n-gram of
-        its tokens occurred before): the drafts would be filler, so a plain step (one token
-        per row) does the same for less."""
-        if not isinstance(self.draft, PromptLookup):
-            return True
+    def _lookup_found(self, rows: tuple[DecodeRow, ...]) -> list[bool] | None:
+        """With prompt lookup, whether each row's known tokens have a suffix n-gram that
+        occurred before (None otherwise): where no row has one the drafts would be filler, so a
+        plain step (one token per row) does the same for less; the engine counts the rows that
+        draft from the same flags."""
+        if not isinstance(self.draft, PromptLookup) or not rows:
+            return None
         lo, hi = self.draft.min_ngram, self.draft.max_ngram
-        return any(lookup_found(row.req.tokens, lo, hi) for row in rows)
+        return [lookup_found(row.req.tokens, lo, hi) for row in rows]
 
     def copy(self, copies) -> None:
         """Applies ``[(src, dst)]`` page copies to the pool's layers (rings are never shared)."""
