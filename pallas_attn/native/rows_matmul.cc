@@ -1150,6 +1150,23 @@ inline __m256i bcast4(const int8_t* p) {  // 4 activation bytes into every 32-bi
   return _mm256_set1_epi32(v);
 }
 
+// One block's float step for one row r and column vector c of its 8 outputs, from the integer
+// sums t: acc + (t [- 8 s]) (d_w d_x) [+ m (d_x s)], in this order (both AVX2 kernels).
+template <int32_t FMT>
+inline __m256 block_step(const uint8_t* blk, int64_t c, __m256i t, const QActs& a, int64_t r,
+                         __m256 acc) {
+  const __m256 d =
+      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));
+  if (FMT == kQ4_0) t = _mm256_sub_epi32(t, _mm256_set1_epi32(8 * a.s[r]));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(a.d[r])), acc);
+  if (FMT == kQ4_1) {
+    const __m256 mn = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kNB + 16 * c)));
+    acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.ds[r]), acc);
+  }
+  return acc;
+}
+
 // q8panel for AVX2 builds, in 256-bit registers (the generic 16-lane form above spills on
 // AVX2's 16 registers). One row (decode at B = 1): all 4 column vectors of a panel in one pass,
 // with their float accumulators in registers, so the panel is read front to back once; more rows
@@ -1165,7 +1182,6 @@ void q8panel_avx2_row(const QActs& a, int64_t m0, int64_t K, const uint8_t* w, f
   constexpr int MB = 1, CV = 4;
   constexpr int64_t kAhead = 4;  // blocks
   constexpr int64_t bytes = block_bytes(FMT);
-  constexpr int32_t kOff = FMT == kQ4_0 ? 8 : 0;
   const int64_t nb = K / kBlock;
   const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(char(0x80));
@@ -1213,23 +1229,9 @@ void q8panel_avx2_row(const QActs& a, int64_t m0, int64_t K, const uint8_t* w, f
         for (int m = 0; m < MB; ++m)
           for (int v = 0; v < CV; ++v) is[m][v] = _mm256_madd_epi16(is[m][v], ones);
       }
-      for (int v = 0; v < CV; ++v) {
-        const int64_t c = c0 + v;
-        const __m256 d =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));
-        __m256 mn = _mm256_setzero_ps();
-        if (FMT == kQ4_1)
-          mn = _mm256_cvtph_ps(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kNB + 16 * c)));
-        for (int m = 0; m < MB; ++m) {
-          const int64_t r = (m0 + m) * nb + b;
-          __m256i t = is[m][v];
-          if (kOff) t = _mm256_sub_epi32(t, _mm256_set1_epi32(kOff * a.s[r]));
-          acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
-                                      _mm256_mul_ps(d, _mm256_set1_ps(a.d[r])), acc[m][v]);
-          if (FMT == kQ4_1) acc[m][v] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.ds[r]), acc[m][v]);
-        }
-      }
+      for (int v = 0; v < CV; ++v)
+        for (int m = 0; m < MB; ++m)
+          acc[m][v] = block_step<FMT>(blk, c0 + v, is[m][v], a, (m0 + m) * nb + b, acc[m][v]);
     }
     for (int v = 0; v < CV; ++v) {
       const int64_t c = c0 + v;
@@ -1287,7 +1289,6 @@ template <int MR, int32_t FMT>
 void q8panel_avx2_rows(const QActs& a, int64_t m0, int64_t K, const uint8_t* w, float* y,
                        int64_t ldy, int64_t cols) {
   constexpr int64_t bytes = block_bytes(FMT);
-  constexpr int32_t kOff = FMT == kQ4_0 ? 8 : 0;
   const int64_t nb = K / kBlock, vecs = (cols + 7) / 8;  // padding vectors: not computed
   alignas(32) float acc[MR][kNB] = {};
   for (int64_t b = 0; b < nb; ++b) {
@@ -1296,21 +1297,9 @@ void q8panel_avx2_rows(const QActs& a, int64_t m0, int64_t K, const uint8_t* w, 
     for (int64_t c = 0; c < vecs; ++c) {
       __m256i is[MR];
       block_sums<MR, FMT>(xb, K, blk + quants_offset(FMT) + 32 * c, is);
-      const __m256 d =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));
-      __m256 mn = _mm256_setzero_ps();
-      if (FMT == kQ4_1)
-        mn = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kNB + 16 * c)));
       for (int m = 0; m < MR; ++m) {
-        const int64_t r = (m0 + m) * nb + b;
-        __m256i t = is[m];
-        if (kOff) t = _mm256_sub_epi32(t, _mm256_set1_epi32(kOff * a.s[r]));
         float* o = acc[m] + 8 * c;
-        __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
-                                   _mm256_mul_ps(d, _mm256_set1_ps(a.d[r])), _mm256_load_ps(o));
-        if (FMT == kQ4_1) v = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.ds[r]), v);
-        _mm256_store_ps(o, v);
+        _mm256_store_ps(o, block_step<FMT>(blk, c, is[m], a, (m0 + m) * nb + b, _mm256_load_ps(o)));
       }
     }
   }
