@@ -1277,8 +1277,9 @@ inline void block_sums(const int8_t* xb, int64_t K, const uint8_t* q, __m256i (&
   }
 }
 
-// Rows [m0, m0 + MR) (2 <= MR <= 8) times one panel, block by block: each block's quants are
-// read from memory once and used for every row and column vector while in L1, with the weight
+// Rows [m0, m0 + MR) (MR <= 8: run_q8 takes more than one row 8 at a time, so a remainder of
+// one lands here too) times one panel, block by block: each block's quants are read from
+// memory once and used for every row and column vector while in L1, with the weight
 // work of a group (offset, sign or nibbles) shared by all MR rows; the float accumulators of the
 // MR x 32 outputs stay in an L1 tile. Against passes of 4 rows over one column vector (2 x 4
 // passes over the panel, the later ones from L2 or memory): Q8_0 1.35x and Q4_0 1.6x faster at
