@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="block-quantize the linear layers (models.quantize): fewer bytes read per token",
     )
+    parser.add_argument("--kv-dtype", choices=cli.KV_DTYPES, default=None, help=cli.KV_DTYPE_HELP)
     parser.add_argument("--max-new-tokens", type=cli.positive_int, default=256, metavar="N")
     parser.add_argument("--temperature", type=cli.number, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")

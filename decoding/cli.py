@@ -57,8 +57,9 @@ def nonnegative_number(text: str) -> float:
 
 def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace, **kwargs):
     """``models.pretrained(args.model, **kwargs)``, block-quantized to ``args.quantize`` when it
-    is set -> ``(model, tokenizer)``; a checkpoint that does not load (or lies) and a layer the
-    format cannot hold are usage errors naming the flag."""
+    is set, its KV caches in ``args.kv_dtype`` when that is set -> ``(model, tokenizer)``; a
+    checkpoint that does not load (or lies), a layer the format cannot hold and a cache dtype
+    the model cannot take are usage errors naming the flag."""
     try:
         model, tokenizer = models.pretrained(args.model, **kwargs)
     except (OSError, ValueError) as e:  # a checkpoint that lies (models.hf, models.gguf)
@@ -68,7 +69,19 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace, **kwar
             model = models.quantize(model, args.quantize)
         except ValueError as e:  # a layer whose input width is not a multiple of the block
             parser.error(f"--quantize {args.quantize}: {e}")
+    if getattr(args, "kv_dtype", None) is not None:
+        try:
+            model = models.configure(model, kv_dtype=args.kv_dtype)
+        except ValueError as e:  # a 16-bit model asked for another 16-bit cache
+            parser.error(f"--kv-dtype {args.kv_dtype}: {e}")
     return model, tokenizer
+
+
+KV_DTYPES = ("bfloat16", "float16")
+KV_DTYPE_HELP = (
+    "the KV cache's dtype (default: the model's); a 16-bit cache halves what a float32 or "
+    "quantized model's decode steps read per cached token"
+)
 
 
 def port(text: str) -> int:

@@ -14,7 +14,7 @@ from models.sharding import make_train_step as make_sharded_train_step
 from models.sharding import memory_plan, param_shardings, shard, train_shardings
 from models.stream_decoder import StreamDecoder
 from models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from models.transformer import Transformer
+from models.transformer import Transformer, configure
 
 __all__ = [
     "PRESETS",
@@ -28,6 +28,7 @@ __all__ = [
     "Tokenizer",
     "Transformer",
     "TransformerConfig",
+    "configure",
     "dequantize",
     "load_gguf",
     "load_hf_checkpoint",

@@ -33,6 +33,17 @@ class RopeScaling:
             raise ValueError(f"RoPE scaling factor must be a positive number, got {self.factor!r}")
 
 
+def kv_dtype_name(kv_dtype) -> str | None:
+    """``kv_dtype`` (None, a name or a dtype) as :class:`TransformerConfig` holds it; ValueError
+    naming it when it is not a dtype."""
+    if kv_dtype is None:
+        return None
+    try:
+        return jnp.dtype(kv_dtype).name
+    except TypeError:
+        raise ValueError(f"kv_dtype must be a dtype name or None, got {kv_dtype!r}") from None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
     """A decoder-only transformer: token embedding, ``num_layers`` x (RMSNorm, GQA attention with
@@ -63,6 +74,9 @@ class TransformerConfig:
       attn_impl: the ``pallas_attn`` implementation used by every attention call.
       dtype: parameter and activation dtype name ("float32", "bfloat16", "float16"); logits are
         always returned in float32.
+      kv_dtype: the KV cache's dtype name; None = ``dtype``. A float32 model may keep a
+        "bfloat16" or "float16" cache: half the bytes each decode step reads per cached token
+        (llama.cpp's default cache is float16), new keys rounded once on the write.
     """
 
     vocab_size: int
@@ -94,6 +108,7 @@ class TransformerConfig:
     pad_id: int | None = None
     attn_impl: str = "auto"
     dtype: str = "float32"
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
@@ -133,6 +148,13 @@ class TransformerConfig:
             raise ValueError(f"attn_impl must be one of {IMPLS}, got {self.attn_impl!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        narrow = ("bfloat16", "float16") if self.dtype == "float32" else ()
+        if self.kv_dtype is not None and self.kv_dtype not in (self.dtype, *narrow):
+            raise ValueError(
+                f"kv_dtype must be None, the model's dtype ({self.dtype!r})"
+                + (f" or one of {narrow}" if narrow else "")
+                + f", got {self.kv_dtype!r}"
+            )
 
     @property
     def resolved_head_dim(self) -> int:
@@ -170,6 +192,11 @@ class TransformerConfig:
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def kv_jnp_dtype(self):
+        """The KV cache's dtype: ``kv_dtype``, else ``dtype``."""
+        return jnp.dtype(self.dtype if self.kv_dtype is None else self.kv_dtype)
 
     def replace(self, **changes) -> TransformerConfig:
         return dataclasses.replace(self, **changes)

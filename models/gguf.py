@@ -31,7 +31,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import RopeScaling, TransformerConfig
+from models.config import RopeScaling, TransformerConfig, kv_dtype_name
 from models.gguf_metadata import read_gguf
 from models.hf import (
     FAMILIES,
@@ -42,7 +42,7 @@ from models.hf import (
     family_of,
     hf_tensors,
 )
-from models.transformer import Transformer, rope_frequencies
+from models.transformer import Transformer, configure, rope_frequencies
 
 _Q = gguf.GGMLQuantizationType
 # Tensor types read (each tested with a file written by the tests); the others are refused.
@@ -371,7 +371,9 @@ def _prepare(path, dtype):
     return config, hf, by_name
 
 
-def load_gguf(path, *, dtype=None, attn_impl: str = "auto", quantized: bool = False) -> Transformer:
+def load_gguf(
+    path, *, dtype=None, attn_impl: str = "auto", quantized: bool = False, kv_dtype=None
+) -> Transformer:
     """A :class:`Transformer` from a GGUF file (``llama``, ``qwen2``, ``qwen3`` or ``gemma3``).
 
     Args:
@@ -382,6 +384,8 @@ def load_gguf(path, *, dtype=None, attn_impl: str = "auto", quantized: bool = Fa
       quantized: keep the linear layers (and a tied LM head) block-quantized
         (:mod:`models.quant`): Q8_0, Q4_0 and Q4_1 tensors as the file's blocks, other types
         requantized to the nearest of those with a warning; ``dtype`` is then the activations'.
+      kv_dtype: the KV cache's dtype (:class:`TransformerConfig`'s ``kv_dtype``; None = the
+        activations'): "bfloat16" halves the cache a float32 or quantized model reads.
 
     The config comes from the file's metadata: layers, heads, KV heads, head dim, MLP width,
     vocabulary, RoPE base (and Llama-3 scaling from ``rope_freqs``, linear scaling), norm
@@ -391,15 +395,18 @@ def load_gguf(path, *, dtype=None, attn_impl: str = "auto", quantized: bool = Fa
     named, before any weight is read), or tensors that do not match the metadata.
     """
     config, hf, by_name = _prepare(path, dtype)
-    config = config.replace(attn_impl=attn_impl)
+    config = config.replace(attn_impl=attn_impl, kv_dtype=kv_dtype_name(kv_dtype))
     if quantized:  # blocks from the float32 weights: the file's blocks again (models.quant)
         from models import quant
 
         types = {name: t.tensor_type.name for name, t in by_name.items()}
         formats = quant.formats_from_gguf(types, tied=config.tie_embeddings)
         name = f"GGUF file {os.fspath(path)}"
-        f32 = build_model(config.replace(dtype="float32"), _Tensors(by_name, hf), name)
-        return quant.quantize(f32, formats, dtype=config.jnp_dtype)
+        f32 = build_model(
+            config.replace(dtype="float32", kv_dtype=None), _Tensors(by_name, hf), name
+        )
+        model = quant.quantize(f32, formats, dtype=config.jnp_dtype)
+        return configure(model, kv_dtype=config.kv_dtype)
     return build_model(config, _Tensors(by_name, hf), f"GGUF file {os.fspath(path)}")
 
 

@@ -23,7 +23,7 @@ import safetensors
 import safetensors.flax
 from flax import nnx
 
-from models.config import RopeScaling, TransformerConfig
+from models.config import RopeScaling, TransformerConfig, kv_dtype_name
 from models.transformer import Transformer, fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
 
@@ -582,8 +582,11 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto") -> Transformer:
-    """A :class:`Transformer` from a Hugging Face checkpoint directory, parameters in ``dtype``.
+def load_hf_checkpoint(
+    path: str, *, dtype=jnp.float32, attn_impl: str = "auto", kv_dtype=None
+) -> Transformer:
+    """A :class:`Transformer` from a Hugging Face checkpoint directory, parameters in ``dtype``,
+    its KV caches in ``kv_dtype`` (None: ``dtype``; see :class:`TransformerConfig`).
 
     Raises FileNotFoundError when ``config.json`` or the weights are missing, and ValueError for
     malformed files, an unsupported architecture (naming it) or tensors that do not match.
@@ -593,7 +596,7 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.float32, attn_impl: str = "auto")
         config = config_from_hf(hf, dtype=dtype)
     except ValueError as e:
         raise ValueError(f"checkpoint {path}: {e}") from None
-    config = config.replace(attn_impl=attn_impl)
+    config = config.replace(attn_impl=attn_impl, kv_dtype=kv_dtype_name(kv_dtype))
     return build_model(config, _read_tensors(path), f"checkpoint {path}")
 
 

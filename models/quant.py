@@ -303,7 +303,10 @@ def _cast(model, dtype):
     for _, m in nnx.iter_modules(model):
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "dtype") and hasattr(config, "replace"):
-            m.config = config.replace(dtype=dtype.name)
+            kv = getattr(config, "kv_dtype", None)  # a narrow cache stays where it is valid
+            keep = kv is None or dtype.name == "float32" or kv == dtype.name
+            extra = {} if keep else {"kv_dtype": None}
+            m.config = config.replace(dtype=dtype.name, **extra)
         for attr in ("dtype", "param_dtype"):
             if getattr(m, attr, None) is not None and not isinstance(
                 getattr(m, attr), nnx.Variable

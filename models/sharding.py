@@ -336,7 +336,7 @@ def memory_plan(
     """Memory arithmetic of serving ``config`` on ``devices`` accelerators of ``hbm_bytes`` each,
     sharded ``(devices // model_axis, model_axis)`` over ("data", "model").
 
-    Weights and KV cache in ``config.dtype``; ``reserve_fraction`` of each device is kept for
+    Weights in ``config.dtype``, the KV cache in ``config.kv_dtype``; ``reserve_fraction`` of each device is kept for
     activations, logits and the compiler's workspace. Returns weight bytes (total and per
     device), KV bytes per token (total and per device: 2 x layers x Hkv x D x itemsize, over tp),
     and the largest total batch whose rows each hold ``context`` tokens.
@@ -359,7 +359,8 @@ def memory_plan(
     local = devices // processes
     itemsize = config.jnp_dtype.itemsize
     weights = config.num_params() * itemsize
-    kv_token = 2 * config.num_layers * config.num_kv_heads * config.resolved_head_dim * itemsize
+    kv_item = config.kv_jnp_dtype.itemsize
+    kv_token = 2 * config.num_layers * config.num_kv_heads * config.resolved_head_dim * kv_item
     free = hbm_bytes * (1 - reserve_fraction) - weights / model_axis
     per_replica = math.floor(free / (context * kv_token / model_axis)) if free > 0 else 0
     return dict(

@@ -525,3 +525,27 @@ class Transformer(nnx.Module):
         logits = logits.astype(jnp.float32)
         c = self.config.final_softcap
         return c * jnp.tanh(logits / c) if c > 0 else logits
+
+
+RUNTIME_FIELDS = ("attn_impl", "kv_dtype")
+
+
+def configure(model: nnx.Module, **changes) -> nnx.Module:
+    """A copy of ``model`` (sharing its arrays) whose config, and every submodule's, has the
+    runtime fields in ``changes`` replaced: ``attn_impl`` (the ``pallas_attn`` implementation)
+    and ``kv_dtype`` (the dtype of the caches made for it from now on, e.g. ``"bfloat16"`` for a
+    float32 or quantized model). Weights and shapes cannot change this way: any other field is a
+    ValueError, as is a value :class:`TransformerConfig` rejects."""
+    bad = sorted(set(changes) - set(RUNTIME_FIELDS))
+    if bad:
+        raise ValueError(f"configure: can only change {RUNTIME_FIELDS}, got {bad}")
+    config = getattr(model, "config", None)
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"configure: model must have a TransformerConfig, got {type(model)}")
+    new = config.replace(**changes)  # validates
+    model = nnx.merge(*nnx.split(model))
+    for _, m in nnx.iter_modules(model):
+        if isinstance(getattr(m, "config", None), TransformerConfig):
+            m.config = m.config.replace(**changes)
+    assert model.config == new
+    return model

@@ -63,6 +63,14 @@ def is_fp8(cache) -> bool:
     return jnp.dtype(cache.dtype) == jnp.dtype(FP8_DTYPE)
 
 
+def is_narrow(q, cache) -> bool:
+    """A 16-bit float cache under float32 queries (half the bytes a decode step reads)."""
+    return jnp.dtype(q.dtype) == jnp.float32 and jnp.dtype(cache.dtype) in (
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float16),
+    )
+
+
 def quantize(x, descale):
     """x: real values -> FP8 ``x / descale`` saturated to +-448 (descale broadcast against x)."""
     return jnp.clip(x.astype(jnp.float32) / descale, -FP8_MAX, FP8_MAX)

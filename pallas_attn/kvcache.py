@@ -53,7 +53,9 @@ def attention_with_kvcache(
     Args:
       q: [B, Tq, Hq, D] float32 / bfloat16 / float16, ``Tq >= 1``.
       k_cache, v_cache: contiguous [Bc, S, Hkv, D] or, with ``block_table``, paged
-        [num_blocks, P, Hkv, D]; q's dtype or ``float8_e4m3fn``.
+        [num_blocks, P, Hkv, D]; q's dtype, ``float8_e4m3fn``, or ``bfloat16`` / ``float16``
+        under float32 queries (a 16-bit cache for a float32 model: new keys are rounded to it on
+        the write, keys are read back exactly into float32).
       k, v: optional [B, Tn, Hkv, D] new tokens in q's dtype, written at positions
         ``cache_seqlens[b] .. cache_seqlens[b] + Tn - 1`` of row ``cache_batch_idx[b]`` (or ``b``).
       cache_seqlens: int or [B] int, tokens already in each row (not changed by the call).
@@ -215,6 +217,8 @@ def _jnp(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_c
 def _gathered(impl: str, static: cache.Static, args: cache.CacheArgs, q, k_cache, v_cache, *, Tn):
     """(out, lse) over a gather of each row's keys: the reference or the blockwise path."""
     k_rows, v_rows = cache.attention_inputs(args, k_cache, v_cache)
+    if cache.is_narrow(q, k_cache):  # a 16-bit cache under float32 queries: exact upcast
+        k_rows, v_rows = k_rows.astype(q.dtype), v_rows.astype(q.dtype)
     kw = dict(softmax_scale=static.softmax_scale, window=static.window, softcap=static.softcap)
     kw.update(cache.key_range(args, q.shape[1], Tn)._asdict(), tree_mask=args.tree_mask)
     if impl == "reference":
@@ -356,9 +360,10 @@ def _check_caches(q, k_cache, v_cache):
         raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache shape {k_cache.shape}")
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache and v_cache dtypes differ: {k_cache.dtype}, {v_cache.dtype}")
-    if not cache.is_fp8(k_cache) and k_cache.dtype != q.dtype:
+    if not cache.is_fp8(k_cache) and k_cache.dtype != q.dtype and not cache.is_narrow(q, k_cache):
         raise TypeError(
-            f"k_cache dtype must be q's dtype ({q.dtype}) or float8_e4m3fn, got {k_cache.dtype}"
+            f"k_cache dtype must be q's dtype ({q.dtype}), float8_e4m3fn, or bfloat16 / float16 "
+            f"under float32 queries, got {k_cache.dtype}"
         )
     validation.check_nonempty("k_cache", k_cache, "BSHD")
     validation.check_heads(q.shape, k_cache.shape, k_name="k_cache")

@@ -51,6 +51,8 @@ import uvicorn
 
 import models
 from decoding.cli import (
+    KV_DTYPE_HELP,
+    KV_DTYPES,
     check_bindable,
     kv_pool_problem,
     load_model,
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="block-quantize the linear layers for decoding (models.quantize)",
     )
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=KV_DTYPE_HELP)
     p.add_argument("--max-seq-len", type=positive_int, default=2048, help="prompt + completion")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument(

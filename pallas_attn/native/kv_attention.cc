@@ -7,8 +7,10 @@
 // bfloat16, float16 or FP8 e4m3 with a per-(row, head) descale), in chunks of kChunk keys with
 // an online softmax (natural-log lse); the spans of a row are merged at the end (split-KV).
 // Within a chunk, each query row's scores come 16 keys at a time (16 products summed across lanes
-// by one shuffle tree; long rows (kLongRow): per key, for 8 query rows at once), and values are
-// accumulated for 8 query rows at a time in registers.
+// by one shuffle tree; long rows (kLongRow): per key, for 8 query rows at once; AVX2 without
+// AVX-512: 8 keys at a time, horizontal adds), and values are accumulated for 8 query rows at a
+// time in registers. 16-bit and FP8 caches are converted to float32 a few keys (one head's
+// values) at a time, into buffers that stay in L1.
 // The masks are masks.visible's: keys [kv_start, kv_len), query i at q_offset + i, window
 // (left, right) with -1 unbounded, and an optional tree mask over the last Tq keys. Rows that
 // see no key give 0 and lse -inf.
@@ -339,6 +341,48 @@ void score_rows(const float* q, const float* k, int64_t D, float* s) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// out[j] = q . k[j][off : off + D] for j < cnt <= 8, D a multiple of 8, in AVX2 registers: one
+// accumulator per key (q's vector loaded once for the 8 keys), the 8 sums reduced together by a
+// tree of horizontal adds (9 instructions for 8 scores). score_rows' per-key call, with a
+// horizontal sum per query row, took 2.5x the time of the values' products at Hkv = 3, G = 3.
+inline void scores8(const float* q, const float* const* k, int64_t off, int64_t cnt, int64_t D,
+                    float* out) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  if (cnt == 8) {
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j)
+        a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + off + d), a[j]);
+    }
+  } else {
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int j = 0; j < cnt; ++j)
+        a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + off + d), a[j]);
+    }
+  }
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0 = _mm256_hadd_ps(h01, h23), h1 = _mm256_hadd_ps(h45, h67);
+  // h0: lanes 0-3 keys 0-3 over dims 0-3 of each 8, lanes 4-7 the same keys over dims 4-7.
+  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                                 _mm256_permute2f128_ps(h0, h1, 0x31));
+  if (cnt == 8) {
+    _mm256_storeu_ps(out, r);
+  } else {
+    float t[8];
+    _mm256_storeu_ps(t, r);
+    std::memcpy(out, t, cnt * sizeof(float));
+  }
+}
+constexpr bool kScores8 = true;
+#else
+inline void scores8(const float*, const float* const*, int64_t, int64_t, int64_t, float*) {}
+constexpr bool kScores8 = false;
+#endif
+
 // Running softmax state of every query row of one batch row over a span of its keys: per head
 // h and row r = i * G + g, the max m, the sum l and the unnormalised output acc [D].
 struct Partial {
@@ -399,8 +443,11 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
   for (int64_t h = 0; h < H; ++h) k_unscaled = k_unscaled && kd[h] == 1.f;
   for (int64_t h = 0; h < H; ++h) v_unscaled = v_unscaled && vd[h] == 1.f;
   constexpr bool f32 = std::is_same_v<E, F32>;
-  float* kbuf = f32 && k_unscaled ? nullptr : scratch(kbuf_v, kChunk * H * D);
-  float* vbuf = f32 && v_unscaled ? nullptr : scratch(vbuf_v, kChunk * H * D);
+  // Converted keys of kLanes positions and values of one head over a chunk: buffers that stay
+  // in L1 (the whole chunk's keys and values, 96 KB at Hkv = 3, D = 64, went through L2 and
+  // made a bfloat16 cache 1.8x slower to read than a float32 one at twice the bytes).
+  float* kbuf = f32 && k_unscaled ? nullptr : scratch(kbuf_v, kLanes * H * D);
+  float* vbuf = f32 && v_unscaled ? nullptr : scratch(vbuf_v, kChunk * D);
   // Cache offset of each position's row (pages clamped into the pool: masked keys read junk).
   const auto row_at = [&](int64_t pos) {
     int64_t page = blocks[pos / p.P];
@@ -427,24 +474,26 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
     const int64_t n = k1 - c0 < kChunk ? k1 - c0 : kChunk;
     if (c0 + n < k1) prefetch(c0 + n, k1 - c0 - n < kChunk ? k1 : c0 + n + kChunk);
     for (int64_t c = 0; c < n; ++c) at[c] = row_at(c0 + c);
-    for (int64_t c = 0; c < n; ++c) {
-      float* kb = kbuf ? kbuf + c * H * D : nullptr;
-      float* vb = vbuf ? vbuf + c * H * D : nullptr;
-      kp[c] = as_float<E>(kc + at[c], kb, H, D, kd, k_unscaled);
-      vp[c] = as_float<E>(vc + at[c], vb, H, D, vd, v_unscaled);
-    }
-    if (D >= kLongRow) {  // scores: position-major, each key row shared by 8 query rows at once
-      for (int64_t c = 0; c < n; ++c)
-        for (int64_t h = 0; h < H; ++h)
-          row_blocks(h * R, (h + 1) * R, [&](int64_t r0, auto RB) {
-            score_rows<RB>(&qs[r0 * D], kp[c] + h * D, D, &s[r0 * kChunk + c]);
-          });
-    } else {  // scores: per query row, 16 keys at a time
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t r = h * R; r < (h + 1) * R; ++r)
-          for (int64_t c = 0; c < n; c += kLanes)
-            scores16(&qs[r * D], kp + c, h * D, n - c < kLanes ? n - c : kLanes, D,
-                     &s[r * kChunk + c]);
+    for (int64_t cb = 0; cb < n; cb += kLanes) {  // scores, kLanes key positions at a time
+      const int64_t ce = n - cb < kLanes ? n : cb + kLanes;
+      for (int64_t c = cb; c < ce; ++c)
+        kp[c] = as_float<E>(kc + at[c], kbuf ? kbuf + (c - cb) * H * D : nullptr, H, D, kd,
+                            k_unscaled);
+      if (kScores8 && D % 8 == 0) {  // AVX2: per query row, 8 keys at a time
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = cb; c < ce; c += 8)
+            scores8(&qs[r * D], kp + c, (r / R) * D, ce - c < 8 ? ce - c : 8, D,
+                    &s[r * kChunk + c]);
+      } else if (D >= kLongRow) {  // position-major, each key row shared by 8 query rows at once
+        for (int64_t c = cb; c < ce; ++c)
+          for (int64_t h = 0; h < H; ++h)
+            row_blocks(h * R, (h + 1) * R, [&](int64_t r0, auto RB) {
+              score_rows<RB>(&qs[r0 * D], kp[c] + h * D, D, &s[r0 * kChunk + c]);
+            });
+      } else {  // per query row, the block's keys at once
+        for (int64_t r = 0; r < rows; ++r)
+          scores16(&qs[r * D], kp + cb, (r / R) * D, ce - cb, D, &s[r * kChunk + cb]);
+      }
     }
     if (p.softcap > 0.f)
       for (int64_t hr = 0; hr < rows; ++hr)
@@ -495,10 +544,19 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
       if (corr != 1.f)
         for (int64_t d = 0; d < D; ++d) part.acc[hr * D + d] *= corr;
     }
-    for (int64_t h = 0; h < H; ++h)  // values: blocks of 8 query rows accumulate in registers
+    for (int64_t h = 0; h < H; ++h) {  // values: blocks of 8 query rows accumulate in registers
+      int64_t off = h * D;  // head h of each position's row (in place), or of the converted one
+      for (int64_t c = 0; c < n; ++c) {
+        if (vbuf)
+          vp[c] = as_float<E>(vc + at[c] + off, vbuf + c * D, 1, D, vd + h, v_unscaled);
+        else
+          vp[c] = reinterpret_cast<const float*>(vc + at[c]);
+      }
+      if (vbuf) off = 0;
       row_blocks(h * R, (h + 1) * R, [&](int64_t r0, auto RB) {
-        weigh_values<RB>(vp, n, h * D, &s[r0 * kChunk], &part.acc[r0 * D], D);
+        weigh_values<RB>(vp, n, off, &s[r0 * kChunk], &part.acc[r0 * D], D);
       });
+    }
   }
 }
 

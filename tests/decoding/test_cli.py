@@ -46,6 +46,8 @@ from models.hf import save_hf_checkpoint
         (["hi", "--dtype", "int8"], "dtype"),
         (["hi", "--quantize", "q9"], "quantize"),
         (["hi", "--quantize", "q8_0", "--mesh", "1,1"], "--quantize does not combine with --mesh"),
+        (["hi", "--kv-dtype", "int8"], "kv-dtype"),
+        (["hi", "--dtype", "bfloat16", "--kv-dtype", "float16"], "--kv-dtype float16"),
         (["\udcff abc"], "prompt is not valid UTF-8"),  # how argv holds undecodable bytes
     ],
 )
@@ -103,6 +105,26 @@ def test_quantize_flag_decodes_the_quantized_model(monkeypatch, capsys):
     tok = models.pretrained("code-target")[1]
     ids = tok.encode(prompt)
     eng = Engine(quantized[0], max_batch=1, num_pages=8, page_size=16, max_seq_len=64)
+    rid = eng.submit(ids, 12)
+    assert out.rstrip("\n") == tok.decode(ids + list(eng.run_until_done()[rid]))
+
+
+def test_kv_dtype_flag_decodes_over_a_bfloat16_cache(monkeypatch, capsys):
+    """``--kv-dtype bfloat16``: the model is ``models.configure(model, kv_dtype=...)`` and the
+    text is the engine's for it."""
+    configured = []
+    real = models.configure
+    monkeypatch.setattr(
+        models, "configure", lambda m, **kw: configured.append(real(m, **kw)) or configured[-1]
+    )
+    prompt = "def fibonacci(n):"
+    argv = [prompt, "--model", "code-target", "--max-new-tokens", "12", "--kv-dtype", "bfloat16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert len(configured) == 1 and configured[0].config.kv_dtype == "bfloat16"
+    tok = models.pretrained("code-target")[1]
+    ids = tok.encode(prompt)
+    eng = Engine(configured[0], max_batch=1, num_pages=8, page_size=16, max_seq_len=64)
     rid = eng.submit(ids, 12)
     assert out.rstrip("\n") == tok.decode(ids + list(eng.run_until_done()[rid]))
 

@@ -14,11 +14,13 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import models
 from decoding import engine_steps
 from decoding.engine import Engine
 from decoding.generate import generate
@@ -105,6 +107,21 @@ def test_packed_weights_greedy_equals_generate():
     refs = [generate(model, [p], max_new_tokens=12).tokens[0] for p in PROMPTS]
     eng = make_engine(model)
     assert eng.runner.kernels or jax.default_backend() != "cpu" or not rows_matmul.available()
+    ids = [eng.submit(p, 12) for p in PROMPTS]
+    out = eng.run_until_done()
+    assert [out[r] for r in ids] == refs
+    assert_clean(eng)
+
+
+def test_bfloat16_cache_greedy_equals_generate():
+    """A float32 model with ``kv_dtype="bfloat16"`` (``models.configure``): the engine's pool
+    and ``generate``'s cache are bfloat16, and its greedy rows equal ``generate`` alone."""
+    from conftest import random_transformer
+
+    model = models.configure(random_transformer(seed=3, scale=0.1), kv_dtype="bfloat16")
+    refs = [generate(model, [p], max_new_tokens=12).tokens[0] for p in PROMPTS]
+    eng = make_engine(model)
+    assert all(k.dtype == jnp.bfloat16 for k in eng.runner.k + eng.runner.v)
     ids = [eng.submit(p, 12) for p in PROMPTS]
     out = eng.run_until_done()
     assert [out[r] for r in ids] == refs

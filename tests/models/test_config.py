@@ -1,4 +1,5 @@
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -22,7 +23,14 @@ def test_config_is_frozen_and_hashable():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("num_kv_heads", 3), ("attn_impl", "cuda"), ("dtype", "int8"), ("sliding_window", 0)],
+    [
+        ("num_kv_heads", 3),
+        ("attn_impl", "cuda"),
+        ("dtype", "int8"),
+        ("sliding_window", 0),
+        ("kv_dtype", "float64"),
+        ("kv_dtype", "int8"),
+    ],
 )
 def test_bad_fields_raise_naming_them(field, value):
     with pytest.raises(ValueError, match=field):
@@ -48,3 +56,15 @@ def test_preset_shapes_and_param_count(name):
 def test_shipped_sizes():
     assert 5e6 <= PRESETS["code-target"].num_params() <= 10e6
     assert 0.5e6 <= PRESETS["code-draft"].num_params() <= 1e6
+
+
+def test_kv_dtype():
+    c = TransformerConfig.preset("tiny")
+    assert c.kv_dtype is None and c.kv_jnp_dtype == c.jnp_dtype == jnp.float32
+    assert c.replace(kv_dtype="bfloat16").kv_jnp_dtype == jnp.bfloat16
+    assert c.replace(kv_dtype="float16").kv_jnp_dtype == jnp.float16
+    bf16 = c.replace(dtype="bfloat16")
+    assert bf16.replace(kv_dtype="bfloat16").kv_jnp_dtype == jnp.bfloat16
+    for bad in ("float16", "float32"):  # only a float32 model narrows its cache
+        with pytest.raises(ValueError, match="kv_dtype"):
+            bf16.replace(kv_dtype=bad)

@@ -179,6 +179,20 @@ def test_lowers_for_cuda_without_the_native_kernels(fmt):
     assert "pallas_attn_" not in cuda_text and "stablehlo.dot_general" in cuda_text
 
 
+@pytest.mark.parametrize("fmt", [None, "q4_0"])
+def test_bfloat16_cache_matches_unfused(fmt):
+    # A float32 (or quantized) model over a bfloat16 cache: the fused layer rounds the new keys
+    # and values once on the write, as the jnp scatter does, and reads them back exactly; a key
+    # whose float32 value (RoPE reassociated) sits at a rounding boundary may differ by an ulp.
+    config = _config(heads=6, kv_heads=2, head_dim=64, bias=True, kv_dtype="bfloat16")
+    model = _model(config) if fmt is None else models.quantize(_model(config), fmt)
+    cache, _ = _prefilled(model, 3, paged=True)
+    assert cache.k[0].dtype == jnp.bfloat16
+    logit_err, cache_err = _compare(model, 3)
+    assert logit_err <= 1e-4
+    assert cache_err <= 0.02
+
+
 def _generate(model, prompts, n, *, fused):
     model.fused_decode = fused
     return generate(model, prompts, max_new_tokens=n).tokens

@@ -180,6 +180,18 @@ def test_bfloat16_load(tmp_path):
     assert load_gguf(path, dtype=jnp.float32).config.dtype == "float32"
 
 
+def test_kv_dtype(tmp_path):
+    model = random_model()
+    save_gguf(model, tmp_path / "m.gguf")
+    for quantized in (False, True):
+        m = load_gguf(tmp_path / "m.gguf", quantized=quantized, kv_dtype=jnp.bfloat16)
+        assert m.config.kv_dtype == "bfloat16" and m.config.dtype == "float32"
+        assert all(layer.attn.config.kv_dtype == "bfloat16" for layer in m.layers)
+    for bad in ("int8", "no-such-type"):
+        with pytest.raises(ValueError, match="kv_dtype"):
+            load_gguf(tmp_path / "m.gguf", kv_dtype=bad)
+
+
 # ----------------------------------------------------------------------------- bad files
 
 

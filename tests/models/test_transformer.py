@@ -277,3 +277,40 @@ def test_empty_cache_arrays_are_distinct_zero_buffers(paged):
     for a in arrays:
         assert a.dtype == config.jnp_dtype and not np.asarray(a).any()
     assert KVCache.contiguous(config, 2, 8, dtype=jnp.bfloat16).k[0].dtype == jnp.bfloat16
+
+
+def test_configure_changes_runtime_fields_and_shares_weights():
+    import models
+
+    model = Transformer(TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    narrow = models.configure(model, kv_dtype="bfloat16", attn_impl="xla")
+    assert model.config.kv_dtype is None  # the original is untouched
+    assert narrow.config.kv_dtype == "bfloat16" and narrow.config.attn_impl == "xla"
+    assert all(layer.attn.config == narrow.config for layer in narrow.layers)
+    assert narrow.embed.embedding[...] is model.embed.embedding[...]
+    assert KVCache.contiguous(narrow.config, 1, 8).k[0].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="dim"):
+        models.configure(model, dim=8)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        models.configure(model, kv_dtype="int8")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_bfloat16_cache_close_to_float32(paged):
+    import models
+
+    model = Transformer(TransformerConfig.preset("tiny", attn_impl="xla"), rngs=nnx.Rngs(0))
+    narrow = models.configure(model, kv_dtype="bfloat16")
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, model.config.vocab_size)
+    out = {}
+    for name, m in (("f32", model), ("bf16", narrow)):
+        if paged:
+            cache = KVCache.paged(m.config, 9, 4, np.arange(8, dtype=np.int32).reshape(2, 4))
+        else:
+            cache = KVCache.contiguous(m.config, 2, 16)
+        _, cache = m(tokens[:, :10], cache=cache)
+        assert cache.k[0].dtype == m.config.kv_jnp_dtype
+        logits, _ = m(tokens[:, 10:], cache=cache)
+        out[name] = np.asarray(logits)
+    scale = np.abs(out["f32"]).max()
+    assert 0 < np.abs(out["bf16"] - out["f32"]).max() <= 2e-2 * scale

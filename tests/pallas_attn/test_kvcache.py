@@ -37,6 +37,11 @@ class Case:
     softcap: float = 0.0
     fp8: bool = False
     dtype: str = "float32"
+    cache_dtype: str | None = None  # a 16-bit cache under float32 queries; None = dtype
+
+    @property
+    def stored_dtype(self) -> str:
+        return self.cache_dtype or self.dtype
 
 
 @dataclasses.dataclass
@@ -76,7 +81,8 @@ def make_inputs(case: Case, seed: int) -> Inputs:
         v_log = _fp8_round(v_log / descale[1][:, None, :, None]) * descale[1][:, None, :, None]
     else:
         k_log, v_log = (
-            np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (k_log, v_log)
+            np.asarray(jnp.asarray(x, case.stored_dtype).astype(jnp.float32))
+            for x in (k_log, v_log)
         )
 
     def stored(x, i=None):
@@ -84,7 +90,7 @@ def make_inputs(case: Case, seed: int) -> Inputs:
         if case.fp8:
             d = 1.0 if i is None else descale[i][:, None, :, None]
             return (x / d).astype(ml_dtypes.float8_e4m3fn)
-        return np.array(jnp.asarray(x, dtype))
+        return np.array(jnp.asarray(x, case.stored_dtype))
 
     rows = np.arange(B)
     if case.page is not None:
@@ -202,7 +208,7 @@ def _as_stored(case, inp, x, i):
     if case.fp8:
         d = np.asarray(inp.kwargs["v_descale" if i else "k_descale"])[:, None, :, None]
         return _fp8_round(x.astype(np.float32) / d) * d
-    return np.asarray(jnp.asarray(x.astype(np.float32), case.dtype).astype(jnp.float32))
+    return np.asarray(jnp.asarray(x.astype(np.float32), case.stored_dtype).astype(jnp.float32))
 
 
 def logical_cache(case: Case, inp: Inputs, cache, i):
@@ -263,7 +269,7 @@ def as_bits(x):
 def _ulp(case):
     if case.fp8:
         return 0.13  # e4m3: 3 mantissa bits
-    return {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}[case.dtype]
+    return {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}[case.stored_dtype]
 
 
 def tolerance(case):
@@ -286,6 +292,10 @@ HAND = [
     Case(Tq=1, Tn=1, fp8=True, batch_idx=True, dtype="bfloat16", rotary=(8, False)),
     Case(Tq=5, Tn=1, dtype="bfloat16", Hq=4, Hkv=1, causal=True, softcap=2.0, window=(4, -1)),
     Case(Tq=5, Tn=1, dtype="float16", leftpad=True, causal=True),
+    # 16-bit caches under float32 queries: keys stored rounded, attended in float32.
+    Case(Tq=5, Tn=5, D=40, causal=True, page=4, S=24, cache_dtype="bfloat16"),
+    Case(Tq=1, Tn=1, Hq=8, Hkv=1, batch_idx=True, rotary=(8, False), cache_dtype="float16"),
+    Case(B=3, Tq=1, Tn=1, Hq=9, Hkv=3, D=64, S=208, page=16, causal=True, cache_dtype="bfloat16"),
 ]
 
 
@@ -382,6 +392,7 @@ LONG = [  # rows long enough that the native CPU kernel splits their keys across
     Case(B=1, S=1104, Tq=5, Tn=5, page=48, causal=True, window=(700, 0), Hq=8, Hkv=2, D=40),
     Case(B=3, S=800, Tq=1, Tn=0, leftpad=True, batch_idx=True, softcap=3.0),
     Case(B=1, S=1024, Tq=2, Tn=2, page=64, fp8=True, dtype="bfloat16", causal=True),
+    Case(B=2, S=700, Tq=1, Tn=1, Hq=9, Hkv=3, D=64, page=None, causal=True, cache_dtype="bfloat16"),
 ]
 
 
@@ -545,13 +556,20 @@ def test_bad_input_raises_naming_the_argument(needle, override):
 
 def test_wrong_dtypes_raise_type_error():
     inp = make_inputs(Case(), seed=0)
-    with pytest.raises(TypeError, match="k_cache"):
-        attention_with_kvcache(
-            inp.q,
-            inp.k_cache.astype(jnp.bfloat16),
-            inp.v_cache.astype(jnp.bfloat16),
-            cache_seqlens=1,
-        )
+    # A cache wider than the queries, or 16-bit of another kind: only float32 queries take a
+    # bfloat16 / float16 cache.
+    for q_dtype, cache_dtype in (
+        (jnp.bfloat16, jnp.float32),
+        (jnp.float16, jnp.bfloat16),
+        (jnp.bfloat16, jnp.float16),
+    ):
+        with pytest.raises(TypeError, match="k_cache"):
+            attention_with_kvcache(
+                inp.q.astype(q_dtype),
+                inp.k_cache.astype(cache_dtype),
+                inp.v_cache.astype(cache_dtype),
+                cache_seqlens=1,
+            )
     with pytest.raises(TypeError, match="k and v"):
         attention_with_kvcache(
             inp.q, inp.k_cache, inp.v_cache, inp.k.astype(jnp.bfloat16), inp.v, cache_seqlens=1
@@ -590,6 +608,7 @@ def check_interpret(case: Case, seed: int, **extra):
 
 
 INTERPRET = [
+    Case(Tq=3, Tn=3, Hq=4, Hkv=2, D=40, S=36, page=4, causal=True, cache_dtype="bfloat16"),
     Case(Tq=5, Tn=5, Hq=4, Hkv=1, D=40, S=36, page=4, causal=True, rotary=(8, True)),
     Case(Tq=1, Tn=1, Hq=8, Hkv=1, S=12, page=1, leftpad=True, softcap=3.0),
     Case(Tq=64, Tn=64, Hq=2, Hkv=2, S=80, page=16, causal=True, window=(20, 0)),
