@@ -14,8 +14,8 @@ paged P = 16), with the same bandwidth figures (``num_splits`` does not apply to
 plus the shipped code-target's decode and verification calls (Hq = 8, Hkv = 4, D = 32, S = 160,
 paged P = 16, B = 1, Tq in {1, 3, 5}; ``small_heads``), timed as a jitted loop of calls (each call
 is a few microseconds, below one dispatch); and SmolLM2-135M's attention per decode step and
-k = 1 verification (Hq = 9, Hkv = 3, D = 64, 30 layers' paged caches, B in {1, 8}, S in {256, 1k,
-4k}; ``smollm2_heads``). Writes ``benchmarks/results/decode_cpu.json``.
+k = 1 verification (Hq = 9, Hkv = 3, D = 64, 30 layers' paged float32 and bfloat16 caches
+(``kv_dtype``) under float32 queries, B in {1, 8}, S in {256, 1k, 4k}; ``smollm2_heads``). Writes ``benchmarks/results/decode_cpu.json``.
 """
 
 from __future__ import annotations
@@ -181,16 +181,25 @@ SMOLLM2 = dict(Hq=9, Hkv=3, D=64, P=16, layers=30)  # SmolLM2-135M's attention s
 def smollm2_heads(runs: int, warmup: int, quick: bool) -> list[dict]:
     """Milliseconds of the attention of one decode step (Tq = 1) and one k = 1 verification
     (Tq = 2) of SmolLM2-135M, the native kernel (``"auto"`` on CPU): one call per layer over
-    30 layers' own paged float32 caches (more bytes than the last-level cache holds from S =
-    1024 at B = 8, as in a real step, whose weights evict the cache), B in {1, 8}, S in {256,
-    1024, 4096} keys per row."""
+    30 layers' own paged caches (more bytes than the last-level cache holds from S = 1024 at B =
+    8, as in a real step, whose weights evict the cache), B in {1, 8}, S in {256, 1024, 4096}
+    keys per row; float32 and bfloat16 caches (a float32 model's ``kv_dtype``), float32
+    queries."""
     h, kv_heads, d, P, L = (SMOLLM2[n] for n in ("Hq", "Hkv", "D", "P", "layers"))
     rows = []
-    configs = [(B, S) for B in ((1,) if quick else (1, 8)) for S in (256, 1024, 4096)]
-    for B, S in tqdm(configs, desc="SmolLM2 shapes"):
+    configs = [
+        (B, S, cdt)
+        for B in ((1,) if quick else (1, 8))
+        for S in (256, 1024, 4096)
+        for cdt in (jnp.float32, jnp.bfloat16)
+    ]
+    for B, S, cdt in tqdm(configs, desc="SmolLM2 shapes"):
         pages = B * S // P
         keys = jax.random.split(jax.random.key(2), 2 * L + 1)
-        caches = [jax.random.normal(k, (pages, P, kv_heads, d), jnp.float32) for k in keys[1:]]
+        caches = [
+            jax.random.normal(k, (pages, P, kv_heads, d), jnp.float32).astype(cdt)
+            for k in keys[1:]
+        ]
         perm = np.random.default_rng(3).permutation(pages).astype(np.int32)
         table = jnp.asarray(perm.reshape(B, S // P))
         lengths = jnp.full((B,), S, jnp.int32)
@@ -218,8 +227,9 @@ def smollm2_heads(runs: int, warmup: int, quick: bool) -> list[dict]:
                 return out
 
             seconds = common.time_fn(step, q, caches, lengths, table, runs=runs, warmup=warmup)
-            kv_bytes = 2 * L * B * S * kv_heads * d * 4
+            kv_bytes = 2 * L * B * S * kv_heads * d * jnp.dtype(cdt).itemsize
             row = dict(impl="native", B=B, S=S, layout=f"paged P={P}", case="smollm2", Tq=Tq)
+            row["kv_dtype"] = jnp.dtype(cdt).name
             rows.append(dict(row, ms=1e3 * seconds, GB_per_s=kv_bytes / seconds / 1e9))
         del caches
     return rows
@@ -248,7 +258,7 @@ PLOTS = {
             "smollm2",
             x="S",
             y=("ms",),
-            series=("Tq",),
+            series=("Tq", "kv_dtype"),
             facet="B",
             where=(("case", "smollm2"),),
             logx=True,
@@ -294,10 +304,10 @@ def main(argv=None) -> None:
         small = small_heads(args.runs, args.warmup)
         common.print_table(small, ["impl", "Tq", "S", "layout", "us_per_call"])
         smollm2 = smollm2_heads(args.runs, args.warmup, args.quick)
-        common.print_table(smollm2, ["B", "S", "Tq", "ms", "GB_per_s"])
+        common.print_table(smollm2, ["B", "S", "Tq", "kv_dtype", "ms", "GB_per_s"])
         rows += small + smollm2
     cols = ["impl", "B", "S", "layout", "num_splits", "ms", "GB_per_s", "vs_copy", "copy_GB_per_s"]
-    cols += ["Tq", "us_per_call"] if not gpu else []
+    cols += ["Tq", "kv_dtype", "us_per_call"] if not gpu else []
     goal = [
         r
         for r in rows

@@ -21,7 +21,7 @@ def test_smollm2_heads_times_decode_and_verification(monkeypatch):
     if not native.available():  # the native kernel's rows only
         assert rows == []
         return
-    assert [(r["B"], r["S"], r["Tq"]) for r in rows] == [
-        (1, S, Tq) for S in (256, 1024, 4096) for Tq in (1, 2)
+    assert [(r["B"], r["S"], r["kv_dtype"], r["Tq"]) for r in rows] == [
+        (1, S, c, Tq) for S in (256, 1024, 4096) for c in ("float32", "bfloat16") for Tq in (1, 2)
     ]
     assert all(r["case"] == "smollm2" and r["ms"] > 0 and r["GB_per_s"] > 0 for r in rows)
