@@ -197,8 +197,7 @@ def smollm2_heads(runs: int, warmup: int, quick: bool) -> list[dict]:
         pages = B * S // P
         keys = jax.random.split(jax.random.key(2), 2 * L + 1)
         caches = [
-            jax.random.normal(k, (pages, P, kv_heads, d), jnp.float32).astype(cdt)
-            for k in keys[1:]
+            jax.random.normal(k, (pages, P, kv_heads, d), jnp.float32).astype(cdt) for k in keys[1:]
         ]
         perm = np.random.default_rng(3).permutation(pages).astype(np.int32)
         table = jnp.asarray(perm.reshape(B, S // P))
