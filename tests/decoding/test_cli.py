@@ -89,42 +89,27 @@ def test_code_model_continues_a_plain_prompt(capsys):
     assert out.startswith("def fibonacci(n):") and " tokens | prefill" in err
 
 
-def test_quantize_flag_decodes_the_quantized_model(monkeypatch, capsys):
-    """``--quantize q4_1``: the model is ``models.quantize(model, "q4_1")`` and the text is
-    the engine's for it."""
-    quantized = []
-    real = models.quantize
-    monkeypatch.setattr(
-        models, "quantize", lambda m, f: quantized.append(real(m, f)) or quantized[-1]
-    )
+@pytest.mark.parametrize(
+    "flag, value, hook, check",
+    [
+        ("--quantize", "q4_1", "quantize", lambda m: m.lm_head.fmt == "q4_1"),
+        ("--kv-dtype", "bfloat16", "configure", lambda m: m.config.kv_dtype == "bfloat16"),
+    ],
+)
+def test_model_flags_decode_the_changed_model(flag, value, hook, check, monkeypatch, capsys):
+    """``--quantize q4_1`` runs ``models.quantize(model, "q4_1")``, ``--kv-dtype bfloat16``
+    ``models.configure(model, kv_dtype="bfloat16")``; the text is the engine's for that model."""
+    made = []
+    real = getattr(models, hook)
+    monkeypatch.setattr(models, hook, lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
     prompt = "def fibonacci(n):"
-    argv = [prompt, "--model", "code-target", "--max-new-tokens", "12", "--quantize", "q4_1"]
+    argv = [prompt, "--model", "code-target", "--max-new-tokens", "12", flag, value]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert len(quantized) == 1 and quantized[0].lm_head.fmt == "q4_1"
+    assert len(made) == 1 and check(made[0])
     tok = models.pretrained("code-target")[1]
     ids = tok.encode(prompt)
-    eng = Engine(quantized[0], max_batch=1, num_pages=8, page_size=16, max_seq_len=64)
-    rid = eng.submit(ids, 12)
-    assert out.rstrip("\n") == tok.decode(ids + list(eng.run_until_done()[rid]))
-
-
-def test_kv_dtype_flag_decodes_over_a_bfloat16_cache(monkeypatch, capsys):
-    """``--kv-dtype bfloat16``: the model is ``models.configure(model, kv_dtype=...)`` and the
-    text is the engine's for it."""
-    configured = []
-    real = models.configure
-    monkeypatch.setattr(
-        models, "configure", lambda m, **kw: configured.append(real(m, **kw)) or configured[-1]
-    )
-    prompt = "def fibonacci(n):"
-    argv = [prompt, "--model", "code-target", "--max-new-tokens", "12", "--kv-dtype", "bfloat16"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert len(configured) == 1 and configured[0].config.kv_dtype == "bfloat16"
-    tok = models.pretrained("code-target")[1]
-    ids = tok.encode(prompt)
-    eng = Engine(configured[0], max_batch=1, num_pages=8, page_size=16, max_seq_len=64)
+    eng = Engine(made[0], max_batch=1, num_pages=8, page_size=16, max_seq_len=64)
     rid = eng.submit(ids, 12)
     assert out.rstrip("\n") == tok.decode(ids + list(eng.run_until_done()[rid]))
 
