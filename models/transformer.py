@@ -41,7 +41,7 @@ from jax import lax
 import pallas_attn
 from models import fused_decode as fused
 from models import quant, rows_matmul
-from models.config import TransformerConfig
+from models.config import TransformerConfig, kv_dtype_name
 from models.kv_cache import KVCache
 from models.linear import (  # also importable from here
     DECODE_MIN_WEIGHTS,
@@ -542,6 +542,8 @@ def configure(model: nnx.Module, **changes) -> nnx.Module:
     config = getattr(model, "config", None)
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"configure: model must have a TransformerConfig, got {type(model)}")
+    if "kv_dtype" in changes:  # a name, a dtype or None, as the loaders take it
+        changes["kv_dtype"] = kv_dtype_name(changes["kv_dtype"])
     new = config.replace(**changes)  # validates
     model = nnx.merge(*nnx.split(model))
     for _, m in nnx.iter_modules(model):

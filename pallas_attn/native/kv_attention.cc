@@ -96,7 +96,7 @@ inline void convert8(const typename E::T* src, float* dst, float s) {
       f = _mm256_cvtph_ps(h);
     else
       f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    _mm256_storeu_ps(dst, _mm256_mul_ps(f, _mm256_set1_ps(s)));
+    _mm256_storeu_ps(dst, s == 1.f ? f : _mm256_mul_ps(f, _mm256_set1_ps(s)));  // x * 1 == x
     return;
   }
 #endif

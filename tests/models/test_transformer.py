@@ -289,6 +289,8 @@ def test_configure_changes_runtime_fields_and_shares_weights():
     assert all(layer.attn.config == narrow.config for layer in narrow.layers)
     assert narrow.embed.embedding[...] is model.embed.embedding[...]
     assert KVCache.contiguous(narrow.config, 1, 8).k[0].dtype == jnp.bfloat16
+    assert models.configure(model, kv_dtype=jnp.float16).config.kv_dtype == "float16"
+    assert models.configure(narrow, kv_dtype=None).config.kv_dtype is None
     with pytest.raises(ValueError, match="dim"):
         models.configure(model, dim=8)
     with pytest.raises(ValueError, match="kv_dtype"):
