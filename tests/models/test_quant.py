@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import models
-from decoding import Engine, PromptLookup, generate, speculative_generate
+from decoding import Engine, PromptLookup, generate, packing, speculative_generate
 from models import Transformer, TransformerConfig, quant, rows_matmul
 
 native = pytest.mark.skipif(not rows_matmul.available(), reason="native kernels not built")
@@ -208,10 +208,35 @@ def smollm2(smollm2_gguf):
     return models.load_gguf(smollm2_gguf), prompts
 
 
+def _forced_decode_logits(model, prompt, tokens):
+    """[len(tokens), V] logits of ``model`` fed ``prompt``, then ``tokens`` one at a time through
+    its decode path (the packed few-row kernels, as ``generate`` runs them): teacher forcing, so
+    two models are compared on the same history."""
+    graphdef, params = nnx.split(model)
+    packed = packing.packed_weights(model, params)
+    cache = models.KVCache.contiguous(model.config, 1, len(prompt) + len(tokens) + 1)
+
+    @jax.jit
+    def step(params, packed, ids, cache):
+        return packing.packed_model(graphdef, params, packed)(ids, cache=cache)
+
+    logits, cache = step(params, packed, jnp.asarray([prompt]), cache)
+    out = [logits[0, -1]]
+    for t in tokens[:-1]:
+        logits, cache = step(params, packed, jnp.asarray([[t]]), cache)
+        out.append(logits[0, -1])
+    return np.stack(out)
+
+
 def test_real_model_q8_0_greedy_equals_dequantized(smollm2):
     """SmolLM2 in Q8_0 (quantized from the file's float32 weights, float32 activations in the
-    few-row kernel) decodes 32 greedy chat tokens equal to its own dequantized float model, and
-    with 8-bit activations nearly the same tokens.
+    few-row kernel) decodes 32 greedy chat tokens equal to its own dequantized float model.
+    With 8-bit activation blocks (the default) its decode logits, on the same 32 tokens: RMS
+    error within 6% of the logits' RMS (3.6-4.5% measured), the same top token at 28 of 32
+    steps or more (30-32). A free-running comparison of the texts is no test of that: the
+    8-bit rounding moves logits by up to ~1 somewhere in the vocabulary, the top two tokens of
+    this model are 0.1-0.3 apart at some steps, and where the texts part depends on float32
+    reassociation anywhere upstream (12 to over 32 tokens seen).
     Q4_1's logits (requantized from those weights, head included): RMS error within 10% of the
     float32 logits' RMS (0.06 measured), the float model's top token at 75% of the prompt
     positions or more (0.84)."""
@@ -220,11 +245,12 @@ def test_real_model_q8_0_greedy_equals_dequantized(smollm2):
     d8 = models.dequantize(q8)
     greedy = generate(q8, prompts, max_new_tokens=32).tokens
     assert greedy == generate(d8, prompts, max_new_tokens=32).tokens
-    # 8-bit activation blocks (the default): 32 of 32 tokens equal on both prompts measured;
-    # the bound leaves room for a near tie late in the sequence
-    quant.set_activations(q8, "q8")
-    for a, b in zip(generate(q8, prompts, max_new_tokens=32).tokens, greedy, strict=True):
-        assert a[:16] == b[:16] and sum(x == y for x, y in zip(a, b, strict=True)) >= 28
+    for prompt, tokens in zip(prompts, greedy, strict=True):
+        ref = _forced_decode_logits(quant.set_activations(q8, "f32"), prompt, tokens)
+        np.testing.assert_array_equal(ref.argmax(-1), tokens)  # the decode path generate ran
+        got = _forced_decode_logits(quant.set_activations(q8, "q8"), prompt, tokens)
+        assert np.sqrt(((got - ref) ** 2).mean() / (ref**2).mean()) <= 0.06
+        assert (got.argmax(-1) == ref.argmax(-1)).sum() >= 28
     ids = jnp.asarray([prompts[0]])
     ref = np.asarray(f(ids))
     q41 = np.asarray(models.quantize(f, "q4_1")(ids))
