@@ -681,12 +681,16 @@ def test_exceptions_at_random_points_rebuild_the_engine(tiny_model, greedy_refs)
                 break
             ids = {eng.submit(p, MAX_NEW): i for i, p in enumerate(PROMPTS)}
             signal.setitimer(signal.ITIMER_REAL, delay)
-            while True:  # the alarm may land anywhere in here, `busy` included: all inside the try
+            # The handler runs at the interpreter's next check after the signal arrives, and a
+            # loop's backward jump is one: a signal that arrives as step() returns is handled at
+            # the jump of the loop around it. So the stepping loop is inside the try, and the
+            # outer loop only jumps back once the one-shot alarm has been handled.
+            while True:
                 try:
-                    if not eng.busy:
-                        signal.setitimer(signal.ITIMER_REAL, 0)
-                        break
-                    eng.step()
+                    while eng.busy:
+                        eng.step()
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    break
                 except _Alarm:
                     raised += 1
             try:  # a signal delivered during the disarm is handled at the next bytecode
