@@ -16,10 +16,20 @@ zero, so an untrained head predicts what the target predicts one step earlier), 
 * own (``shared_head=False``): a ``[dim, V]`` Linear per head; :meth:`MedusaHeads.init_from`
   copies the target's LM head (its tied embedding when ``tie_embeddings``) into each.
 
+Draft vocabulary (``vocab=``, shared heads only): the heads' logits cover only these token ids
+(FR-Spec's observation, Zhao et al., 2025: a small model's drafts come from a few thousand
+frequent tokens, and the LM head over the whole vocabulary is most of a drafting step's cost).
+The heads then carry ``vocab_head``, a frozen copy of the target LM head's rows for those ids
+(:meth:`MedusaHeads.init_from` fills it; a few-row product over V' rows instead of V), and every
+other token's logit is -inf: such a token is never drafted. Verification keeps the output exact
+whatever the draft proposes, so this only trades acceptance for cost; the trainer
+(``models.medusa_train``) uses the tokens of its data, which its softmax was restricted to.
+
 Checkpoints (heads only): ``config.json`` (``{"medusa_num_heads": n, "shared_head": bool,
 "target": {...}}``, the target's :class:`TransformerConfig` fields, plus what the trainer adds,
-e.g. ``base_model``) and ``model.safetensors`` (``heads.<i>.<name>``). :func:`load_medusa`
-checks the target's shapes and every tensor's name and shape.
+e.g. ``base_model``) and ``model.safetensors`` (``heads.<i>.<name>``; with a draft vocabulary also
+``vocab`` and ``vocab_head.kernel``). :func:`load_medusa` checks the target's shapes and every
+tensor's name and shape.
 """
 
 from __future__ import annotations
@@ -40,6 +50,40 @@ from models.transformer import Linear
 # Target config fields that fix the shapes the heads read and write, or the hidden states they
 # were trained on: heads saved for one target refuse a target that differs in any of them.
 TARGET_FIELDS = ("dim", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "mlp_dim")
+
+
+class DraftVocab(nnx.Variable):
+    """The token ids a draft vocabulary covers (int32 [V']): state, not a trained parameter."""
+
+
+def check_vocab_ids(vocab, vocab_size: int) -> np.ndarray:
+    """``vocab`` as sorted int32 ids -> np.ndarray; ValueError/TypeError naming ``vocab`` unless
+    it is a non-empty 1-D collection of distinct integers in [0, vocab_size)."""
+    if isinstance(vocab, (str, bytes)) or not hasattr(vocab, "__len__"):
+        raise TypeError(f"vocab must be a 1-D sequence of token ids, got {type(vocab).__name__}")
+    ids = np.asarray(vocab)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"vocab must be a non-empty 1-D sequence of token ids, got {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer) or ids.dtype == np.bool_:
+        raise TypeError(f"vocab must hold integer token ids, got dtype {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(
+            f"vocab ids must be in [0, {vocab_size}), got {int(ids.min())} .. {int(ids.max())}"
+        )
+    out = np.unique(ids).astype(np.int32)
+    if out.size != ids.size:
+        raise ValueError(f"vocab has {ids.size - out.size} repeated token ids")
+    return out
+
+
+def head_rows(target) -> jax.Array:
+    """``target``'s LM head as [V, dim] in its dtype: the tied embedding, or the LM head's
+    kernel transposed (dequantized for a quantized head)."""
+    head = target.lm_head
+    if head is None:
+        return target.embed.embedding[...]
+    weight = head.weight(target.config.jnp_dtype) if hasattr(head, "weight") else None
+    return (head.kernel[...] if weight is None else weight).T
 
 
 class MedusaHead(nnx.Module):
@@ -87,6 +131,10 @@ class MedusaHeads(nnx.Module):
 
     ``shared_head``: None (default) shares the target's LM head when ``config.tie_embeddings``
     (a head is then its residual layer only), else each head owns a ``[dim, V]`` LM head.
+
+    ``vocab``: None, or the token ids the heads draft from (shared heads only; module doc):
+    ``vocab_head`` then holds the target's head rows for them, zero until :meth:`init_from`
+    (or a checkpoint) fills it, and ``target=`` is optional in calls.
     """
 
     def __init__(
@@ -95,6 +143,7 @@ class MedusaHeads(nnx.Module):
         num_heads: int = 4,
         *,
         shared_head: bool | None = None,
+        vocab=None,
         rngs: nnx.Rngs,
     ):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
@@ -109,6 +158,26 @@ class MedusaHeads(nnx.Module):
         self.heads = nnx.List(
             [MedusaHead(config, shared_head=shared_head, rngs=rngs) for _ in range(num_heads)]
         )
+        if vocab is None:
+            self.vocab = self.vocab_head = None
+            return
+        if not shared_head:
+            raise ValueError(
+                "vocab needs shared_head=True: a draft vocabulary restricts the target's shared "
+                "LM head (own LM heads are [dim, V] each)"
+            )
+        ids = check_vocab_ids(vocab, config.vocab_size)
+        dt = config.jnp_dtype
+        self.vocab = DraftVocab(jnp.asarray(ids))
+        self.vocab_head = Linear(
+            config.dim,
+            int(ids.size),
+            use_bias=False,
+            kernel_init=nnx.initializers.zeros,
+            dtype=dt,
+            param_dtype=dt,
+            rngs=rngs,
+        )
 
     def residuals(self, h, num: int | None = None):
         """h [B, T, dim] -> the first ``num`` heads' residual outputs [B, T, num, dim]."""
@@ -119,6 +188,15 @@ class MedusaHeads(nnx.Module):
         that needs only k)."""
         if not self.shared_head:
             return jnp.stack([head(h) for head in list(self.heads)[:num]], axis=-2)
+        if self.vocab is not None:
+            if target is not None:
+                self.check_target(target.config)
+            r = self.residuals(h, num)  # [B, T, n, dim]
+            sub = self.vocab_head(r).astype(jnp.float32)  # few rows: the packed product
+            c = self.config.final_softcap
+            sub = c * jnp.tanh(sub / c) if c > 0 else sub
+            full = jnp.full((*sub.shape[:-1], self.config.vocab_size), -jnp.inf, jnp.float32)
+            return full.at[..., self.vocab[...]].set(sub)
         if target is None:
             raise ValueError(
                 "these Medusa heads share the target's LM head: pass target= (the frozen "
@@ -141,8 +219,9 @@ class MedusaHeads(nnx.Module):
                 )
 
     def init_from(self, target) -> MedusaHeads:
-        """Copies ``target``'s LM head ([dim, V]) into every own head (nothing to copy for shared
-        heads: they read the target's); returns ``self``."""
+        """Copies ``target``'s LM head ([dim, V]) into every own head, or its rows for the draft
+        vocabulary into ``vocab_head`` (nothing to copy for other shared heads: they read the
+        target's); returns ``self``."""
         if target.config.vocab_size != self.config.vocab_size or (
             target.config.dim != self.config.dim
         ):
@@ -150,6 +229,10 @@ class MedusaHeads(nnx.Module):
                 f"target (dim {target.config.dim}, vocab {target.config.vocab_size}) does not "
                 f"match the heads' (dim {self.config.dim}, vocab {self.config.vocab_size})"
             )
+        if self.vocab is not None:
+            rows = head_rows(target)[self.vocab[...]]  # [V', dim]
+            self.vocab_head.kernel.set_value(jnp.array(rows.T, self.vocab_head.kernel.dtype))
+            return self
         if self.shared_head:
             return self
         if target.lm_head is None:
@@ -172,6 +255,8 @@ def save_medusa(
     os.makedirs(path, exist_ok=True)
     flat = nnx.to_flat_state(nnx.state(heads, nnx.Param))
     tensors = {".".join(str(p) for p in key): np.asarray(v[...], dtype) for key, v in flat}
+    if heads.vocab is not None:
+        tensors["vocab"] = np.asarray(heads.vocab[...], np.int32)
     safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
     cfg = {k: v for k, v in dataclasses.asdict(heads.config).items() if k != "rope_scaling"}
     meta = dict(
@@ -207,8 +292,14 @@ def load_medusa(path: str, config: TransformerConfig) -> MedusaHeads:
                 f"{name}={getattr(config, name)}"
             )
     shared = bool(meta.get("shared_head", False))
-    heads = MedusaHeads(config, meta["medusa_num_heads"], shared_head=shared, rngs=nnx.Rngs(0))
     tensors = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
+    vocab = tensors.pop("vocab", None)
+    try:
+        heads = MedusaHeads(
+            config, meta["medusa_num_heads"], shared_head=shared, vocab=vocab, rngs=nnx.Rngs(0)
+        )
+    except (TypeError, ValueError) as e:  # a vocab tensor that lies
+        raise ValueError(f"heads at {path}: {e}") from None
     flat = nnx.to_flat_state(nnx.state(heads, nnx.Param))
     names = {".".join(str(p) for p in key) for key, _ in flat}
     missing, unexpected = names - set(tensors), set(tensors) - names

@@ -36,7 +36,7 @@ from models.cli import (
 )
 from models.hf import load_hf_checkpoint
 from models.interrupts import deferred_interrupts
-from models.medusa import MedusaHeads, save_medusa
+from models.medusa import MedusaHeads, head_rows, save_medusa
 from models.pretrained import SHIPPED, model_arg, pretrained, shipped_path
 from models.train_step import TrainConfig, optimizer
 
@@ -223,6 +223,14 @@ DISTILL_TASKS = (
     "What questions would a beginner ask about {s}? Answer two of them.",
     "Describe a typical day of someone whose job involves {s}.",
     "Compare {s} with something similar and say which you prefer and why.",
+    "I want to get started with {s}. Where should I begin?",
+    "Why does {s} matter to ordinary people?",
+    "Write a short, friendly message to a friend about {s}.",
+    "What are common misconceptions about {s}?",
+    "Can you give me a step-by-step guide related to {s}?",
+    "Tell me a fun story that involves {s}.",
+    "How would you explain {s} in one paragraph to a busy manager?",
+    "What are some good questions to ask an expert on {s}?",
 )
 DISTILL_SUBJECTS = (
     "photosynthesis",
@@ -352,13 +360,6 @@ def hidden_dataset(target, pairs, num_heads: int, *, batch: int = 8, bucket: int
     return np.concatenate(hs).astype(np.float32), np.concatenate(labels)
 
 
-def head_weights(target):
-    """The target's LM head as [V, dim] (its tied embedding, or its lm_head kernel transposed)."""
-    if target.lm_head is None:
-        return target.embed.embedding[...]
-    return target.lm_head.kernel[...].T
-
-
 def make_shared_step(graphdef, tx, softcap: float = 0.0):
     """``step(params, opt_state, w, h, labels, ht) -> (params, opt_state, loss)``, jitted, for
     shared-head heads: h [M, dim] cached hidden states, w [V', dim] the target's head rows over
@@ -392,8 +393,8 @@ def make_shared_step(graphdef, tx, softcap: float = 0.0):
 
 
 def hidden_accuracy(heads: MedusaHeads, target, h, labels, *, chunk: int = 256) -> list[float]:
-    """Per-head top-1 accuracy [N] over the full vocabulary on cached hidden states h [M, dim]
-    with labels [M, N] (-1 ignored)."""
+    """Per-head top-1 accuracy [N] on cached hidden states h [M, dim] with labels [M, N] (-1
+    ignored), over the tokens the heads draft from (their draft vocabulary, else all)."""
     graphdef, state = nnx.split(heads)
     t_graphdef, t_state = nnx.split(target)
 
@@ -431,15 +432,18 @@ def train_shared_heads(
 
     ``vocab``: "data" computes each step's softmax over the tokens that occur as labels (the
     target's own outputs: the other rows of the head are never the answer, and a full-vocabulary
-    softmax would cost ~8x more per step on SmolLM2); "full" over all V rows. Accuracy is always
-    measured over the full vocabulary (``heldout`` = (h, labels)).
+    softmax would cost ~8x more per step on SmolLM2), and the heads keep those tokens as their
+    draft vocabulary (``MedusaHeads(vocab=)``: a drafting step then computes V' logits, not V);
+    "full" over all V rows, no draft vocabulary. Held-out accuracy (``heldout`` = (h, labels))
+    is what drafting sees: over the draft vocabulary where there is one.
 
     ``soft``: the target's own distribution at t + 1 + i as each label (``make_shared_step``);
     h must then be :func:`hidden_dataset`'s consecutive rows (row j + 1 + i is position
     t + 1 + i of the same sequence wherever row j has head i's label)."""
 
     labels = np.asarray(labels)[:, :num_heads]
-    w_full = head_weights(target)
+    w_full = head_rows(target)
+    rows = None
     if vocab == "data":
         rows = np.unique(labels[labels >= 0])
         remap = np.full(target.config.vocab_size, -1, np.int32)
@@ -450,11 +454,24 @@ def train_shared_heads(
         w, lab = jnp.asarray(w_full), labels
     else:
         raise ValueError(f"vocab must be 'data' or 'full', got {vocab!r}")
+    # The draft vocabulary's rows stay the target's (a frozen copy): only the residual layers
+    # train, so the vocabulary is attached to a second instance that shares nothing trainable.
     heads = MedusaHeads(target.config, num_heads, shared_head=True, rngs=nnx.Rngs(tc.seed))
+    drafting = heads
+    if rows is not None:
+        drafting = MedusaHeads(
+            target.config, num_heads, shared_head=True, vocab=rows, rngs=nnx.Rngs(tc.seed)
+        ).init_from(target)
     graphdef, params = nnx.split(heads)
     tx = optimizer(dataclasses.replace(tc, weight_decay=0.0))
     opt_state = tx.init(params)
     step_fn = make_shared_step(graphdef, tx, target.config.final_softcap)
+
+    def trained():
+        nnx.update(heads, params)
+        nnx.update(drafting.heads, nnx.state(heads.heads))
+        return drafting
+
     rng = np.random.default_rng(tc.seed)
     history, start, first_loss, done = [], time.perf_counter(), None, 0
     try:
@@ -469,17 +486,16 @@ def train_shared_heads(
             if first_loss is None:
                 first_loss = float(loss)  # the untrained heads' loss (computed before the update)
             if i % tc.eval_every == 0 or i == tc.steps:
-                nnx.update(heads, params)
                 entry = dict(step=i, train_loss=float(loss), seconds=time.perf_counter() - start)
                 if heldout is not None:
-                    entry["head_top1"] = hidden_accuracy(heads, target, *heldout)
+                    entry["head_top1"] = hidden_accuracy(trained(), target, *heldout)
                 history.append(entry)
                 acc = " ".join(f"{a:.3f}" for a in entry.get("head_top1", []))
                 seconds = entry["seconds"]
                 log(f"step {i}: loss {float(loss):.4f}, held-out top-1 [{acc}], {seconds:.0f}s")
     except KeyboardInterrupt:  # the caller gets no heads: a run cut short is not saved
         raise Interrupted(done, tc.steps) from None
-    nnx.update(heads, params)
+    heads = trained()
     summary = dict(
         num_heads=num_heads,
         vocab=vocab,

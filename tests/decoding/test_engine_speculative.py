@@ -334,6 +334,16 @@ def test_medusa_chain_only_and_heads_enough(tiny_model):
         Engine(tiny_model, num_pages=8, draft=Medusa(heads), num_draft_tokens=4)
 
 
+def test_medusa_with_a_draft_vocabulary_keeps_every_greedy_output(model, prompts, refs):
+    """Heads that draft from half the tokens: rows whose next tokens lie outside it are
+    rejected there, and every request's tokens are still its plain greedy ones."""
+    vocab = list(range(0, model.config.vocab_size, 2))
+    heads = random_heads(model, 4, seed=3, scale=0.05, vocab=vocab)
+    eng = make_engine(model, draft=Medusa(heads))
+    arrivals(eng, prompts, refs, range(len(prompts)))
+    assert 0 < eng.stats()["draft_accepted"] < eng.stats()["draft_proposed"]
+
+
 def test_medusa_hidden_state_is_the_rows_own(model, prompts, refs):
     """The hidden state a slot keeps is used only by the request that left it, at the token
     count it left it at: a new request in the slot drafts from zeros, and so does a request

@@ -17,10 +17,12 @@ from decoding.tree import cache_slots, compact_path
 from models import KVCache, MedusaHeads
 
 
-def random_heads(target, num_heads=4, seed=0, scale=0.3, shared_head=None):
+def random_heads(target, num_heads=4, seed=0, scale=0.3, shared_head=None, vocab=None):
     """Heads initialised from the target's LM head (shared with a tied target by default),
     their residual layers random."""
-    heads = MedusaHeads(target.config, num_heads, shared_head=shared_head, rngs=nnx.Rngs(seed))
+    heads = MedusaHeads(
+        target.config, num_heads, shared_head=shared_head, vocab=vocab, rngs=nnx.Rngs(seed)
+    )
     heads.init_from(target)
     for i, head in enumerate(heads.heads):
         shape = head.res.kernel.shape
@@ -29,16 +31,18 @@ def random_heads(target, num_heads=4, seed=0, scale=0.3, shared_head=None):
 
 
 @pytest.mark.parametrize(
-    "k, cache, shared",
+    "k, cache, shared, vocab",
     [
-        (4, "paged", True),
-        pytest.param(3, "paged", False, marks=pytest.mark.slow),
-        pytest.param(2, "contiguous", True, marks=pytest.mark.slow),
+        (4, "paged", True, None),
+        (3, "paged", True, range(0, 264, 3)),  # a draft vocabulary: a third of the tokens
+        pytest.param(3, "paged", False, None, marks=pytest.mark.slow),
+        pytest.param(2, "contiguous", True, None, marks=pytest.mark.slow),
     ],
 )
-def test_chain_greedy_equals_generate(tiny_model, reference, k, cache, shared):  # noqa: F811
+def test_chain_greedy_equals_generate(tiny_model, reference, k, cache, shared, vocab):  # noqa: F811
     eos, want = reference
-    draft = Medusa(random_heads(tiny_model, shared_head=shared))
+    vocab = None if vocab is None else list(vocab)
+    draft = Medusa(random_heads(tiny_model, shared_head=shared, vocab=vocab))
     res = speculative_generate(
         tiny_model,
         draft,
@@ -60,6 +64,14 @@ def small_target():
 
 def test_chain_sampling_is_exact_t1(small_target):
     check_exact(small_target, Medusa(random_heads(small_target, 3, seed=5, scale=1.0)), 3, T1)
+
+
+def test_chain_sampling_with_a_draft_vocabulary_is_exact_t1(small_target):
+    """q is zero outside the draft vocabulary: the target's tokens there come only from the
+    residual distribution, and the output is still exactly the target's."""
+    vocab = list(range(0, small_target.config.vocab_size, 2))
+    heads = random_heads(small_target, 3, seed=5, scale=1.0, vocab=vocab)
+    check_exact(small_target, Medusa(heads), 3, T1)
 
 
 SMALL_TREE = TreeSpec(((0,), (1,), (0, 0), (0, 1), (1, 0)))

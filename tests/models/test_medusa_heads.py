@@ -80,6 +80,70 @@ def test_shared_head_logits_are_the_targets_head_on_the_residual_output(tie):
         heads(h, target=_tiny(tie_embeddings=tie, num_layers=1))
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_draft_vocabulary_logits_are_the_shared_heads_on_its_tokens_only(tie, tmp_path):
+    target = _tiny(tie_embeddings=tie)
+    full = _randomize(MedusaHeads(target.config, 3, shared_head=True, rngs=nnx.Rngs(0)))
+    vocab = [200, 3, 17, 42, 5]  # any order: kept sorted
+    heads = MedusaHeads(target.config, 3, shared_head=True, vocab=vocab, rngs=nnx.Rngs(0))
+    assert heads.vocab[...].tolist() == sorted(vocab)
+    heads.init_from(target)
+    nnx.update(heads.heads, nnx.state(full.heads))
+    _, h = target(jnp.asarray([[1, 2, 3, 4]]), return_hidden=True)
+    want = full(h, target=target)
+    out = heads(h)  # the vocabulary's rows are the heads' own copy: no target needed
+    assert out.shape == want.shape
+    ids = np.asarray(sorted(vocab))
+    np.testing.assert_allclose(out[..., ids], want[..., ids], rtol=1e-5, atol=1e-5)
+    rest = np.setdiff1d(np.arange(target.config.vocab_size), ids)
+    assert np.all(np.isneginf(np.asarray(out[..., rest])))
+    assert set(np.asarray(jnp.argmax(out, -1)).ravel()) <= set(vocab)
+    np.testing.assert_array_equal(heads(h, target=target), out)
+    save_medusa(heads, str(tmp_path / "v"), dtype="float16")
+    again = load_medusa(str(tmp_path / "v"), target.config)
+    assert again.vocab[...].tolist() == sorted(vocab)
+    np.testing.assert_allclose(again(h)[..., ids], out[..., ids], atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "vocab, err, needle",
+    [
+        ([], ValueError, "non-empty"),
+        ([[1, 2]], ValueError, "1-D"),
+        ([1, 1, 2], ValueError, "repeated"),
+        ([0, 264], ValueError, r"\[0, 264\)"),
+        ([-1], ValueError, r"\[0, 264\)"),
+        ([1.5], TypeError, "integer"),
+        ("abc", TypeError, "vocab"),
+        (7, TypeError, "vocab"),
+    ],
+)
+def test_bad_draft_vocabulary(vocab, err, needle):
+    config = _tiny().config
+    with pytest.raises(err, match=needle):
+        MedusaHeads(config, 2, shared_head=True, vocab=vocab, rngs=nnx.Rngs(0))
+
+
+def test_draft_vocabulary_needs_a_shared_head_and_a_checkpoint_that_holds_it(tmp_path):
+    import safetensors.numpy
+
+    target = _tiny()
+    with pytest.raises(ValueError, match="shared_head"):
+        MedusaHeads(target.config, 2, shared_head=False, vocab=[1, 2], rngs=nnx.Rngs(0))
+    heads = MedusaHeads(target.config, 2, shared_head=True, vocab=[1, 2], rngs=nnx.Rngs(0))
+    save_medusa(heads.init_from(target), str(tmp_path))
+    path = tmp_path / "model.safetensors"
+    tensors = safetensors.numpy.load_file(str(path))
+    tensors["vocab"] = np.array([1, 1], np.int32)
+    safetensors.numpy.save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="repeated"):
+        load_medusa(str(tmp_path), target.config)
+    tensors["vocab"] = np.array([1, 2, 3], np.int32)  # 3 ids, a 2-row head
+    safetensors.numpy.save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="vocab_head.kernel has shape"):
+        load_medusa(str(tmp_path), target.config)
+
+
 def test_shared_head_is_the_default_for_a_tied_target_only():
     assert MedusaHeads(_tiny(tie_embeddings=True).config, 2, rngs=nnx.Rngs(0)).shared_head
     assert not MedusaHeads(_tiny(tie_embeddings=False).config, 2, rngs=nnx.Rngs(0)).shared_head

@@ -119,6 +119,9 @@ def test_self_distilled_shared_heads_end_to_end_lower_the_loss():
     tc = train.TrainConfig(steps=60, batch=64, lr=1e-2, warmup=2, eval_every=60)
     heads, summary = train_shared_heads(target, h, labels, 2, tc, log=lambda s: None)
     assert heads.shared_head and summary["vocab_rows"] < target.config.vocab_size
+    # the heads draft from the data's tokens: the rows the softmax was trained over
+    assert heads.vocab[...].tolist() == np.unique(labels[labels >= 0]).tolist()
+    assert summary["vocab_rows"] == heads.vocab[...].size
     assert summary["history"][-1]["train_loss"] < 0.5 * summary["first_loss"], summary
     after = hidden_accuracy(heads, target, h, labels, chunk=len(h))
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
