@@ -49,22 +49,15 @@ def _tree_spec(acc, num_nodes: int):
 
 
 def step_costs(target, heads, max_tq: int, *, context: int = 256, runs: int = 7) -> dict:
-    """Median seconds of one cached target forward at Tq = 1 .. ``max_tq`` (B = 1, ``context``
-    tokens cached, the decode layout), and of the heads' drafting (``num_heads`` logits from h)."""
+    """Seconds of one cached target forward at Tq = 1 .. ``max_tq`` (B = 1, ``context`` tokens
+    cached: ``decoding.drafts.measure_step_costs``, what the choice of k reads), and the median
+    of the heads' drafting (``num_heads`` logits from h)."""
+    from decoding.drafts import measure_step_costs
     from decoding.medusa import Medusa
     from decoding.packing import packed_model, packed_weights
-    from models import KVCache
 
     graphdef, params = nnx.split(target)
     kernels = packed_weights(target, params)
-    cache = KVCache.contiguous(target.config, 1, context + max_tq + 1)
-    cache = cache.replace(lengths=jnp.full((1,), context, jnp.int32))
-
-    @jax.jit
-    def fwd(params, kernels, cache, tokens):
-        model = packed_model(graphdef, params, kernels)
-        return model(tokens, cache=cache)[0]
-
     kind, hparams = Medusa(heads).split()
 
     @jax.jit
@@ -72,11 +65,8 @@ def step_costs(target, heads, max_tq: int, *, context: int = 256, runs: int = 7)
         model = packed_model(graphdef, params, kernels)
         return kind.head_logits(hparams, h, heads.num_heads, model)
 
-    out = {}
-    for tq in range(1, max_tq + 1):
-        tokens = jnp.ones((1, tq), jnp.int32)
-        m = common.measure(fwd, params, kernels, cache, tokens, runs=runs, warmup=1)
-        out[f"target_tq{tq}_s"] = statistics.median(m.times)
+    costs = measure_step_costs(target, max_tq, context=context, repeats=runs)
+    out = {f"target_tq{tq}_s": c for tq, c in enumerate(costs, 1)}
     h = jnp.ones((1, target.config.dim), jnp.float32)
     m = common.measure(draft, params, kernels, hparams, h, runs=runs, warmup=1)
     out["heads_draft_s"] = statistics.median(m.times)

@@ -252,6 +252,7 @@ def test_evaluate_ctrl_c_exits_130():
         (["--seed", "-1"], "--seed"),
         (["--heldout", "1"], "--heldout"),
         (["--steps", "0"], "argument --steps"),
+        (["--draft-vocab", "0"], "argument --draft-vocab"),
         (["--out", "{file}"], "argument --out"),
         (["--target", "no-such-model"], "argument --target"),
     ],
