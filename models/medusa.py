@@ -45,6 +45,7 @@ import safetensors.numpy
 from flax import nnx
 
 from models.config import TransformerConfig
+from models.quant import QuantLinear
 from models.transformer import Linear
 
 # Target config fields that fix the shapes the heads read and write, or the hidden states they
@@ -82,8 +83,9 @@ def head_rows(target) -> jax.Array:
     head = target.lm_head
     if head is None:
         return target.embed.embedding[...]
-    weight = head.weight(target.config.jnp_dtype) if hasattr(head, "weight") else None
-    return (head.kernel[...] if weight is None else weight).T
+    if isinstance(head, QuantLinear):
+        return head.weight(target.config.jnp_dtype).T
+    return head.kernel[...].T
 
 
 class MedusaHead(nnx.Module):
@@ -235,10 +237,7 @@ class MedusaHeads(nnx.Module):
             return self
         if self.shared_head:
             return self
-        if target.lm_head is None:
-            kernel = target.embed.embedding[...].T
-        else:
-            kernel = target.lm_head.kernel[...]
+        kernel = head_rows(target).T
         for head in self.heads:
             head.lm_head.kernel.set_value(jnp.array(kernel, head.lm_head.kernel.dtype))  # a copy
         return self
