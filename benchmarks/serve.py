@@ -277,7 +277,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, math.inf])
     p.add_argument("--scale", type=int, default=4, help="divide every length by this")
-    p.add_argument("--max-batch", type=int, default=16, help="the engine's batch")
+    p.add_argument(
+        "--max-batch", type=int, default=32, help="the engine's batch (the server's default)"
+    )
     p.add_argument("--max-prefill-tokens", type=int, default=512, help="the engine's")
     p.add_argument("--page-size", type=int, default=16, help="the engine's")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides")
