@@ -27,10 +27,13 @@ the arrivals left it idle), ``mean_decode_rows`` (generated tokens per decode st
 ``prefill_tokens``. The engine runs without its prefix cache: the passes repeat the same
 prompts, which it would otherwise serve from the cache after the first.
 
-Saturation is the ``inf`` rate: every request sent at once. Its requests/s includes the ramp-up
-and the tail, where the last long requests decode in a nearly empty batch (the baseline's last
-batch is as full as the others), so ``--requests`` must be several times ``--max-batch`` for it
-to approach the steady state; ``mean_decode_rows`` against ``--max-batch`` shows how far it is.
+Saturation is its own pass after the rates: ``--saturation-requests`` (default 256, 8 times the
+default batch) requests of the same mix sent all at once to both sides; the goal's ratio
+(``saturation_ratio``) is taken there. The ``inf`` rate over the ``--requests`` is reported too,
+but it is mostly ramp-up and tail: with 64 requests and a batch of 32 the engine's decode steps
+average about 15 rows, as the last long requests decode in a nearly empty batch (the baseline's
+last static batch is as full as the others), so that figure understates what the server
+sustains; ``mean_decode_rows`` against ``--max-batch`` shows how far a pass is from full.
 Static batching's own cost: a batch of 8 runs for its longest request's prompt and output, so it
 computes ``static8_padding`` (in the JSON) times the tokens the requests need; on a CPU, where a
 step's cost grows with its rows, that bounds what continuous batching can gain over it.
@@ -146,13 +149,22 @@ def engine_breakdown(before: dict, after: dict, span: float) -> dict:
     )
 
 
-def run_server(model, tok, requests, rates, args, seed: int) -> tuple[list[dict], float]:
-    """The server's rows, one per rate, and the seconds its engine's warm-up took."""
+def passes(requests, rates, saturation) -> list[tuple[float, list]]:
+    """(rate, requests) of every pass: each rate over ``requests``, then ``saturation`` (a list
+    of requests; none when empty) all at once."""
+    out = [(rate, requests) for rate in rates]
+    return out + ([(math.inf, saturation)] if saturation else [])
+
+
+def run_server(model, tok, requests, rates, args, seed: int, saturation=()):
+    """The server's rows, one per pass (:func:`passes`), and the seconds its engine's warm-up
+    took."""
     from decoding import Engine
     from decoding.paging import pages_for
     from decoding.serve.local import running_server
 
-    longest = max(len(p) + n for p, n in requests)
+    every = [*requests, *saturation]
+    longest = max(len(p) + n for p, n in every)
     B, P = args.max_batch, args.page_size
     engine = Engine(
         model,
@@ -168,11 +180,11 @@ def run_server(model, tok, requests, rates, args, seed: int) -> tuple[list[dict]
     )
     warmup_s = engine.warmup()  # every step shape, as python -m decoding.serve does
     rows = []
-    with running_server(engine, tok, model_name=MODEL, max_queue=4 * len(requests)) as (url, _):
+    with running_server(engine, tok, model_name=MODEL, max_queue=4 * len(every)) as (url, _):
         asyncio.run(_load(url, requests, arrivals(len(requests), math.inf, seed)))  # warm-up
-        for rate in rates:
+        for rate, reqs in passes(requests, rates, saturation):
             before = engine.stats()  # read between passes: the worker is idle
-            results = asyncio.run(_load(url, requests, arrivals(len(requests), rate, seed)))
+            results = asyncio.run(_load(url, reqs, arrivals(len(reqs), rate, seed)))
             row = summarize("decoding.serve", rate, results)
             span = max(r["end"] for r in results) - min(r["arrival"] for r in results)
             rows.append(row | engine_breakdown(before, engine.stats(), span))
@@ -252,22 +264,25 @@ def static_padding(requests, batch: int) -> float:
     return done / need
 
 
-def run_baseline(requests, rates, dtype: str, seed: int) -> list[dict]:
+def run_baseline(requests, rates, dtype: str, seed: int, saturation=()) -> list[dict]:
     base = Baseline(dtype)
     base.duration([requests[0]])  # warm-up
     rows = []
     for batch in (1, BASELINE_BATCH):
-        for rate in rates:
-            results = base.serve(requests, arrivals(len(requests), rate, seed), batch)
+        for rate, reqs in passes(requests, rates, saturation):
+            results = base.serve(reqs, arrivals(len(reqs), rate, seed), batch)
             rows.append(summarize(f"transformers batch {batch}", rate, results))
             print(rows[-1], flush=True)
     return rows
 
 
 def saturation_ratios(rows: list[dict]) -> dict:
-    """The server's requests/s over each baseline's, at the highest rate (the goal's ratio)."""
-    top = max(r["rate"] for r in rows)
-    at = {r["system"]: r["requests_per_s"] for r in rows if r["rate"] == top}
+    """The server's requests/s over each baseline's in the saturation pass (the goal's ratio):
+    the highest rate and, of its passes, the one with the most requests."""
+    top = max((r["rate"], r.get("requests", 0)) for r in rows)
+    at = {
+        r["system"]: r["requests_per_s"] for r in rows if (r["rate"], r.get("requests", 0)) == top
+    }
     ours = at.get("decoding.serve")
     return {k: ours / v for k, v in at.items() if ours and k != "decoding.serve"}
 
@@ -276,6 +291,12 @@ def main() -> None:
     p = common.parser(__doc__, runs=1, warmup=1, quick="8 requests, 2 rates, scale 8")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, math.inf])
+    p.add_argument(
+        "--saturation-requests",
+        type=int,
+        default=256,
+        help="requests of the saturation pass, sent all at once (0: no such pass)",
+    )
     p.add_argument("--scale", type=int, default=4, help="divide every length by this")
     p.add_argument(
         "--max-batch", type=int, default=32, help="the engine's batch (the server's default)"
@@ -288,26 +309,31 @@ def main() -> None:
     for name in ("requests", "scale", "max_batch", "max_prefill_tokens", "page_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.saturation_requests < 0:
+        p.error(f"--saturation-requests must be >= 0, got {args.saturation_requests}")
     if any(not r > 0 for r in args.rates):
         p.error(f"--rates must be > 0 (inf: all at once), got {args.rates}")
     if args.quick:
         args.requests, args.rates, args.scale = 8, [1.0, math.inf], 8
+        args.saturation_requests = 16
     import jax.numpy as jnp
 
     import models
 
     model, tok = models.pretrained(MODEL, dtype=getattr(jnp, args.dtype))
     requests = make_requests(args.requests, args.scale, tok.vocab_size, seed=0)
+    saturation = make_requests(args.saturation_requests, args.scale, tok.vocab_size, seed=2)
     # PyTorch's threads meet at a barrier after every op, so a loaded machine slows the baseline
     # far more than the engine (one native call per layer): its figures need a quiet machine.
     load = {"server_start": os.getloadavg()}
-    rows, warmup_s = run_server(model, tok, requests, args.rates, args, seed=1)
+    rows, warmup_s = run_server(model, tok, requests, args.rates, args, 1, saturation)
     if not args.no_baseline:
         load["baseline_start"] = os.getloadavg()
-        rows += run_baseline(requests, args.rates, args.dtype, seed=1)
+        rows += run_baseline(requests, args.rates, args.dtype, 1, saturation)
     columns = [
         "system",
         "rate",
+        "requests",
         "requests_per_s",
         "output_tokens_per_s",
         "ttft_p50_s",
@@ -324,6 +350,7 @@ def main() -> None:
         columns,
         model=MODEL,
         requests=args.requests,
+        saturation_requests=args.saturation_requests,
         scale=args.scale,
         max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens,
@@ -331,6 +358,9 @@ def main() -> None:
         dtype=args.dtype,
         baseline_batch=BASELINE_BATCH,
         static8_padding=static_padding(requests, BASELINE_BATCH),
+        static8_padding_saturation=static_padding(saturation, BASELINE_BATCH)
+        if saturation
+        else None,
         engine_warmup_s=warmup_s,
         saturation_ratio=saturation_ratios(rows),
         load_average_at=load,

@@ -25,6 +25,27 @@ def test_saturation_ratios_at_the_highest_rate():
     assert serve.saturation_ratios(rows) == {"transformers batch 8": pytest.approx(4.0)}
 
 
+def test_saturation_ratios_from_the_saturation_pass():
+    # the inf rate over the rates' 64 requests, then the saturation pass over 256: the latter
+    rows = [
+        dict(system="decoding.serve", rate=math.inf, requests=64, requests_per_s=4.0),
+        dict(system="decoding.serve", rate=math.inf, requests=256, requests_per_s=6.0),
+        dict(system="transformers batch 8", rate=math.inf, requests=64, requests_per_s=0.8),
+        dict(system="transformers batch 8", rate=math.inf, requests=256, requests_per_s=0.75),
+    ]
+    assert serve.saturation_ratios(rows) == {"transformers batch 8": pytest.approx(8.0)}
+
+
+def test_passes_are_the_rates_then_the_saturation_pass():
+    few, many = [([1], 2)], [([1], 2), ([3], 4)]
+    assert serve.passes(few, [1.0, math.inf], many) == [
+        (1.0, few),
+        (math.inf, few),
+        (math.inf, many),
+    ]
+    assert serve.passes(few, [1.0], []) == [(1.0, few)]
+
+
 def test_engine_breakdown_from_stats_deltas():
     def stats(generated, busy, steps, prefill, compile_s=0.0):
         tps = generated / (busy - compile_s) if busy > compile_s else 0.0
