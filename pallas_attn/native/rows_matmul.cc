@@ -215,12 +215,16 @@ void panel_pass(const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, f
     for (int c = 0; c < CV; ++c) _mm256_storeu_ps(t + m * kNB + 8 * (v0 + c), acc[m][c]);
 }
 
-// Rows [0, MB) times one panel: 1 or 2 rows over all 32 columns at once, 3 - 6 rows over 16 at a
-// time, 7 or 8 over 8 (column groups past cols skipped; panels() passes at most 6), 16 KB of
-// weights at a time, so that the passes after the first find them in L1.
+// The most rows of panel_avx2's 12-accumulator pass (2 column vectors), and so of the row blocks
+// panels() cuts M into on AVX2 builds.
+constexpr int kRowsAvx2 = 6;
+
+// Rows [0, MB) times one panel: 1 or 2 rows over all 32 columns at once, 3 - kRowsAvx2 rows over
+// 16 at a time, 7 or 8 over 8 (column groups past cols skipped; panels() passes at most
+// kRowsAvx2), 16 KB of weights at a time, so that the passes after the first find them in L1.
 template <int MB, typename W>
 void panel_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t cols) {
-  constexpr int CV = MB <= 2 ? 4 : MB <= 6 ? 2 : 1;
+  constexpr int CV = MB <= 2 ? 4 : MB <= kRowsAvx2 ? 2 : 1;
   constexpr int64_t KB = (16384 / (kNB * sizeof(W))) & ~int64_t(1);  // even: whole pairs
   float t[MB][kNB] = {};
   for (int64_t k0 = 0; k0 < K; k0 += KB) {
@@ -374,11 +378,11 @@ void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t
       const float* xm = x + m0 * K;
       float* ym = y + m0 * N + n0;
 #if defined(PALLAS_ATTN_PANEL_AVX2)
-      // Blocks of at most 6 rows: panel_avx2's 6-row pass keeps 12 accumulators and reads 2
-      // weight vectors and 6 broadcasts per 12 FMAs, where its 8-row pass (8 accumulators, one
-      // FMA per load) left the FMA units idle. On the Zen 3 VM, SmolLM2's float32 decode steps
-      // took 0.73-0.85x the time at 8, 16 and 32 rows, the products at 16 - 64 rows 1.4-2x.
-      const int64_t mb = M - m0 > 6 ? 6 : M - m0;
+      // Blocks of at most kRowsAvx2 rows: panel_avx2's 6-row pass keeps 12 accumulators and
+      // reads 2 weight vectors and 6 broadcasts per 12 FMAs, where its 8-row pass (8
+      // accumulators, one FMA per load) leaves the FMA units idle: SmolLM2's float32 decode
+      // steps take 0.73-0.85x the time at 8, 16 and 32 rows on Zen 3.
+      const int64_t mb = M - m0 > kRowsAvx2 ? kRowsAvx2 : M - m0;
 #else
       const int64_t mb = M - m0 < kMB ? M - m0 : kMB;
 #endif
