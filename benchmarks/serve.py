@@ -288,7 +288,9 @@ def saturation_ratios(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    p = common.parser(__doc__, runs=1, warmup=1, quick="8 requests, 2 rates, scale 8")
+    p = common.parser(
+        __doc__, runs=1, warmup=1, quick="8 requests, 2 rates, scale 8, saturation 16"
+    )
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, math.inf])
     p.add_argument(
