@@ -157,8 +157,8 @@ void panel_bf16_exact(const float* x, int64_t K, const uint16_t* w, float* y, in
 // form through memory there (MB x 2 accumulators of two registers each, and the weights, do not
 // fit AVX2's 16), which made it compute-bound even at one row. Here a pass takes CV vectors of 8
 // columns for R rows (R x CV accumulators, at most 12) and reads each weight vector once for all
-// R rows; a panel takes 1, 2 or 4 passes per 16 KB of its rows (the later passes read them from
-// L1). Each accumulator lane is still one column of one row, summed k = 0, 1, .. by one FMA each
+// R rows; a block of rows takes 1 or 2 passes per chunk of the panel's rows (panel_rows_avx2:
+// the later passes and blocks read it from L1). Each accumulator lane is still one column of one row, summed k = 0, 1, .. by one FMA each
 // from +0 (what GCC contracts `acc += x * w` to), the partial sums stored and reloaded exactly
 // between blocks of rows: the generic kernels' results bit for bit.
 inline __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
@@ -170,12 +170,22 @@ inline __m256 widen_odd(__m256i u) {
 // (float32 [K, kNB], or bfloat16 pairs [K2 / 2, kNB, 2]; k0 even), added to the float32 sums
 // t[R, kNB] (stored and reloaded exactly).
 template <int R, int CV, typename W>
-void panel_pass(const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, float* t, int v0) {
+void panel_pass(const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, float* t, int v0,
+                int64_t ahead = 0, int64_t limit = 0) {
   __m256 acc[R][CV];
   for (int m = 0; m < R; ++m)
     for (int c = 0; c < CV; ++c) acc[m][c] = _mm256_loadu_ps(t + m * kNB + 8 * (v0 + c));
+  // The weight rows `ahead` on (below `limit`), this pass's columns of them, towards L1: one
+  // row of kNB weights per k (float32) or per pair of k (bfloat16) is 128 bytes.
+  const auto prefetch = [&](int64_t row) {
+    const char* p = reinterpret_cast<const char*>(w) + row * 128 + 32 * v0;
+    _mm_prefetch(p, _MM_HINT_T0);
+    if (CV == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
+  };
   if constexpr (sizeof(W) == 4) {
+    const int64_t kp = ahead > 0 ? std::min(k1, limit - ahead) : k0;  // [k0, kp) prefetch
     for (int64_t k = k0; k < k1; ++k) {
+      if (k < kp) prefetch(k + ahead);
       __m256 wv[CV];
       for (int c = 0; c < CV; ++c) wv[c] = _mm256_loadu_ps(w + k * kNB + 8 * (v0 + c));
       for (int m = 0; m < R; ++m) {
@@ -188,7 +198,9 @@ void panel_pass(const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, f
     const auto pairs = [&](int64_t j, int c) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 2 * kNB + 16 * (v0 + c)));
     };
+    const int64_t jp = ahead > 0 ? std::min(J, (limit - ahead) / 2) : 0;  // [k0 / 2, jp) prefetch
     for (int64_t j = k0 / 2; j < J; ++j) {
+      if (j < jp) prefetch(j + ahead / 2);
       __m256 e[CV], o[CV];
       for (int c = 0; c < CV; ++c) {
         const __m256i u = pairs(j, c);
@@ -215,24 +227,55 @@ void panel_pass(const float* x, int64_t K, const W* w, int64_t k0, int64_t k1, f
     for (int c = 0; c < CV; ++c) _mm256_storeu_ps(t + m * kNB + 8 * (v0 + c), acc[m][c]);
 }
 
-// The most rows of panel_avx2's 12-accumulator pass (2 column vectors), and so of the row blocks
-// panels() cuts M into on AVX2 builds.
+// The most rows of a 12-accumulator pass (2 column vectors), and so of the row blocks
+// panel_rows_avx2 cuts M into: 6 rows read 2 weight vectors and 6 broadcasts per 12 FMAs,
+// where an 8-row pass (8 accumulators, one FMA per load) leaves the FMA units idle (SmolLM2's
+// float32 decode steps took 0.73-0.85x the time at 8, 16 and 32 rows on Zen 3).
 constexpr int kRowsAvx2 = 6;
 
-// Rows [0, MB) times one panel: 1 or 2 rows over all 32 columns at once, 3 - kRowsAvx2 rows over
-// 16 at a time, 7 or 8 over 8 (column groups past cols skipped; panels() passes at most
-// kRowsAvx2), 16 KB of weights at a time, so that the passes after the first find them in L1.
-template <int MB, typename W>
-void panel_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t cols) {
-  constexpr int CV = MB <= 2 ? 4 : MB <= kRowsAvx2 ? 2 : 1;
-  constexpr int64_t KB = (16384 / (kNB * sizeof(W))) & ~int64_t(1);  // even: whole pairs
-  float t[MB][kNB] = {};
-  for (int64_t k0 = 0; k0 < K; k0 += KB) {
-    const int64_t k1 = K - k0 < KB ? K : k0 + KB;
-    for (int v0 = 0; v0 < kNB / 8 && 8 * v0 < cols; v0 += CV)
-      panel_pass<MB, CV>(x, K, w, k0, k1, &t[0][0], v0);
+// Bytes of a panel's rows (32 float32 rows, 64 bfloat16 ones) that every row block of
+// panel_rows_avx2 takes before the next: with the partial sums of 32 rows (4 KB), their 32
+// activations each (4 KB) and the next chunk on its way, the working set stays well inside L1;
+// 8 and 16 KB ran the same or slower (Zen 3, 32 KB L1).
+constexpr int64_t kChunkAvx2 = 4096;
+
+// Rows whose partial sums wait in one panel_rows_avx2 buffer (8 KB of them; models.rows_matmul
+// calls with at most MAX_ROWS = 64).
+constexpr int64_t kGroupRowsAvx2 = 64;
+
+// All M rows times one panel -> y[:, 0:cols] (row stride ldy), chunk by chunk (kChunkAvx2):
+// every block of at most kRowsAvx2 rows takes its passes over a chunk (1 or 2 rows: all 32
+// columns in one pass; 3 - kRowsAvx2 rows: 16 columns at a time) before the next chunk, so the
+// blocks after the first read it from L1, and the second block fetches the next chunk towards
+// L1 as it goes (the next panel's first one where `next` says that panel follows in memory).
+// Blocks over the whole panel one after another read it from L2 after the first and from memory
+// in the first, at that block's pace: on SmolLM2's products, weights streamed from memory on
+// 2 Zen 3 threads, chunks took 8 rows 1.1-1.4x, 16 rows 1.3-1.5x and 32 rows 1.1-1.4x faster.
+// Each lane's sums are the same FMAs in the same order as before: the same results bit for bit.
+template <typename W>
+void panel_rows_avx2(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t ldy,
+                     int64_t cols, bool next) {
+  constexpr int64_t KB = (kChunkAvx2 / (kNB * sizeof(W))) & ~int64_t(1);  // even: whole pairs
+  const int64_t K2 = sizeof(W) == 2 ? K + (K & 1) : K, limit = next ? 2 * K2 : K2;
+  alignas(32) float t[kGroupRowsAvx2][kNB];
+  for (int64_t b0 = 0; b0 < M; b0 += kGroupRowsAvx2) {
+    const int64_t rows = std::min(kGroupRowsAvx2, M - b0);
+    std::memset(t, 0, rows * sizeof(t[0]));
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t k1 = K - k0 < KB ? K : k0 + KB;
+      for (int64_t m0 = 0; m0 < rows;) {
+        const int64_t mb = rows - m0 > kRowsAvx2 ? kRowsAvx2 : rows - m0;
+        const int64_t ahead = m0 == kRowsAvx2 ? KB : 0;  // the second block
+        pallas_attn::with_rows(mb, [&](auto MB) {
+          constexpr int CV = MB <= 2 ? 4 : MB <= kRowsAvx2 ? 2 : 1;
+          for (int v0 = 0; v0 < kNB / 8 && 8 * v0 < cols; v0 += CV)
+            panel_pass<MB, CV>(x + (b0 + m0) * K, K, w, k0, k1, &t[m0][0], v0, ahead, limit);
+        });
+        m0 += mb;
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m) std::memcpy(y + (b0 + m) * ldy, t[m], cols * sizeof(float));
   }
-  for (int m = 0; m < MB; ++m) std::memcpy(y + m * ldy, t[m], cols * sizeof(float));
 }
 #define PALLAS_ATTN_PANEL_AVX2 1
 #endif
@@ -374,30 +417,20 @@ void panels(const float* x, int64_t M, int64_t K, const W* wp, float* y, int64_t
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * kNB, cols = N - n0 < kNB ? N - n0 : kNB;
     const W* w = wp + p * K2 * kNB;
-    for (int64_t m0 = 0; m0 < M;) {
+#if defined(PALLAS_ATTN_PANEL_AVX2)
+    panel_rows_avx2(x, M, K, w, y + n0, N, cols, p + 1 < p1);
+#else
+    for (int64_t m0 = 0; m0 < M; m0 += kMB) {
       const float* xm = x + m0 * K;
       float* ym = y + m0 * N + n0;
-#if defined(PALLAS_ATTN_PANEL_AVX2)
-      // Blocks of at most kRowsAvx2 rows: panel_avx2's 6-row pass keeps 12 accumulators and
-      // reads 2 weight vectors and 6 broadcasts per 12 FMAs, where its 8-row pass (8
-      // accumulators, one FMA per load) leaves the FMA units idle: SmolLM2's float32 decode
-      // steps take 0.73-0.85x the time at 8, 16 and 32 rows on Zen 3.
-      const int64_t mb = M - m0 > kRowsAvx2 ? kRowsAvx2 : M - m0;
-#else
-      const int64_t mb = M - m0 < kMB ? M - m0 : kMB;
-#endif
-      m0 += mb;
-      pallas_attn::with_rows(mb, [&](auto MB) {
-#if defined(PALLAS_ATTN_PANEL_AVX2)
-        panel_avx2<MB>(xm, K, w, ym, N, cols);
-#else
+      pallas_attn::with_rows(M - m0 < kMB ? M - m0 : kMB, [&](auto MB) {
         if constexpr (sizeof(W) == 2)
           panel_bf16_exact<MB>(xm, K, w, ym, N, cols);
         else
           panel<MB>(xm, K, w, ym, N, cols);
-#endif
       });
     }
+#endif
   }
 }
 
