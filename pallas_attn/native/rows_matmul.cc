@@ -158,9 +158,10 @@ void panel_bf16_exact(const float* x, int64_t K, const uint16_t* w, float* y, in
 // fit AVX2's 16), which made it compute-bound even at one row. Here a pass takes CV vectors of 8
 // columns for R rows (R x CV accumulators, at most 12) and reads each weight vector once for all
 // R rows; a block of rows takes 1 or 2 passes per chunk of the panel's rows (panel_rows_avx2:
-// the later passes and blocks read it from L1). Each accumulator lane is still one column of one row, summed k = 0, 1, .. by one FMA each
-// from +0 (what GCC contracts `acc += x * w` to), the partial sums stored and reloaded exactly
-// between blocks of rows: the generic kernels' results bit for bit.
+// the later passes and blocks read it from L1). Each accumulator lane is still one column of one
+// row, summed k = 0, 1, .. by one FMA each from +0 (what GCC contracts `acc += x * w` to), the
+// partial sums stored and reloaded exactly between chunks: the generic kernels' results bit for
+// bit.
 inline __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
 inline __m256 widen_odd(__m256i u) {
   return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int32_t(0xffff0000u))));
@@ -250,7 +251,7 @@ constexpr int64_t kGroupRowsAvx2 = 64;
 // L1 as it goes (the next panel's first one where `next` says that panel follows in memory).
 // Blocks over the whole panel one after another read it from L2 after the first and from memory
 // in the first, at that block's pace: on SmolLM2's products, weights streamed from memory on
-// 2 Zen 3 threads, chunks took 8 rows 1.1-1.4x, 16 rows 1.3-1.5x and 32 rows 1.1-1.4x faster.
+// 2 Zen 3 threads, chunks took 8 rows 1.15-1.4x, 16 rows 1.25x, 32 and 64 rows 1.1x faster.
 // Each lane's sums are the same FMAs in the same order as before: the same results bit for bit.
 template <typename W>
 void panel_rows_avx2(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t ldy,
@@ -267,7 +268,7 @@ void panel_rows_avx2(const float* x, int64_t M, int64_t K, const W* w, float* y,
         const int64_t mb = rows - m0 > kRowsAvx2 ? kRowsAvx2 : rows - m0;
         const int64_t ahead = m0 == kRowsAvx2 ? KB : 0;  // the second block
         pallas_attn::with_rows(mb, [&](auto MB) {
-          constexpr int CV = MB <= 2 ? 4 : MB <= kRowsAvx2 ? 2 : 1;
+          constexpr int CV = MB <= 2 ? 4 : 2;  // mb <= kRowsAvx2: at most 12 accumulators
           for (int v0 = 0; v0 < kNB / 8 && 8 * v0 < cols; v0 += CV)
             panel_pass<MB, CV>(x + (b0 + m0) * K, K, w, k0, k1, &t[m0][0], v0, ahead, limit);
         });
