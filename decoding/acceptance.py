@@ -11,21 +11,30 @@ import jax.numpy as jnp
 from decoding.sampling import all_greedy, argmax, branch, probabilities
 
 
-def accept(p, q, draft_tokens, key):
+def accept(p, q, draft_tokens, key, lengths=None):
     """The speculative sampling rule: p [B, k+1, V] (target), q [B, k, V] (draft), draft_tokens
     [B, k] drawn from q -> (n [B], the number of draft tokens kept, and next [B], one more token).
 
     ``d_1 .. d_n, next`` is distributed exactly as n + 1 tokens sampled one by one from the
     target (p_i is the target's distribution after d_1 .. d_{i-1}), whatever q is. Greedy (one-hot
     p and q) accepts while the draft equals the target's argmax, then takes the argmax.
+
+    ``lengths`` [B] (or None: k each): row b's draft is its first ``lengths[b]`` tokens, the
+    rest padding: the rule on the shorter draft (n <= lengths[b]; all of it accepted, next is
+    drawn from p at ``lengths[b]``), with the same random draws whatever the padding holds.
     """
     B, k, V = q.shape
     key_u, key_r = jax.random.split(key)
+    if lengths is not None:  # past a row's draft: q = 0 there, and never accepted
+        live = jnp.arange(k)[None] < jnp.asarray(lengths)[:, None]
+        q = jnp.where(live[..., None], q, 0.0)
     p_d = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # p_i(d_i)
     q_d = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]  # q_i(d_i)
     u = 1.0 - jax.random.uniform(key_u, (B, k))  # u ~ U(0, 1]
     # 1. Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. iff u_i <= p_i / q_i.
     ok = u * q_d <= p_d
+    if lengths is not None:
+        ok &= live
     # 2. Keep the draft up to its first rejection: n = leading accepted tokens (k if none fail).
     n = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
     # 3. At the first rejection sample from normalize(max(p_n - q_n, 0)); with q_{k+1} = 0 the

@@ -660,13 +660,24 @@ def lookup_found(tokens, min_ngram: int, max_ngram: int) -> bool:
     """Whether :func:`lookup` finds a match for one row of known ``tokens`` on the host: some
     suffix n-gram (``min_ngram`` <= n <= ``max_ngram``) occurred earlier. The engine skips a
     verification where no running row has one."""
+    return bool(lookup_draft(tokens, min_ngram, max_ngram, 1))
+
+
+def lookup_draft(tokens, min_ngram: int, max_ngram: int, k: int) -> list[int]:
+    """:func:`lookup`'s proposal for one row of known ``tokens``, on the host (numpy), without
+    its filler: up to k tokens that followed the latest earlier occurrence of the longest
+    matching suffix n-gram (``max_ngram`` down to ``min_ngram``), fewer where the known text
+    ends first, none where no n-gram matched. The engine's ragged verification
+    (``Runner.verify_ragged``) verifies exactly these."""
     t = np.asarray(tokens)
     L = len(t)
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)
-        if (windows == t[L - n :]).all(axis=1).any():
-            return True
-    return False
+        windows = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)  # each ends before L - 1
+        hits = np.flatnonzero((windows == t[L - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return t[start : start + max(k, 0)].tolist()
+    return []
 
 
 def lookup_next(tokens, min_ngram: int, max_ngram: int) -> int:
@@ -674,14 +685,8 @@ def lookup_next(tokens, min_ngram: int, max_ngram: int) -> int:
     the token after the latest earlier occurrence of the longest matching suffix n-gram
     (``max_ngram`` down to ``min_ngram``), else the last token. The engine's estimate of the
     acceptance rate while it is not drafting (k = 0)."""
-    t = np.asarray(tokens)
-    L = len(t)
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)  # each ends before L - 1
-        hits = np.flatnonzero((windows == t[L - n :]).all(axis=1))
-        if hits.size:
-            return int(t[hits[-1] + n])
-    return int(t[-1])
+    first = lookup_draft(tokens, min_ngram, max_ngram, 1)
+    return first[0] if first else int(np.asarray(tokens)[-1])
 
 
 def lookup(seq, length, k: int, min_ngram: int, max_ngram: int, *, return_found: bool = False):

@@ -558,8 +558,10 @@ class Engine:
             return
         k = plan.ahead - 1
         # A step's cost where it computed the rows a verification does (max_batch of them): a
-        # plain step (k = 0 chosen, or nothing to propose) or a verification of k.
-        full = out.verified or self.runner.decode_batch(len(plan.decode)) == self.max_batch
+        # plain step (k = 0 chosen, or nothing to propose) or a verification of k (a ragged
+        # one: at the decode batch's rows, plus its drafts').
+        full = self.runner.decode_batch(len(plan.decode)) == self.max_batch
+        full |= out.verified and out.proposed is None
         if out.seconds is not None and full:
             self._observed.observe(k if out.verified else 0, out.seconds)
         if isinstance(self.draft, PromptLookup):
@@ -574,10 +576,12 @@ class Engine:
                     if len(row.req.tokens) > len(x):
                         nxt = row.req.tokens[len(x)]
                         self.acceptance.update(int(lookup_next(x, lo, hi) == nxt), 1)
-        for n in out.accepted if out.verified else ():
-            self._counts["draft_accepted"] += n
-            self._counts["draft_proposed"] += k
-            self.acceptance.update(n, k)
+        proposed = out.proposed or [k] * len(out.accepted)
+        for n, m in zip(out.accepted, proposed, strict=True) if out.verified else ():
+            if m:  # a ragged verification's rows without a draft proposed nothing
+                self._counts["draft_accepted"] += n
+                self._counts["draft_proposed"] += m
+                self.acceptance.update(n, m)
         if self._counts["decode_steps"] % RECHOOSE_STEPS == 0:
             self._choose_k()
 
@@ -610,6 +614,7 @@ class Engine:
                 keep=self.num_draft_tokens,
                 observed=self._observed,
                 drafting=self._drafting.rate if isinstance(self.draft, PromptLookup) else 1.0,
+                ragged=self.runner.ragged,
             )
 
     # ----------------------------------------------------------------------------- stats

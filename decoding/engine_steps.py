@@ -267,6 +267,92 @@ def verify_rows(
     return drafts, n, nxt, lp, state, cache.k, cache.v
 
 
+def verify_ragged_rows(
+    graphdef,
+    logprobs_mode,
+    params,
+    kernels,
+    k,
+    v,
+    last,
+    lengths,
+    table,
+    seeds,
+    index,
+    sampling: SamplingParams,
+    wanted,
+    drafts,
+):
+    """Prompt lookup's drafts (made on the host, ``drafts.lookup_draft``) verified with each
+    draft token a row of its own: a row without a draft costs one row, not k + 1.
+
+    The first B rows are ``decode_rows``' (last [B] at lengths [B], table [B, W], seeds, index,
+    sampling, wanted [B]; block tables only: an engine without rings); ``drafts`` = (tokens
+    [E], positions [E], tables [E, W], owner [N], step [N], where [B, K], count [B]) adds E
+    rows (N = B + E; padding rows on the scratch page): row b's draft is ``count[b]`` tokens, its j-th at row ``where[b, j]``, fed at
+    position ``lengths[b] + 1 + j`` in row b's pages; ``owner[i]`` is the row whose input row i
+    is, ``step[i]`` its place in that row's inputs (0 the last token, j + 1 the j-th draft; -1
+    padding). Every row's key and value is written before any row attends (as in
+    ``decode_rows``' ``prefill``), so a draft row sees the ones before it.
+
+    Returns ``(n [B], nxt [B], logprobs [N], k, v)``: row b emits its first n[b] draft tokens
+    then nxt[b], by :func:`decoding.acceptance.accept` on its ``count[b]`` tokens (one-hot q,
+    draws from the row's own key; greedy: the argmax chain); a row without a draft samples its
+    token as a plain decode step does, so its tokens are those of a step that verified
+    nothing. ``logprobs``: ``sampling.Logprobs`` of the emitted token at each input row (row
+    ``where[b, j]``: the token after draft j), under row ``owner[i]``'s settings, computed only
+    when some row of ``wanted`` asks."""
+    TRACES["ragged"] += 1
+    tokens, positions, tables, owner, step, where, count = drafts
+    model = packed_model(graphdef, params, kernels)
+    B, K = where.shape
+    feed = jnp.concatenate([last, tokens])
+    logits, cache = model(
+        feed[:, None],
+        cache=step_cache(
+            k, v, jnp.concatenate([lengths, positions]), jnp.concatenate([table, tables])
+        ),
+    )
+    logits = logits[:, -1]  # [N, V]
+    ids = jnp.concatenate([jnp.arange(B, dtype=where.dtype)[:, None], where], 1)  # [B, K + 1]
+    live = jnp.arange(K) < count[:, None]
+    drafted = jnp.where(live, feed[where], 0)  # [B, K], padding 0 (masked by count)
+    keys = row_keys(seeds, index)
+
+    def sampled():
+        p = probabilities(logits[ids], jax.tree.map(lambda x: x[:, None], sampling))
+        q = jax.nn.one_hot(drafted, p.shape[-1])  # a deterministic draft: one-hot
+
+        def one(p, q, d, key, c):
+            n, nxt = accept(p[None], q[None], d[None], key, c[None])
+            return n[0], nxt[0]
+
+        return jax.vmap(one)(p, q, drafted, keys, count)
+
+    def greedy():
+        return accept_greedy(argmax(logits)[ids], jnp.where(live, drafted, -1))
+
+    n, nxt = branch(all_greedy(sampling), greedy, sampled)
+    n = jnp.where(count > 0, n, 0)
+    nxt = jnp.where(count > 0, nxt, sample(logits[:B], keys, sampling))
+    # The token each input row emitted (its row's token at that place), for its logprobs.
+    emitted = jnp.where(
+        jnp.arange(K + 1) < n[:, None], jnp.pad(drafted, ((0, 0), (0, 1))), nxt[:, None]
+    )
+    flat = emitted[owner, jnp.maximum(step, 0)]
+    settings = jax.tree.map(lambda x: x[owner], sampling)
+    lp = token_logprobs(logits, flat, settings, logprobs_mode, wanted[owner] & (step >= 0))
+    return n, nxt, lp, cache.k, cache.v
+
+
+@functools.lru_cache(maxsize=16)
+def jitted_ragged(graphdef, logprobs_mode: str = "raw"):
+    """``verify_ragged_rows`` jitted for one model structure and logprobs mode, the pool
+    donated."""
+    fn = functools.partial(verify_ragged_rows, graphdef, logprobs_mode)
+    return jax.jit(fn, donate_argnums=(2, 3))
+
+
 @functools.lru_cache(maxsize=16)
 def jitted_verify(graphdef, draft, num_draft: int, logprobs_mode: str = "raw"):
     """``verify_rows`` jitted for one model structure, draft kind, k and logprobs mode, the

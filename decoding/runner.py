@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from decoding import engine_steps
-from decoding.drafts import MAX_K, ModelDraft, PromptLookup, lookup_found
+from decoding.drafts import MAX_K, ModelDraft, PromptLookup, lookup_draft, lookup_found
 from decoding.medusa import MedusaDraft
 from decoding.packing import packed_weights
 from decoding.paging import pages_for
@@ -97,7 +97,8 @@ class RunOutput(NamedTuple):
     wall time of the decode or verification call until its tokens were on the host (None when
     it compiled, or without decode rows); ``found[i]``, with prompt lookup, whether row i's
     known tokens had an n-gram match before the step (``drafts.lookup_found``; None without
-    it)."""
+    it); ``proposed[i]``, the draft tokens row i verified, where rows drafted apart
+    (``Runner.verify_ragged``; None where each verified k)."""
 
     tokens: list[list[int]]
     accepted: list[int]
@@ -105,6 +106,7 @@ class RunOutput(NamedTuple):
     verified: bool = False
     seconds: float | None = None
     found: list[bool] | None = None
+    proposed: list[int] | None = None
 
 
 class Runner:
@@ -163,6 +165,14 @@ class Runner:
             and self.ring_pages is None
             and (draft is None or isinstance(self.draft, PromptLookup))
         )
+        # Prompt lookup drafts on the host, so each row verifies only its own draft, a row of
+        # one token per draft token (verify_ragged): a row without one costs one row. Not with
+        # rings or on a sharded model (their steps take whole rows of k + 1).
+        self.ragged = (
+            isinstance(self.draft, PromptLookup) and self.compact and self.ring_pages is None
+        )
+        if self.ragged:
+            self.ragged_fn = engine_steps.jitted_ragged(self.graphdef, logprobs_mode)
         self.k, self.v = self.new_pool()
         self.draft_k = self.draft_v = ()
         if isinstance(self.draft, ModelDraft):
@@ -268,8 +278,14 @@ class Runner:
             if self.mixes and B >= MIX_MIN_BATCH:  # each number of folded rows
                 for rows in range(MIN_CHUNK, DECODE_MAX_ROWS - B + 1, MIN_CHUNK):
                     self.decode((), frozenset(), batch=B, fold_rows=rows)
-        for k in draft_lengths:
-            self.verify((), k, frozenset())
+        if self.ragged and draft_lengths:  # each (decode batch, draft rows) pair
+            for B in sorted({self.decode_batch(n) for n in range(1, self.max_batch + 1)}):
+                most = min(B * max(draft_lengths), self.draft_room(B))
+                for E in sorted({chunk_bucket(n) for n in range(1, most + 1)}):
+                    self.verify_ragged((), [], frozenset(), batch=B, extra=E)
+        else:
+            for k in draft_lengths:
+                self.verify((), k, frozenset())
         self._reset_hidden()
         self.counts.clear()
         self.counts.update(saved)
@@ -291,11 +307,17 @@ class Runner:
             and bool(plan.decode)
             and (found is None or any(found))
         )
+        drafts = None
+        if verify and self.ragged:
+            drafts = self.lookup_drafts(plan.decode, plan.ahead - 1)
+            verify = any(drafts)  # a match may have no room left before the rows' ends
         folded, chunks = ([], list(plan.prefill)) if verify else self.fold(plan)
         self.prefill_chunks(chunks)
         if not plan.decode:
             return RunOutput([], [], None)
-        if verify:
+        if verify and drafts is not None:
+            out = self.verify_ragged(plan.decode, drafts, logprobs)
+        elif verify:
             out = self.verify(plan.decode, plan.ahead - 1, logprobs)
         else:
             out = self.decode(plan.decode, logprobs, folded=folded)  # a draft's k = 0: plain
@@ -550,3 +572,83 @@ class Runner:
         lp = to_host(lp)  # sampled token j sits at verified position j of row b
         parts = [jax.tree.map(lambda x, b=b: x[b], lp) for b in bs]
         return RunOutput(tokens, accepted, parts, True, seconds)
+
+    def draft_room(self, B: int) -> int:
+        """Draft rows a ragged verification at decode batch B may add: with packed weights
+        (CPU) the packed products' rows left, in whole ``MIN_CHUNK``s (past them a step is
+        compute-bound and no draft pays), else k = ``MAX_K`` for every row."""
+        if self.kernels:
+            return max(DECODE_MAX_ROWS - B, 0) // MIN_CHUNK * MIN_CHUNK
+        return B * MAX_K
+
+    def lookup_drafts(self, rows: tuple[DecodeRow, ...], k: int) -> list[list[int]]:
+        """Each row's prompt-lookup draft for a ragged verification (``drafts.lookup_draft``):
+        up to k tokens, none past what the request may still emit (a row emits its accepted
+        drafts and one token more, at most ``max_new`` in all), and, where the drafts
+        overflow ``draft_room``, the longest ones cut first (their last tokens are the least
+        likely to be accepted)."""
+        lo, hi = self.draft.min_ngram, self.draft.max_ngram
+        out = []
+        for row in rows:
+            req = row.req
+            left = req.prompt_len + req.max_new - len(req.tokens) - 1
+            out.append(lookup_draft(req.tokens, lo, hi, min(k, left)))
+        excess = sum(map(len, out)) - self.draft_room(self.decode_batch(len(rows)))
+        for _ in range(max(excess, 0)):
+            longest = max(out, key=len)
+            del longest[-1]
+        return out
+
+    def verify_ragged(
+        self, rows: tuple[DecodeRow, ...], drafts, logprobs: set[int], batch=None, extra=None
+    ) -> RunOutput:
+        """One step verifying each row's own draft ``drafts[i]`` (``lookup_drafts``), each
+        draft token a row of one token after the decode batch's rows
+        (``engine_steps.verify_ragged_rows``): at ``batch`` or ``decode_batch(len(rows))``
+        rows plus the draft tokens padded to ``chunk_bucket``'s (or ``extra``) rows. On a
+        memory-bound model a row is cheap, so a row without a draft costs one row instead of
+        a verification's k + 1; a row's tokens depend only on its own draft."""
+        B = batch or self.decode_batch(len(rows))
+        E = extra or chunk_bucket(sum(map(len, drafts)))
+        N = B + E
+        last, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        tokens, positions = np.zeros(E, np.int32), np.zeros(E, np.int32)
+        tables = np.full((E, self.max_pages), self.scratch, np.int32)
+        owner, step = np.zeros(N, np.int32), np.full(N, -1, np.int32)
+        where, count = np.zeros((B, MAX_K), np.int32), np.zeros(B, np.int32)
+        owner[:B], step[:B] = np.arange(B), 0
+        i = 0
+        for b, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
+            req = row.req
+            last[b], lengths[b], count[b] = req.tokens[-1], req.computed, len(draft)
+            for j, token in enumerate(draft):
+                tokens[i], positions[i] = token, req.computed + 1 + j
+                tables[i, : len(row.pages)] = row.pages
+                owner[B + i], step[B + i], where[b, j] = b, j + 1, B + i
+                i += 1
+        inputs = self._row_inputs(rows, self.max_pages, logprobs, B)
+        drafted = (tokens, positions, tables, owner, step, where, count)
+        t0, compiled = time.perf_counter(), self.compile_s
+        n, nxt, lp, self.k, self.v = self._call(
+            self.ragged_fn,
+            self.params,
+            self.kernels,
+            self.k,
+            self.v,
+            last,
+            lengths,
+            *inputs,
+            drafted,
+        )
+        n, nxt = to_host((n, nxt))
+        seconds = time.perf_counter() - t0 if self.compile_s == compiled else None
+        self.counts["decode_steps"] += 1
+        out = [[*draft[: n[b]], int(nxt[b])] for b, draft in enumerate(drafts)]
+        accepted, proposed = [int(n[b]) for b in range(len(rows))], list(map(len, drafts))
+        parts = None
+        if inputs[-1].any():  # row b's inputs: its last token, then its draft's
+            lp = to_host(lp)
+            picks = [[b, *where[b, : count[b]]] for b in range(len(rows))]
+            parts = [jax.tree.map(lambda x, p=p: x[p], lp) for p in picks]
+        return RunOutput(out, accepted, parts, True, seconds, proposed=proposed)
+

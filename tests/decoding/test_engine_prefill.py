@@ -158,18 +158,19 @@ def test_prompt_lookup_folds_chunks_into_its_plain_steps(model, monkeypatch, k):
     assert eng.num_draft_tokens == (0 if k is None else k)
     eng.warmup()
     traces = dict(engine_steps.TRACES)
-    steps, decode, verify = [], eng.runner.decode, eng.runner.verify
+    assert eng.runner.ragged  # its verifications: verify_ragged
+    steps, decode, verify = [], eng.runner.decode, eng.runner.verify_ragged
 
     def decoded(rows, logprobs, batch=None, **kw):
         steps.append(("plain", [c.req.rid for c in kw.get("folded", ())]))
         return decode(rows, logprobs, batch, **kw)
 
-    def verified(rows, k, logprobs):
+    def verified(rows, drafts, logprobs, **kw):
         steps.append(("verify", []))
-        return verify(rows, k, logprobs)
+        return verify(rows, drafts, logprobs, **kw)
 
     monkeypatch.setattr(eng.runner, "decode", decoded)
-    monkeypatch.setattr(eng.runner, "verify", verified)
+    monkeypatch.setattr(eng.runner, "verify_ragged", verified)
     ids, out = arrive(eng, running, arriving, 30)
     assert dict(engine_steps.TRACES) == traces
     folded = [rid for kind, rids in steps if kind == "plain" for rid in rids]
