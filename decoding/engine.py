@@ -99,6 +99,7 @@ from decoding.drafts import (
     ObservedCosts,
     PromptLookup,
     lookup_next,
+    measured_costs,
 )
 from decoding.medusa import Medusa
 from decoding.paging import pages_for
@@ -122,6 +123,8 @@ RECHOOSE_STEPS = 16
 # few plain steps, then one in EXPLORE_EVERY: the k rule compares its own steps' costs.
 EXPLORE_STEPS = 16
 EXPLORE_EVERY = 256
+# What a request's own acceptance rate starts from: the engine's, worth this many tested tokens.
+ROW_PRIOR_WEIGHT = 4.0
 
 
 def _check_sampling(name: str, sampling) -> SamplingConfig | None:
@@ -271,6 +274,14 @@ class Engine:
             self._observed = ObservedCosts()
             self._drafting = AcceptanceEstimate(1.0)
             self._choose_k()
+        # Ragged prompt lookup with k chosen: each row's draft length from its own acceptance
+        # (_row_caps): a drafted token pays where the chance it is kept exceeds what a row of
+        # the step costs against a plain step, the measured (Tq = 2 - Tq = 1) / (Tq = 1).
+        self._row_rates: dict[int, AcceptanceEstimate] = {}
+        self._row_threshold = None
+        if self.runner.ragged and k is None and mesh_of(model) is None:
+            t = measured_costs(model, batch=self.max_batch, max_k=MAX_K).target
+            self._row_threshold = max(t[1] - t[0], 0.0) / t[0]
         self._events: dict[int, list[int]] = {}  # tokens not yet returned by step()
         self._num_logprobs: dict[int, int] = {}  # live requests that asked: rid -> n
         self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # of self._events' tokens
@@ -415,9 +426,14 @@ class Engine:
             # handing a row's tokens out can be redone after an exception (see below).
             events, logprobs, lengths = dict(self._events), dict(self._step_logprobs), None
             try:
+                caps = self._row_caps()
                 ahead = self.num_draft_tokens + 1 if self.draft is not None else 1
+                if caps:
+                    ahead = 1 + max(caps.values(), default=0) if self.num_draft_tokens else 1
                 plan = self.scheduler.schedule(ahead)
-                out = self.runner.run(plan, set(self._num_logprobs), plain=self._explore(plan))
+                out = self.runner.run(
+                    plan, set(self._num_logprobs), plain=self._explore(plan), caps=caps
+                )
                 lengths = [len(row.req.tokens) for row in plan.decode]
                 self.scheduler.postprocess(plan, out.tokens)
                 self._emit(plan, out, lengths, events, logprobs)
@@ -571,19 +587,53 @@ class Engine:
             self._drafting.add(sum(found), len(found))
             # Not drafting: would the draft's first token have been this step's token? Only
             # where some row had a match: a step where none has is never verified.
-            if k == 0 and any(found):
-                for row, x in zip(plan.decode, known, strict=True):
-                    if len(row.req.tokens) > len(x):
-                        nxt = row.req.tokens[len(x)]
-                        self.acceptance.update(int(lookup_next(x, lo, hi) == nxt), 1)
+            # A row with a match that drafted nothing (cap 0): its own rate follows the same.
+            drafted = out.proposed or [k if out.verified else 0] * len(plan.decode)
+            for row, x, f, m in zip(plan.decode, known, found, drafted, strict=True):
+                if f and not m and len(row.req.tokens) > len(x):
+                    hit = int(lookup_next(x, lo, hi) == row.req.tokens[len(x)])
+                    if k == 0:
+                        self.acceptance.update(hit, 1)
+                    if self._row_threshold is not None:
+                        self._row_rate(row.req.rid).update(hit, 1)
         proposed = out.proposed or [k] * len(out.accepted)
-        for n, m in zip(out.accepted, proposed, strict=True) if out.verified else ():
+        pairs = zip(plan.decode, out.accepted, proposed, strict=True) if out.verified else ()
+        for row, n, m in pairs:
             if m:  # a ragged verification's rows without a draft proposed nothing
                 self._counts["draft_accepted"] += n
                 self._counts["draft_proposed"] += m
                 self.acceptance.update(n, m)
+                if self._row_threshold is not None:
+                    self._row_rate(row.req.rid).update(n, m)
         if self._counts["decode_steps"] % RECHOOSE_STEPS == 0:
             self._choose_k()
+
+    def _row_rate(self, rid: int) -> AcceptanceEstimate:
+        """Request ``rid``'s own acceptance rate: from the engine's running rate (worth
+        ``ROW_PRIOR_WEIGHT`` tested tokens), then what its verifications kept."""
+        if rid not in self._row_rates:
+            self._row_rates[rid] = AcceptanceEstimate(self.acceptance.rate, ROW_PRIOR_WEIGHT)
+        return self._row_rates[rid]
+
+    def _row_caps(self) -> dict[int, int] | None:
+        """Ragged prompt lookup with k chosen (``num_draft_tokens=None``; None otherwise): each
+        running request's most draft tokens, ``{rid: cap}``: the longest j <= ``MAX_K`` whose
+        chance of being kept, a^j with a the request's own rate (``_row_rate``), is at least
+        the threshold, the cost of a row against a plain step's (a draft token's marginal
+        row pays only then). 0 for every row while the k rule chooses not to draft. A copying
+        answer's rows draft long, an open chat's one or two tokens, in the same step."""
+        if self._row_threshold is None:
+            return None
+        live = set(self.scheduler.live)
+        for rid in [r for r in self._row_rates if r not in live]:
+            del self._row_rates[rid]  # finished or aborted
+        caps = {}
+        for req in self.scheduler.running:
+            a, j = self._row_rate(req.rid).rate, 0
+            while self.num_draft_tokens and j < MAX_K and a ** (j + 1) >= self._row_threshold:
+                j += 1
+            caps[req.rid] = j
+        return caps
 
     def _explore(self, plan: StepPlan) -> bool:
         """Whether this step runs plain although prompt lookup drafts (k >= 1): the k rule

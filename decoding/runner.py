@@ -301,11 +301,16 @@ class Runner:
     # ----------------------------------------------------------------------------- a plan
 
     def run(
-        self, plan: StepPlan, logprobs: set[int] = frozenset(), plain: bool = False
+        self,
+        plan: StepPlan,
+        logprobs: set[int] = frozenset(),
+        plain: bool = False,
+        caps: dict[int, int] | None = None,
     ) -> RunOutput:
         """Executes ``plan``: its page copies, its prefill chunks, then one decode (or
         verification of ``plan.ahead - 1`` drafts, unless ``plain``) step for its decode rows;
-        logprobs are computed for the rows of the request ids in ``logprobs``."""
+        logprobs are computed for the rows of the request ids in ``logprobs``. ``caps``: a
+        ragged verification's most draft tokens per request id (default ``plan.ahead - 1``)."""
         self.copy(plan.copies)
         found = self._lookup_found(plan.decode)
         verify = (
@@ -317,7 +322,7 @@ class Runner:
         )
         drafts = None
         if verify and self.ragged:
-            drafts = self.lookup_drafts(plan.decode, plan.ahead - 1)
+            drafts = self.lookup_drafts(plan.decode, plan.ahead - 1, caps)
             verify = any(drafts)  # a match may have no room left before the rows' ends
         folded, chunks = ([], list(plan.prefill)) if verify else self.fold(plan)
         self.prefill_chunks(chunks)
@@ -589,9 +594,10 @@ class Runner:
             return max(DECODE_MAX_ROWS - B, 0) // MIN_CHUNK * MIN_CHUNK
         return B * MAX_K
 
-    def lookup_drafts(self, rows: tuple[DecodeRow, ...], k: int) -> list[list[int]]:
+    def lookup_drafts(self, rows: tuple[DecodeRow, ...], k: int, caps=None) -> list[list[int]]:
         """Each row's prompt-lookup draft for a ragged verification (``drafts.lookup_draft``):
-        up to k tokens, none past what the request may still emit (a row emits its accepted
+        up to k tokens (or ``caps[rid]``, where given), none past what the request may still
+        emit (a row emits its accepted
         drafts and one token more, at most ``max_new`` in all), and, where the drafts
         overflow ``draft_room``, the longest ones cut first (their last tokens are the least
         likely to be accepted)."""
@@ -600,7 +606,8 @@ class Runner:
         for row in rows:
             req = row.req
             left = req.prompt_len + req.max_new - len(req.tokens) - 1
-            out.append(lookup_draft(req.tokens, lo, hi, min(k, left)))
+            most = k if caps is None else min(k, caps.get(req.rid, k))
+            out.append(lookup_draft(req.tokens, lo, hi, min(most, left)))
         excess = sum(map(len, out)) - self.draft_room(self.decode_batch(len(rows)))
         for _ in range(max(excess, 0)):
             longest = max(out, key=len)

@@ -191,3 +191,49 @@ def test_the_k_rule_prices_a_ragged_verification_by_its_drafting_rows(monkeypatc
         )
 
     assert k(False) == 0 and k(True) > 0
+
+
+def test_each_row_drafts_as_far_as_its_own_acceptance_pays(model, monkeypatch):
+    """With k chosen (``num_draft_tokens=None``) a row drafts the j tokens whose chance of
+    being kept, a^j at its own rate, is at least a row's measured cost against a plain step
+    (here 0.25): a request that keeps its drafts gets ``MAX_K``, one that rarely does one
+    token, every row none while the k rule chooses 0; outputs stay ``generate``'s."""
+    costs = tuple(1.0 + 0.25 * t for t in range(drafts.MAX_K + 1))
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: costs)
+    eng = Engine(
+        model, max_batch=4, num_pages=64, page_size=8, max_seq_len=128, draft=PromptLookup()
+    )
+    assert eng._row_threshold == pytest.approx(0.25)
+    rng = np.random.default_rng(3)
+    prompts = []
+    for _ in range(2):  # each repeats itself and its continuation: drafts match
+        p = rng.integers(0, 256, 10).tolist()
+        cont = generate(model, [p], max_new_tokens=16).tokens[0]
+        prompts.append(p + cont + p + cont[:2])
+    ids = [eng.submit(q, 10) for q in prompts]
+    eng.step()  # prefill: both running
+    eng.num_draft_tokens = 3
+    eng._row_rate(ids[0]).add(1000, 1000)  # keeps everything
+    eng._row_rate(ids[1]).add(300, 1000)  # a = 0.3: 0.3 >= 0.25 > 0.09
+    assert eng._row_caps() == {ids[0]: drafts.MAX_K, ids[1]: 1}
+    seen, real = [], eng.runner.lookup_drafts
+
+    def recorded(rows, k, caps=None):
+        out = real(rows, k, caps)
+        seen.append(({r.req.rid: len(d) for r, d in zip(rows, out, strict=True)}, dict(caps)))
+        return out
+
+    monkeypatch.setattr(eng.runner, "lookup_drafts", recorded)
+    monkeypatch.setattr("decoding.engine.RECHOOSE_STEPS", 1 << 30)  # keep k = 3
+    for _ in range(6):  # until a row has a match
+        if not seen:
+            eng.step()
+    lengths, caps = seen[0]
+    assert caps == {ids[0]: drafts.MAX_K, ids[1]: 1}  # past k = 3: each row its own cap
+    assert all(lengths[r] <= caps[r] for r in ids) and max(lengths.values()) > 0
+    eng.num_draft_tokens = 0
+    assert set(eng._row_caps().values()) == {0}
+    out = eng.run_until_done()
+    for rid, q in zip(ids, prompts, strict=True):
+        assert out[rid] == generate(model, [q], max_new_tokens=10).tokens[0]
+    assert eng._row_caps() == {} and not eng._row_rates  # finished requests forgotten

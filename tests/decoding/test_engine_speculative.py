@@ -230,6 +230,9 @@ def test_no_draft_while_it_does_not_pay(model, monkeypatch, prompts, refs):
     assert eng.acceptance.tested > 0 and eng.acceptance.rate != prior
     ks = iter([0, 3, 0, 2, 1] * 20)
     monkeypatch.setattr("decoding.engine.chosen_num_draft_tokens", lambda *a, **kw: next(ks))
+    # cheap extra rows: a row's own draft length (Engine._row_caps) does not veto the k in use
+    flat = tuple(1.0 + 0.01 * t for t in range(drafts.MAX_K + 1))
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: flat)
     monkeypatch.setattr("decoding.engine.RECHOOSE_STEPS", 1)
     eng = make_engine(model, num_draft_tokens=None)
     rids = [eng.submit(p, MAX_NEW) for p in prompts]
