@@ -103,7 +103,7 @@ from decoding.drafts import (
 )
 from decoding.medusa import Medusa
 from decoding.paging import pages_for
-from decoding.runner import Runner, RunOutput
+from decoding.runner import Runner, RunOutput, draft_bucket
 from decoding.sampling import (
     MAX_LOGPROBS,
     SamplingConfig,
@@ -276,9 +276,12 @@ class Engine:
             self._choose_k()
         # Ragged prompt lookup with k chosen: each row's draft length from its own acceptance
         # (_row_caps): a drafted token pays where the chance it is kept exceeds what a row of
-        # the step costs against a plain step, the measured (Tq = 2 - Tq = 1) / (Tq = 1).
+        # the step costs against a plain step's token: measured, (Tq = 2 - Tq = 1) / (Tq = 1),
+        # until this engine has timed its own steps at the decode batch (_row_costs).
         self._row_rates: dict[int, AcceptanceEstimate] = {}
         self._row_threshold = None
+        self._plain_s: dict[int, ObservedCosts] = {}  # decode batch -> plain step seconds
+        self._row_s: dict[int, ObservedCosts] = {}  # decode batch -> seconds per draft row
         if self.runner.ragged and k is None and mesh_of(model) is None:
             t = measured_costs(model, batch=self.max_batch, max_k=MAX_K).target
             self._row_threshold = max(t[1] - t[0], 0.0) / t[0]
@@ -580,6 +583,8 @@ class Engine:
         full |= out.verified and out.proposed is None
         if out.seconds is not None and full:
             self._observed.observe(k if out.verified else 0, out.seconds)
+        if out.seconds is not None and self._row_threshold is not None:
+            self._row_costs(plan, out)
         if isinstance(self.draft, PromptLookup):
             lo, hi = self.draft.min_ngram, self.draft.max_ngram
             known = [row.req.tokens[:n] for row, n in zip(plan.decode, lengths, strict=True)]
@@ -615,6 +620,28 @@ class Engine:
             self._row_rates[rid] = AcceptanceEstimate(self.acceptance.rate, ROW_PRIOR_WEIGHT)
         return self._row_rates[rid]
 
+    def _row_costs(self, plan: StepPlan, out: RunOutput) -> None:
+        """Times a step for the rows' draft lengths: a plain one's seconds at its decode batch
+        (not one with prompt rows folded in), a ragged verification's seconds beyond that per
+        draft row (its rows padded: ``runner.draft_bucket``)."""
+        B = self.runner.decode_batch(len(plan.decode))
+        if not out.verified:
+            if not self.runner.fold(plan)[0]:
+                self._plain_s.setdefault(B, ObservedCosts()).observe(0, out.seconds)
+        elif out.proposed and B in self._plain_s:
+            rows = draft_bucket(sum(out.proposed))
+            extra = (out.seconds - self._plain_s[B].seconds[0]) / rows
+            self._row_s.setdefault(B, ObservedCosts()).observe(0, max(extra, 0.0))
+
+    def _threshold(self, n: int) -> float:
+        """The chance of being kept a draft token needs at n decoding rows: a draft row's
+        seconds over a plain step's per row, as this engine timed them at that decode batch
+        (``_row_costs``), else as measured at ``max_batch``."""
+        B = self.runner.decode_batch(max(n, 1))
+        if B in self._row_s and self._row_s[B].count(0) >= 4:
+            return self._row_s[B].seconds[0] * n / self._plain_s[B].seconds[0]
+        return self._row_threshold
+
     def _row_caps(self) -> dict[int, int] | None:
         """Ragged prompt lookup with k chosen (``num_draft_tokens=None``; None otherwise): each
         running request's most draft tokens, ``{rid: cap}``: the longest j <= ``MAX_K`` whose
@@ -628,9 +655,10 @@ class Engine:
         for rid in [r for r in self._row_rates if r not in live]:
             del self._row_rates[rid]  # finished or aborted
         caps = {}
+        theta = self._threshold(sum(r.decoding for r in self.scheduler.running))
         for req in self.scheduler.running:
             a, j = self._row_rate(req.rid).rate, 0
-            while self.num_draft_tokens and j < MAX_K and a ** (j + 1) >= self._row_threshold:
+            while self.num_draft_tokens and j < MAX_K and a ** (j + 1) >= theta:
                 j += 1
             caps[req.rid] = j
         return caps
