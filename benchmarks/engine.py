@@ -149,9 +149,9 @@ SPEC_MAX_SEQ = 384
 
 
 def spec_pass(model, requests, batch: int, draft, eos_id=None):
-    """One pass of the engine (``draft`` or none) with every request submitted at once, each
-    stopping at ``eos_id`` or its ``max_new_tokens`` -> (tokens per request, seconds inside
-    ``step`` less compilation, mean latency, stats)."""
+    """One pass of the engine (``draft`` or none), warmed up (``Engine.warmup``), with every
+    request submitted at once, each stopping at ``eos_id`` or its ``max_new_tokens`` ->
+    (tokens per request, seconds inside ``step`` less compilation, mean latency, stats)."""
     from decoding import Engine
 
     eng = Engine(
@@ -162,6 +162,7 @@ def spec_pass(model, requests, batch: int, draft, eos_id=None):
         max_seq_len=SPEC_MAX_SEQ,
         draft=draft,
     )
+    eng.warmup()  # every step shape (a ragged verification's draft rows vary), as a server
     ids = [eng.submit(p, n, eos_id=eos_id) for p, n in requests]
     t0, done, compile_before = time.perf_counter(), {}, eng.stats()["compile_s"]
     while eng.busy:
@@ -181,8 +182,8 @@ def speculation(args) -> None:
     (``Medusa(heads, lookup_ngram=3)``), k chosen from measured costs, at batch 1, 8 and 32
     (1 and 8 quick): the same chat request mix
     (``benchmarks.speculative.REAL_PROMPTS``, both workloads alternating; each answer ends at
-    the chat's end token or after ``new`` tokens), a warm-up pass that compiles, then a timed
-    one; tokens/s counts the tokens generated; every drafted row checked identical to the
+    the chat's end token or after ``new`` tokens), each engine compiled by ``Engine.warmup``
+    before its timed pass (the undrafted one after a warm-up pass too); tokens/s counts the tokens generated; every drafted row checked identical to the
     undrafted one."""
     import jax.numpy as jnp
 
@@ -208,8 +209,7 @@ def speculation(args) -> None:
         spec_pass(model, requests, batch, None, tok.eos_id)  # warm-up: compilation
         plain_tok, plain_s, plain_lat, _ = spec_pass(model, requests, batch, None, tok.eos_id)
         useful = sum(len(t) for t in plain_tok)
-        for name, draft in drafts.items():
-            spec_pass(model, requests, batch, draft, tok.eos_id)
+        for name, draft in drafts.items():  # spec_pass warms its engine up: one pass
             tok_, spec_s, spec_lat, st = spec_pass(model, requests, batch, draft, tok.eos_id)
             row = dict(
                 batch=batch,

@@ -165,6 +165,9 @@ class Engine:
         copies and prefix hits; ``page_bytes`` counts both), prefilled with the target's chunks;
         each step it re-feeds the row's last two tokens and draws k tokens under the row's own
         settings and key, verified against its distributions (exact, batch-independent).
+        Prompt lookup on an unsharded engine without rings verifies ragged drafts
+        (``Runner.verify_ragged``): each row drafts on the host and its draft tokens are rows
+        of one token after the batch's, so a row without a match costs one row, not k + 1.
       num_draft_tokens: k; None = chosen from the target's step costs at ``max_batch`` rows
         (measured once, then the engine's own steps' times as they run:
         ``drafts.ObservedCosts``) and the batch's running acceptance rate
@@ -175,7 +178,12 @@ class Engine:
         the estimate then follows the draft's first token against each row's new token
         (``drafts.lookup_next``), so k can come back; and a step where no running row's
         n-gram matched (``drafts.lookup_found``) is a plain decode step whatever k is.
-        Medusa always drafts (k >= 1): its guesses are only seen by verifying them.
+        With ragged drafts the rule prices a verification at ``1 + f k`` tokens per row (f,
+        the rows with a match), and while it drafts each row's length is its own: the j
+        tokens whose chance of being kept at the request's running rate, a^j, is at least a
+        draft row's cost against a plain step's per row (timed at the decode batch; measured
+        before), up to ``MAX_K`` (``_row_caps``). A fixed k drafts k for every row with a
+        match. Medusa always drafts (k >= 1): its guesses are only seen by verifying them.
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.

@@ -13,6 +13,10 @@
   ``[last, d_1 .. d_k]`` (Tq = k + 1 for every row) in one step; each row accepts its own number (the acceptance rule of
   ``decoding.speculative``, drawn with the row's own key), so rows are ragged only in what the
   host keeps.
+* ``verify_ragged_rows``: prompt lookup's drafts made on the host, each row its own length: the
+  draft tokens are rows of one token after the decode rows (like ``decode_rows``' folded
+  prompt tokens), so a row without a match costs one row, and each row accepts on its own
+  draft (``acceptance.accept`` with per-row lengths).
 * ``copy_pages``: page copies for copy on write.
 
 The pool is a tuple of ``[num_pages + 1, P, Hkv, D]`` arrays per layer for keys and for values,

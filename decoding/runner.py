@@ -15,7 +15,8 @@ compiled shape), runs the prefill chunks as ``Tq = C`` forwards (C the chunk's b
 chunks of one bucket together where the packed products serve them: ``prefill_chunks``), then one decode step (or, with a draft, one verification of k
 drafts) for every decoding row: a decode step at ``decode_batch(rows)`` (the smallest power of
 two holding them, on an unsharded model; a row's tokens do not depend on it), a verification at
-``max_batch``; padding rows read the scratch page and decode greedily, the cheapest. From a
+``max_batch`` (prompt lookup without rings, unsharded: at the decode batch plus one row per
+draft token, ``verify_ragged``); padding rows read the scratch page and decode greedily, the cheapest. From a
 decode batch of ``MIX_MIN_BATCH`` on (CPU, no rings; no draft, or prompt lookup's plain steps),
 the chunks that fit in the step's free rows are computed inside the decode step instead, a row
 per token (``fold``).
