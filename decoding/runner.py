@@ -16,8 +16,8 @@ chunks of one bucket together where the packed products serve them: ``prefill_ch
 drafts) for every decoding row: a decode step at ``decode_batch(rows)`` (the smallest power of
 two holding them, on an unsharded model; a row's tokens do not depend on it), a verification at
 ``max_batch`` (prompt lookup without rings, unsharded: at the decode batch plus one row per
-draft token, ``verify_ragged``); padding rows read the scratch page and decode greedily, the cheapest. From a
-decode batch of ``MIX_MIN_BATCH`` on (CPU, no rings; no draft, or prompt lookup's plain steps),
+draft token, ``verify_ragged``); padding rows read the scratch page and decode greedily, the
+cheapest. From a decode batch of ``MIX_MIN_BATCH`` on (CPU, no rings; no draft, or prompt lookup's plain steps),
 the chunks that fit in the step's free rows are computed inside the decode step instead, a row
 per token (``fold``).
 :meth:`Runner.warmup` compiles every one of those shapes up front (``Engine.warmup``).
@@ -598,10 +598,9 @@ class Runner:
     def lookup_drafts(self, rows: tuple[DecodeRow, ...], k: int, caps=None) -> list[list[int]]:
         """Each row's prompt-lookup draft for a ragged verification (``drafts.lookup_draft``):
         up to k tokens (or ``caps[rid]``, where given), none past what the request may still
-        emit (a row emits its accepted
-        drafts and one token more, at most ``max_new`` in all), and, where the drafts
-        overflow ``draft_room``, the longest ones cut first (their last tokens are the least
-        likely to be accepted)."""
+        emit (a row emits its accepted drafts and one token more, at most ``max_new`` in all),
+        and, where the drafts overflow ``draft_room``, the longest ones cut first (their last
+        tokens are the least likely to be accepted)."""
         lo, hi = self.draft.min_ngram, self.draft.max_ngram
         out = []
         for row in rows:
