@@ -178,8 +178,10 @@ class Engine:
         the estimate then follows the draft's first token against each row's new token
         (``drafts.lookup_next``), so k can come back; and a step where no running row's
         n-gram matched (``drafts.lookup_found``) is a plain decode step whatever k is.
-        With ragged drafts the rule prices a verification at ``1 + f k`` tokens per row (f,
-        the rows with a match), and while it drafts each row's length is its own: the j
+        With ragged drafts the rule still prices a verification as every row's k + 1 tokens
+        (an upper bound: pricing it at ``1 + f k`` tokens per row, f the rows with a match,
+        drafted at batch 8 on SmolLM2 and ran at 0.73x), and while it drafts each row's
+        length is its own: the j
         tokens whose chance of being kept at the request's running rate, a^j, is at least a
         draft row's cost against a plain step's per row (timed at the decode batch; measured
         before), up to ``MAX_K`` (``_row_caps``). A fixed k drafts k for every row with a
@@ -700,7 +702,6 @@ class Engine:
                 keep=self.num_draft_tokens,
                 observed=self._observed,
                 drafting=self._drafting.rate if isinstance(self.draft, PromptLookup) else 1.0,
-                ragged=self.runner.ragged,
             )
 
     # ----------------------------------------------------------------------------- stats

@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 
 from decoding.checks import check_model, check_optional_int
@@ -323,7 +322,6 @@ def chosen_num_draft_tokens(
     keep: int | None = None,
     observed: ObservedCosts | None = None,
     drafting: float = 1.0,
-    ragged: bool = False,
 ):
     """k for ``num_draft_tokens=None``: :func:`drafts.choose_num_draft_tokens` on the target's
     (and a model draft's) measured step costs at ``batch`` rows (``drafts.measured_costs``,
@@ -331,10 +329,8 @@ def chosen_num_draft_tokens(
     them (``observed``, :class:`drafts.ObservedCosts`), and ``acceptance`` (default the kind's
     prior), with the kind's :class:`drafts.DraftCosts`; 0 (do not draft) only with
     ``allow_zero``; ``keep``, the k in use, stays unless another is clearly faster
-    (``drafts.KEEP_MARGIN``); ``drafting``, the fraction of rows that get a draft; ``ragged``:
-    only those rows verify their k tokens (the engine's ``Runner.verify_ragged``), so a
-    verification of k is priced at the measured cost of ``1 + drafting * k`` tokens per row
-    (interpolated) instead of k + 1. A Medusa tree's k is its depth."""
+    (``drafts.KEEP_MARGIN``); ``drafting``, the fraction of rows that get a draft. A Medusa
+    tree's k is its depth."""
     dc = kind.costs(target, params)
     if dc.fixed_k is not None:
         return dc.fixed_k
@@ -345,10 +341,6 @@ def chosen_num_draft_tokens(
     if own:
         costs = costs._replace(draft=costs.target[0])
     a = dc.prior if acceptance is None else acceptance
-    if ragged:
-        t, f = costs.target, min(max(float(drafting), 0.0), 1.0)
-        rows = [float(np.interp(1.0 + f * k, np.arange(1, len(t) + 1), t)) for k in range(len(t))]
-        costs = costs._replace(target=tuple(rows))
     calls = dc.calls
     if observed is not None and observed.seconds:
         costs, calls = observed.apply(costs, dc.calls), None  # the draft's calls included

@@ -1,7 +1,7 @@
 """Prompt lookup in the engine verifies ragged drafts (``Runner.verify_ragged``): each row its
 own host-made draft (``drafts.lookup_draft``), a row of one token per draft token, so a row
-without a match costs one row; the acceptance rule on per-row draft lengths stays exact; the
-k rule prices such a verification by the rows that draft."""
+without a match costs one row; the acceptance rule on per-row draft lengths stays exact; with k
+chosen each row's draft length follows its own acceptance."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import random_transformer
 
-from decoding import PromptLookup, drafts, speculative
+from decoding import PromptLookup, drafts
 from decoding.acceptance import accept
 from decoding.engine import Engine
 from decoding.generate import generate
@@ -167,30 +167,6 @@ def test_a_step_has_the_batch_and_its_drafts_rows(model, monkeypatch):
     monkeypatch.setattr("decoding.runner.lookup_draft", lambda t, lo, hi, k: long.pop(0)[:k])
     cut = eng.runner.lookup_drafts(rows, 64)
     assert sum(map(len, cut)) == room and abs(len(cut[0]) - len(cut[1])) <= 1
-
-
-def test_the_k_rule_prices_a_ragged_verification_by_its_drafting_rows(monkeypatch):
-    """Costs that grow with the rows (a verification of k + 1 tokens per row costs 1 + k / 2
-    steps): with a quarter of the rows drafting, whole-row verification pays for no k, a ragged
-    one (1 + k / 4 tokens per row) does at a high acceptance. (Where a step's cost is all rows,
-    1 + k per k, neither pays: a draft token is accepted less than once.)"""
-    steep = tuple(1.0 + 0.5 * t for t in range(drafts.MAX_K + 1))
-    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep)
-    target = random_transformer(0)
-
-    def k(ragged):
-        return speculative.chosen_num_draft_tokens(
-            target,
-            PromptLookup(),
-            None,
-            batch=4,
-            acceptance=0.95,
-            allow_zero=True,
-            drafting=0.25,
-            ragged=ragged,
-        )
-
-    assert k(False) == 0 and k(True) > 0
 
 
 def test_each_row_drafts_as_far_as_its_own_acceptance_pays(model, monkeypatch):
