@@ -587,10 +587,14 @@ class Engine:
             return
         k = plan.ahead - 1
         # A step's cost where it computed the rows a verification does (max_batch of them): a
-        # plain step (k = 0 chosen, or nothing to propose) or a verification of k (a ragged
-        # one: at the decode batch's rows, plus its drafts').
+        # plain step (k = 0 chosen, or nothing to propose) or a verification of k. Not a ragged
+        # one: its rows drafted what they had (and their own lengths), fewer than k each, so
+        # its time would price k below what k drafts cost (at batch 8 on SmolLM2 the rule
+        # then drafted and ran at 0.8x); the rule keeps the measured whole-row costs, scaled.
         full = self.runner.decode_batch(len(plan.decode)) == self.max_batch
-        full |= out.verified and out.proposed is None
+        full = (full and not (out.verified and out.proposed is not None)) or (
+            out.verified and out.proposed is None
+        )
         if out.seconds is not None and full:
             self._observed.observe(k if out.verified else 0, out.seconds)
         if out.seconds is not None and self._row_threshold is not None:

@@ -266,7 +266,9 @@ def test_k_follows_the_engines_own_step_costs(model, monkeypatch, prompts, refs)
     assert [out[r] for r in rids] == refs[:4]
     assert any(plain) and not all(plain)
     obs = eng._observed
-    assert obs.count(0) > 0 and any(obs.count(j) > 0 for j in range(1, drafts.MAX_K + 1))
+    # a ragged verification's time is not a k's: only plain steps are observed there
+    seen = any(obs.count(j) > 0 for j in range(1, drafts.MAX_K + 1))
+    assert obs.count(0) > 0 and seen != eng.runner.ragged
     assert all(s > 0 for s in obs.seconds.values())
     assert 0 < eng._drafting.rate <= 1
     for _ in range(64):
