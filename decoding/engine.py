@@ -181,11 +181,11 @@ class Engine:
         With ragged drafts the rule still prices a verification as every row's k + 1 tokens
         (an upper bound: pricing it at ``1 + f k`` tokens per row, f the rows with a match,
         drafted at batch 8 on SmolLM2 and ran at 0.73x), and while it drafts each row's
-        length is its own: the j
-        tokens whose chance of being kept at the request's running rate, a^j, is at least a
-        draft row's cost against a plain step's per row (timed at the decode batch; measured
-        before), up to ``MAX_K`` (``_row_caps``). A fixed k drafts k for every row with a
-        match. Medusa always drafts (k >= 1): its guesses are only seen by verifying them.
+        length is its own, up to k: the j tokens whose chance of being kept at the request's
+        running rate, a^j, is at least a draft row's cost against a plain step's per row
+        (timed at the decode batch; measured before: ``_row_caps``). A fixed k drafts k for
+        every row with a match. Medusa always drafts (k >= 1): its guesses are only seen by
+        verifying them.
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
@@ -658,7 +658,8 @@ class Engine:
 
     def _row_caps(self) -> dict[int, int] | None:
         """Ragged prompt lookup with k chosen (``num_draft_tokens=None``; None otherwise): each
-        running request's most draft tokens, ``{rid: cap}``: the longest j <= ``MAX_K`` whose
+        running request's most draft tokens, ``{rid: cap}``: the longest j <= k (the rule's,
+        so that a verification's time is what k's drafts cost at most) whose
         chance of being kept, a^j with a the request's own rate (``_row_rate``), is at least
         the threshold, the cost of a row against a plain step's (a draft token's marginal
         row pays only then). 0 for every row while the k rule chooses not to draft. A copying
@@ -672,7 +673,7 @@ class Engine:
         theta = self._threshold(sum(r.decoding for r in self.scheduler.running))
         for req in self.scheduler.running:
             a, j = self._row_rate(req.rid).rate, 0
-            while self.num_draft_tokens and j < MAX_K and a ** (j + 1) >= theta:
+            while j < self.num_draft_tokens and a ** (j + 1) >= theta:
                 j += 1
             caps[req.rid] = j
         return caps

@@ -172,7 +172,7 @@ def test_a_step_has_the_batch_and_its_drafts_rows(model, monkeypatch):
 def test_each_row_drafts_as_far_as_its_own_acceptance_pays(model, monkeypatch):
     """With k chosen (``num_draft_tokens=None``) a row drafts the j tokens whose chance of
     being kept, a^j at its own rate, is at least a row's measured cost against a plain step
-    (here 0.25): a request that keeps its drafts gets ``MAX_K``, one that rarely does one
+    (here 0.25): a request that keeps its drafts gets all k, one that rarely does one
     token, every row none while the k rule chooses 0; outputs stay ``generate``'s."""
     costs = tuple(1.0 + 0.25 * t for t in range(drafts.MAX_K + 1))
     monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: costs)
@@ -191,7 +191,7 @@ def test_each_row_drafts_as_far_as_its_own_acceptance_pays(model, monkeypatch):
     eng.num_draft_tokens = 3
     eng._row_rate(ids[0]).add(1000, 1000)  # keeps everything
     eng._row_rate(ids[1]).add(300, 1000)  # a = 0.3: 0.3 >= 0.25 > 0.09
-    assert eng._row_caps() == {ids[0]: drafts.MAX_K, ids[1]: 1}
+    assert eng._row_caps() == {ids[0]: 3, ids[1]: 1}
     seen, real = [], eng.runner.lookup_drafts
 
     def recorded(rows, k, caps=None):
@@ -205,7 +205,7 @@ def test_each_row_drafts_as_far_as_its_own_acceptance_pays(model, monkeypatch):
         if not seen:
             eng.step()
     lengths, caps = seen[0]
-    assert caps == {ids[0]: drafts.MAX_K, ids[1]: 1}  # past k = 3: each row its own cap
+    assert caps == {ids[0]: 3, ids[1]: 1}  # each row its own cap, at most k
     assert all(lengths[r] <= caps[r] for r in ids) and max(lengths.values()) > 0
     eng.num_draft_tokens = 0
     assert set(eng._row_caps().values()) == {0}
