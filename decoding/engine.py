@@ -591,9 +591,9 @@ class Engine:
         # one: its rows drafted what they had (and their own lengths), fewer than k each, so
         # its time would price k below what k drafts cost (at batch 8 on SmolLM2 the rule
         # then drafted and ran at 0.8x); the rule keeps the measured whole-row costs, scaled.
-        full = self.runner.decode_batch(len(plan.decode)) == self.max_batch
-        full = (full and not (out.verified and out.proposed is not None)) or (
-            out.verified and out.proposed is None
+        ragged = out.proposed is not None
+        full = not ragged and (
+            out.verified or self.runner.decode_batch(len(plan.decode)) == self.max_batch
         )
         if out.seconds is not None and full:
             self._observed.observe(k if out.verified else 0, out.seconds)

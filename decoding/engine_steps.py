@@ -166,6 +166,18 @@ def decode_rows(
     return tokens, lp, cache.k, cache.v
 
 
+def accept_rows(p, q, drafts, keys, lengths=None):
+    """``acceptance.accept`` for each row alone with its own key (keys [B]; ``lengths`` [B] or
+    None), so a row's draws do not depend on the batch -> (n [B], nxt [B])."""
+
+    def one(p, q, d, key, *c):
+        n, nxt = accept(p[None], q[None], d[None], key, *(x[None] for x in c))
+        return n[0], nxt[0]
+
+    extra = () if lengths is None else (lengths,)
+    return jax.vmap(one)(p, q, drafts, keys, *extra)
+
+
 def verify_rows(
     graphdef,
     draft,
@@ -247,11 +259,7 @@ def verify_rows(
         # A deterministic draft's q is one-hot: built here, so greedy steps never make it.
         qs = jax.nn.one_hot(drafts, p.shape[-1]) if deterministic else q
 
-        def one(p, q, d, key):
-            n, nxt = accept(p[None], q[None], d[None], key)
-            return n[0], nxt[0]
-
-        return jax.vmap(one)(p, qs, drafts, keys)
+        return accept_rows(p, qs, drafts, keys)
 
     n, nxt = branch(all_greedy(sampling), lambda: accept_greedy(argmax(logits), drafts), sampled)
     if found is not None:
@@ -293,8 +301,8 @@ def verify_ragged_rows(
     The first B rows are ``decode_rows``' (last [B] at lengths [B], table [B, W], seeds, index,
     sampling, wanted [B]; block tables only: an engine without rings); ``drafts`` = (tokens
     [E], positions [E], tables [E, W], owner [N], step [N], where [B, K], count [B]) adds E
-    rows (N = B + E; padding rows on the scratch page): row b's draft is ``count[b]`` tokens, its j-th at row ``where[b, j]``, fed at
-    position ``lengths[b] + 1 + j`` in row b's pages; ``owner[i]`` is the row whose input row i
+    rows (N = B + E; padding rows on the scratch page): row b's draft is ``count[b]`` tokens,
+    its j-th at row ``where[b, j]``, fed at position ``lengths[b] + 1 + j`` in row b's pages; ``owner[i]`` is the row whose input row i
     is, ``step[i]`` its place in that row's inputs (0 the last token, j + 1 the j-th draft; -1
     padding). Every row's key and value is written before any row attends (as in
     ``decode_rows``' ``prefill``), so a draft row sees the ones before it.
@@ -326,12 +334,7 @@ def verify_ragged_rows(
     def sampled():
         p = probabilities(logits[ids], jax.tree.map(lambda x: x[:, None], sampling))
         q = jax.nn.one_hot(drafted, p.shape[-1])  # a deterministic draft: one-hot
-
-        def one(p, q, d, key, c):
-            n, nxt = accept(p[None], q[None], d[None], key, c[None])
-            return n[0], nxt[0]
-
-        return jax.vmap(one)(p, q, drafted, keys, count)
+        return accept_rows(p, q, drafted, keys, count)
 
     def greedy():
         return accept_greedy(argmax(logits)[ids], jnp.where(live, drafted, -1))
