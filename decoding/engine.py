@@ -643,7 +643,7 @@ class Engine:
             if not self.runner.fold(plan)[0]:
                 self._plain_s.setdefault(B, ObservedCosts()).observe(0, out.seconds)
         elif out.proposed and B in self._plain_s:
-            rows = draft_bucket(sum(out.proposed))
+            rows = draft_bucket(sum(out.proposed), B)
             extra = (out.seconds - self._plain_s[B].seconds[0]) / rows
             self._row_s.setdefault(B, ObservedCosts()).observe(0, max(extra, 0.0))
 

@@ -127,8 +127,8 @@ def test_rows_verify_only_their_own_drafts(model):
 
 
 def test_a_step_has_the_batch_and_its_drafts_rows(model, monkeypatch):
-    """``verify_ragged`` runs B + draft_bucket(drafted tokens) rows (1, 2, 4, then multiples
-    of 8); with packed weights the drafts are cut (longest first) to the products' rows
+    """``verify_ragged`` runs B + draft_bucket(drafted tokens, B) rows (1, 2, 4, then multiples
+    of 8, but no more than fill the batch's rows to a multiple of 8); with packed weights the drafts are cut (longest first) to the products' rows
     left."""
     eng = Engine(model, max_batch=2, num_pages=32, page_size=8, draft=PromptLookup())
     shapes = []
@@ -140,7 +140,7 @@ def test_a_step_has_the_batch_and_its_drafts_rows(model, monkeypatch):
 
     monkeypatch.setattr(eng.runner, "ragged_fn", fn)
     monkeypatch.setattr(eng.runner, "_call", lambda f, *a: f(*a))
-    # drafts of 3 and 6 tokens: a batch of 2 and bucket(9) = 16 draft rows
+    # drafts of 3 and 6 tokens: a batch of 2 and 14 draft rows (16 in all: two row blocks)
     reqs = [
         Request(i, 20, 60, SamplingConfig(), None, 0, list(range(21)), computed=20, row=i)
         for i in range(2)
@@ -148,7 +148,9 @@ def test_a_step_has_the_batch_and_its_drafts_rows(model, monkeypatch):
     rows = tuple(DecodeRow(r, (0, 1, 2)) for r in reqs)
     with pytest.raises(RuntimeError, match="stop"):
         eng.runner.verify_ragged(rows, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], frozenset())
-    assert shapes == [(2, draft_bucket(9))]
+    assert shapes == [(2, 14)]
+    assert [draft_bucket(n, 1) for n in (1, 2, 3, 4, 5, 7, 8, 9)] == [1, 2, 4, 4, 7, 7, 8, 15]
+    assert [draft_bucket(n, 8) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 16]
     assert [draft_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 64, 65)] == [
         1,
         2,
