@@ -183,8 +183,10 @@ def speculation(args) -> None:
     (1 and 8 quick): the same chat request mix
     (``benchmarks.speculative.REAL_PROMPTS``, both workloads alternating; each answer ends at
     the chat's end token or after ``new`` tokens), each engine compiled by ``Engine.warmup``
-    before its timed pass (the undrafted one after a warm-up pass too); tokens/s counts the tokens generated; every drafted row checked identical to the
-    undrafted one."""
+    before its timed pass (the undrafted one after a warm-up pass too), ``args.runs`` rounds of
+    the undrafted pass and each draft's, alternated, medians of seconds and latencies (each
+    round's ratio kept as ``throughput_x_each``); tokens/s counts the tokens generated; every
+    pass checked identical to the undrafted one."""
     import jax.numpy as jnp
 
     import models
@@ -207,10 +209,19 @@ def speculation(args) -> None:
         n_req = max(4, 2 * batch)
         requests = [(mix[i % len(mix)], new) for i in range(n_req)]
         spec_pass(model, requests, batch, None, tok.eos_id)  # warm-up: compilation
-        plain_tok, plain_s, plain_lat, _ = spec_pass(model, requests, batch, None, tok.eos_id)
+        passes = {name: [] for name in ("plain", *drafts)}
+        for _ in range(args.runs):  # alternated, so that a slow spell of the host hits them all
+            passes["plain"].append(spec_pass(model, requests, batch, None, tok.eos_id))
+            for name, draft in drafts.items():  # spec_pass warms its engine up: one pass
+                passes[name].append(spec_pass(model, requests, batch, draft, tok.eos_id))
+        plain_tok = passes["plain"][0][0]
+        plain_s = float(np.median([p[1] for p in passes["plain"]]))
+        plain_lat = float(np.median([p[2] for p in passes["plain"]]))
         useful = sum(len(t) for t in plain_tok)
-        for name, draft in drafts.items():  # spec_pass warms its engine up: one pass
-            tok_, spec_s, spec_lat, st = spec_pass(model, requests, batch, draft, tok.eos_id)
+        for name in drafts:
+            spec_s = float(np.median([p[1] for p in passes[name]]))
+            spec_lat = float(np.median([p[2] for p in passes[name]]))
+            st = passes[name][-1][3]
             row = dict(
                 batch=batch,
                 draft=name,
@@ -218,13 +229,17 @@ def speculation(args) -> None:
                 plain_tok_s=useful / plain_s,
                 spec_tok_s=useful / spec_s,
                 throughput_x=plain_s / spec_s,
+                throughput_x_each=[
+                    round(p[1] / q[1], 3)
+                    for p, q in zip(passes["plain"], passes[name], strict=True)
+                ],
                 plain_latency_s=plain_lat,
                 spec_latency_s=spec_lat,
                 latency_x=plain_lat / spec_lat,
                 k=st["num_draft_tokens"],
                 acceptance=st["draft_accepted"] / max(st["draft_proposed"], 1),
                 new_tokens=useful,
-                identical=tok_ == plain_tok,
+                identical=all(p[0] == plain_tok for p in passes["plain"] + passes[name]),
             )
             print(row)
             rows.append(row)
