@@ -302,10 +302,11 @@ def verify_ragged_rows(
     sampling, wanted [B]; block tables only: an engine without rings); ``drafts`` = (tokens
     [E], positions [E], tables [E, W], owner [N], step [N], where [B, K], count [B]) adds E
     rows (N = B + E; padding rows on the scratch page): row b's draft is ``count[b]`` tokens,
-    its j-th at row ``where[b, j]``, fed at position ``lengths[b] + 1 + j`` in row b's pages; ``owner[i]`` is the row whose input row i
-    is, ``step[i]`` its place in that row's inputs (0 the last token, j + 1 the j-th draft; -1
-    padding). Every row's key and value is written before any row attends (as in
-    ``decode_rows``' ``prefill``), so a draft row sees the ones before it.
+    its j-th at row ``where[b, j]``, fed at position ``lengths[b] + 1 + j`` in row b's pages;
+    ``owner[i]`` is the row whose input row i is, ``step[i]`` its place in that row's inputs
+    (0 the last token, j + 1 the j-th draft; -1 padding). Every row's key and value is
+    written before any row attends (as in ``decode_rows``' ``prefill``), so a draft row sees
+    the ones before it.
 
     Returns ``(n [B], nxt [B], logprobs [N], k, v)``: row b emits its first n[b] draft tokens
     then nxt[b], by :func:`decoding.acceptance.accept` on its ``count[b]`` tokens (one-hot q,

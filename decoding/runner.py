@@ -45,6 +45,7 @@ from decoding.speculative import draft_kind
 from models import KVCache
 from models.kv_cache import ring_pages_for
 from models.linear import DECODE_MAX_ROWS
+from models.rows_matmul import ROW_BLOCK
 from models.sharding import mesh_of, to_host
 
 GREEDY = SamplingConfig()
@@ -72,12 +73,12 @@ def draft_bucket(n: int, batch: int = 0) -> int:
     a power of two below ``MIN_CHUNK``, else ``chunk_bucket``'s. At a small batch a row costs
     about a twentieth of the step (SmolLM2 at batch 1: 20.4 ms at one row, 29.6 at eight), so a
     draft of two tokens is not padded to eight. With the decode ``batch`` given, no more than
-    fills its rows up to the next multiple of ``MIN_CHUNK``: the packed products take rows in
+    fills its rows up to the next multiple of ``ROW_BLOCK``: the packed products take rows in
     blocks of 8 and a block's first row costs most (at batch 1 on an AVX2 host, 3 to 8 rows
     cost 34-37 ms a step and 9 rows 45 ms), so 5 drafted tokens at batch 1 run 7 rows, not 8."""
     rows = 1 << (n - 1).bit_length() if n < MIN_CHUNK else chunk_bucket(n)
     if batch:
-        rows = min(rows, -(-(batch + n) // MIN_CHUNK) * MIN_CHUNK - batch)
+        rows = min(rows, -(-(batch + n) // ROW_BLOCK) * ROW_BLOCK - batch)
     return rows
 
 

@@ -30,6 +30,7 @@ from pallas_attn import native
 
 PANEL = 32  # columns per panel (kNB in rows_matmul.cc)
 MAX_ROWS = 64
+ROW_BLOCK = 8  # rows a panel pass holds in registers (kMaxRows in rows.h): a 9th starts another
 
 
 def available() -> bool:

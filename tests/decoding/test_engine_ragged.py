@@ -127,9 +127,9 @@ def test_rows_verify_only_their_own_drafts(model):
 
 
 def test_a_step_has_the_batch_and_its_drafts_rows(model, monkeypatch):
-    """``verify_ragged`` runs B + draft_bucket(drafted tokens, B) rows (1, 2, 4, then multiples
-    of 8, but no more than fill the batch's rows to a multiple of 8); with packed weights the drafts are cut (longest first) to the products' rows
-    left."""
+    """``verify_ragged`` runs B + draft_bucket(drafted tokens, B) rows (1, 2, 4, then
+    multiples of 8, but no more than fill the batch's rows to a multiple of 8); with packed
+    weights the drafts are cut (longest first) to the products' rows left."""
     eng = Engine(model, max_batch=2, num_pages=32, page_size=8, draft=PromptLookup())
     shapes = []
 
