@@ -680,6 +680,47 @@ def lookup_draft(tokens, min_ngram: int, max_ngram: int, k: int) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """:func:`lookup_draft` for one growing token list, kept up to date as it grows: the
+    latest occurrence with a continuation of every n-gram (``min_ngram`` <= n <=
+    ``max_ngram``), in a dict. Adding a token indexes ``max_ngram - min_ngram + 1`` n-grams
+    and a draft is at most that many dict lookups, so the engine's per-step lookups cost the
+    same at any length; :func:`lookup_draft` scans the whole list per call (about 1 ms per
+    row and step at a few hundred tokens: 3 ms of a 35 ms batch-8 step on SmolLM2 with the
+    engine's two lookups per row). ``draft`` catches up with the tokens appended since its
+    last call. It takes the list to have only grown (a request's tokens do): one shorter than
+    the part indexed, or with another token where that part ended, is indexed anew; other
+    changes inside the indexed part are not seen."""
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._latest: dict[tuple, int] = {}  # n-gram -> where its latest continuation starts
+        self._seen = 0  # tokens indexed: every n-gram ending before _seen - 1
+        self._tail = None  # tokens[_seen - 1]
+
+    def _update(self, tokens) -> None:
+        L = len(tokens)
+        if L < self._seen or (self._seen and tokens[self._seen - 1] != self._tail):
+            self._latest, self._seen = {}, 0
+        lo, hi, latest = self.min_ngram, self.max_ngram, self._latest
+        # An n-gram ending at e has a continuation once e <= L - 2 (lookup_draft's windows
+        # over tokens[:L - 1]); later occurrences overwrite earlier ones: the latest wins.
+        for e in range(max(self._seen - 1, 0), L - 1):
+            for n in range(lo, min(hi, e + 1) + 1):
+                latest[tuple(tokens[e - n + 1 : e + 1])] = e + 1
+        self._seen, self._tail = L, (tokens[L - 1] if L else None)
+
+    def draft(self, tokens, k: int) -> list[int]:
+        """``lookup_draft(tokens, min_ngram, max_ngram, k)``, from the index."""
+        self._update(tokens)
+        L = len(tokens)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            start = self._latest.get(tuple(tokens[L - n :]))
+            if start is not None:
+                return [int(t) for t in tokens[start : start + max(k, 0)]]
+        return []
+
+
 def lookup_next(tokens, min_ngram: int, max_ngram: int) -> int:
     """:func:`lookup`'s first proposed token for one row of known ``tokens``, on the host (numpy):
     the token after the latest earlier occurrence of the longest matching suffix n-gram

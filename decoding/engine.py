@@ -98,7 +98,6 @@ from decoding.drafts import (
     AcceptanceEstimate,
     ObservedCosts,
     PromptLookup,
-    lookup_next,
     measured_costs,
 )
 from decoding.medusa import Medusa
@@ -176,7 +175,7 @@ class Engine:
         weighs the share of rows that have a match (the others emit one token at a
         verification's cost), and the choice may be 0, plain decode steps, where no k pays;
         the estimate then follows the draft's first token against each row's new token
-        (``drafts.lookup_next``), so k can come back; and a step where no running row's
+        (what ``drafts.lookup_next`` proposes), so k can come back; and a step where no running row's
         n-gram matched (``drafts.lookup_found``) is a plain decode step whatever k is.
         With ragged drafts the rule still prices a verification as every row's k + 1 tokens
         (an upper bound: pricing it at ``1 + f k`` tokens per row, f the rows with a match,
@@ -600,17 +599,17 @@ class Engine:
         if out.seconds is not None and self._row_threshold is not None:
             self._row_costs(plan, out)
         if isinstance(self.draft, PromptLookup):
-            lo, hi = self.draft.min_ngram, self.draft.max_ngram
-            known = [row.req.tokens[:n] for row, n in zip(plan.decode, lengths, strict=True)]
-            found = out.found  # the runner's, from these known tokens
+            found = out.found  # the runner's, from the rows' known tokens (lengths)
             self._drafting.add(sum(found), len(found))
             # Not drafting: would the draft's first token have been this step's token? Only
             # where some row had a match: a step where none has is never verified.
             # A row with a match that drafted nothing (cap 0): its own rate follows the same.
             drafted = out.proposed or [k if out.verified else 0] * len(plan.decode)
-            for row, x, f, m in zip(plan.decode, known, found, drafted, strict=True):
-                if f and not m and len(row.req.tokens) > len(x):
-                    hit = int(lookup_next(x, lo, hi) == row.req.tokens[len(x)])
+            for row, n, f, m, first in zip(
+                plan.decode, lengths, found, drafted, out.nexts, strict=True
+            ):
+                if f and not m and len(row.req.tokens) > n:
+                    hit = int(first == row.req.tokens[n])
                     if k == 0:
                         self.acceptance.update(hit, 1)
                     if self._row_threshold is not None:

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from decoding import engine_steps
-from decoding.drafts import MAX_K, ModelDraft, PromptLookup, lookup_draft, lookup_found
+from decoding.drafts import MAX_K, ModelDraft, NgramIndex, PromptLookup
 from decoding.medusa import MedusaDraft
 from decoding.packing import packed_weights
 from decoding.paging import pages_for
@@ -113,7 +113,8 @@ class RunOutput(NamedTuple):
     wall time of the decode or verification call until its tokens were on the host (None when
     it compiled, or without decode rows); ``found[i]``, with prompt lookup, whether row i's
     known tokens had an n-gram match before the step (``drafts.lookup_found``; None without
-    it); ``proposed[i]``, the draft tokens row i verified, where rows drafted apart
+    it) and ``nexts[i]`` the first token its draft would propose from them (None where none
+    matched); ``proposed[i]``, the draft tokens row i verified, where rows drafted apart
     (``Runner.verify_ragged``; None where each verified k)."""
 
     tokens: list[list[int]]
@@ -123,6 +124,7 @@ class RunOutput(NamedTuple):
     seconds: float | None = None
     found: list[bool] | None = None
     proposed: list[int] | None = None
+    nexts: list[int | None] | None = None
 
 
 class Runner:
@@ -320,7 +322,8 @@ class Runner:
         logprobs are computed for the rows of the request ids in ``logprobs``. ``caps``: a
         ragged verification's most draft tokens per request id (default ``plan.ahead - 1``)."""
         self.copy(plan.copies)
-        found = self._lookup_found(plan.decode)
+        nexts = self._lookup_nexts(plan.decode)
+        found = None if nexts is None else [t is not None for t in nexts]
         verify = (
             self.draft is not None
             and plan.ahead > 1
@@ -342,7 +345,7 @@ class Runner:
             out = self.verify(plan.decode, plan.ahead - 1, logprobs)
         else:
             out = self.decode(plan.decode, logprobs, folded=folded)  # a draft's k = 0: plain
-        return out._replace(found=found)
+        return out._replace(found=found, nexts=nexts)
 
     def fold(self, plan: StepPlan) -> tuple[list[Chunk], list[Chunk]]:
         """(chunks computed inside the plan's decode step, the rest, run before it by
@@ -385,15 +388,23 @@ class Runner:
             i = j
         return tokens, positions, table
 
-    def _lookup_found(self, rows: tuple[DecodeRow, ...]) -> list[bool] | None:
-        """With prompt lookup, whether each row's known tokens have a suffix n-gram that
-        occurred before (None otherwise): where no row has one the drafts would be filler, so a
-        plain step (one token per row) does the same for less; the engine counts the rows that
-        draft from the same flags."""
+    def _index(self, req) -> NgramIndex:
+        """``req``'s prompt-lookup index (``drafts.NgramIndex``), kept with the request: its
+        tokens only grow, so each step indexes the new ones alone."""
+        if req.lookup is None:
+            req.lookup = NgramIndex(self.draft.min_ngram, self.draft.max_ngram)
+        return req.lookup
+
+    def _lookup_nexts(self, rows: tuple[DecodeRow, ...]) -> list[int | None] | None:
+        """With prompt lookup, each row's first draft token from its known tokens, None where
+        no suffix n-gram occurred before (``drafts.lookup_found``); None without prompt
+        lookup. Where no row has a match the drafts would be filler, so a plain step (one
+        token per row) does the same for less; the engine counts the rows that draft from
+        these and, while they do not, whether the first token would have been kept."""
         if not isinstance(self.draft, PromptLookup) or not rows:
             return None
-        lo, hi = self.draft.min_ngram, self.draft.max_ngram
-        return [lookup_found(row.req.tokens, lo, hi) for row in rows]
+        firsts = [self._index(row.req).draft(row.req.tokens, 1) for row in rows]
+        return [f[0] if f else None for f in firsts]
 
     def copy(self, copies) -> None:
         """Applies ``[(src, dst)]`` page copies to the pool's layers (rings are never shared)."""
@@ -608,13 +619,12 @@ class Runner:
         emit (a row emits its accepted drafts and one token more, at most ``max_new`` in all),
         and, where the drafts overflow ``draft_room``, the longest ones cut first (their last
         tokens are the least likely to be accepted)."""
-        lo, hi = self.draft.min_ngram, self.draft.max_ngram
         out = []
         for row in rows:
             req = row.req
             left = req.prompt_len + req.max_new - len(req.tokens) - 1
             most = k if caps is None else min(k, caps.get(req.rid, k))
-            out.append(lookup_draft(req.tokens, lo, hi, min(most, left)))
+            out.append(self._index(req).draft(req.tokens, min(most, left)))
         excess = sum(map(len, out)) - self.draft_room(self.decode_batch(len(rows)))
         for _ in range(max(excess, 0)):
             longest = max(out, key=len)

@@ -55,6 +55,8 @@ class Request:
     row: int = -1  # batch row while admitted
     admitted: int = -1  # admission number; larger is more recent
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # full pages' chain hashes
+    # The runner's prompt-lookup index of ``tokens`` (drafts.NgramIndex), made on first use.
+    lookup: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def out(self) -> list[int]:

@@ -44,6 +44,23 @@ def test_lookup_draft_is_the_jitted_lookups_proposal_without_filler():
     assert drafts.lookup_draft([1, 2, 3, 1, 2], 1, 3, 0) == []
 
 
+def test_ngram_index_drafts_what_lookup_draft_does_as_the_tokens_grow():
+    """The engine's incremental index (``drafts.NgramIndex``, kept with each request) proposes
+    ``lookup_draft``'s draft after every appended token, for every n-gram range and k; a list
+    that did not grow from the indexed one (a shorter one, another token where it ended) is
+    indexed anew."""
+    rng = np.random.default_rng(5)
+    for lo, hi in ((1, 3), (2, 2), (1, 1), (2, 4)):
+        for vocab in (2, 5, 40):
+            index, tokens = drafts.NgramIndex(lo, hi), []
+            for _ in range(70):
+                tokens.append(int(rng.integers(0, vocab)))
+                k = int(rng.integers(0, 7))
+                assert index.draft(tokens, k) == drafts.lookup_draft(tokens, lo, hi, k)
+            for other in (tokens[:40], tokens[:-1] + [vocab], tokens + [vocab] * 3):
+                assert index.draft(other, 4) == drafts.lookup_draft(other, lo, hi, 4)
+
+
 @pytest.mark.parametrize("length", [0, 1, 2])
 def test_accept_on_a_shorter_draft_is_the_rule_on_that_draft(length):
     """``accept(..., lengths)`` with one-hot q (a copied draft): the first token is
@@ -166,7 +183,7 @@ def test_a_step_has_the_batch_and_its_drafts_rows(model, monkeypatch):
     room = eng.runner.draft_room(2)
     assert room == (DECODE_MAX_ROWS - 2) // MIN_CHUNK * MIN_CHUNK
     long = [list(range(40)), list(range(30))]
-    monkeypatch.setattr("decoding.runner.lookup_draft", lambda t, lo, hi, k: long.pop(0)[:k])
+    monkeypatch.setattr(drafts.NgramIndex, "draft", lambda self, t, k: long.pop(0)[:k])
     cut = eng.runner.lookup_drafts(rows, 64)
     assert sum(map(len, cut)) == room and abs(len(cut[0]) - len(cut[1])) <= 1
 
