@@ -111,7 +111,7 @@ from decoding.sampling import (
     logprob_records,
 )
 from decoding.scheduler import Request, Scheduler, StepPlan
-from decoding.speculative import chosen_num_draft_tokens
+from decoding.speculative import chosen_num_draft_tokens, draft_step_costs
 from models import Transformer
 from models.interrupts import deferred_interrupts
 from models.sharding import mesh_of
@@ -282,6 +282,7 @@ class Engine:
             # what the k rule weighs (_choose_k).
             self._observed = ObservedCosts()
             self._drafting = AcceptanceEstimate(1.0)
+            self._step_costs = None  # the measured costs the k rule weighs, once looked up
             self._choose_k()
         # Ragged prompt lookup with k chosen: each row's draft length from its own acceptance
         # (_row_caps): a drafted token pays where the chance it is kept exceeds what a row of
@@ -693,8 +694,17 @@ class Engine:
         return self._counts["decode_steps"] % every == every // 2
 
     def _choose_k(self) -> None:
-        """k for the next verification steps (fixed, or the rule on the running estimate)."""
+        """k for the next verification steps (fixed, or the rule on the running estimate). The
+        measured costs are looked up once (``speculative.draft_step_costs``: the lookup alone
+        cost 40 ms, 7% of a batch-8 pass when it ran every ``RECHOOSE_STEPS``)."""
         if self._fixed_k is None:
+            kind, params = self.runner.draft, self.runner.draft_params
+            if (
+                self._step_costs is None
+                and mesh_of(self._model) is None
+                and kind.costs(self._model, params).fixed_k is None
+            ):
+                self._step_costs = draft_step_costs(self._model, kind, params, batch=self.max_batch)
             self.num_draft_tokens = chosen_num_draft_tokens(
                 self._model,
                 self.runner.draft,
@@ -706,6 +716,7 @@ class Engine:
                 keep=self.num_draft_tokens,
                 observed=self._observed,
                 drafting=self._drafting.rate if isinstance(self.draft, PromptLookup) else 1.0,
+                step_costs=self._step_costs,
             )
 
     # ----------------------------------------------------------------------------- stats

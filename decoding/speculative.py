@@ -35,6 +35,7 @@ from decoding.drafts import (
     ModelDraft,
     ObservedCosts,
     PromptLookup,
+    StepCosts,
     Verified,
     choose_num_draft_tokens,
     measured_costs,
@@ -311,6 +312,18 @@ def place_on_target(draft, kind: DraftKind, params, target):
     return kind.place(draft, params, target)
 
 
+def draft_step_costs(target, kind: DraftKind, params, *, batch: int) -> StepCosts:
+    """The measured :class:`drafts.StepCosts` :func:`chosen_num_draft_tokens` weighs for
+    ``kind`` at ``batch`` rows (``drafts.measured_costs``, measured once per shape): the
+    target's verifications and a draft model's step, or for a draft run by the target's own
+    layers its Tq = 1 step (the kind's ``calls`` count shares of it). Looking the shape up
+    reads every parameter's dtype (40 ms for SmolLM2), so the engine keeps the result."""
+    dc = kind.costs(target, params)
+    own = dc.model is target  # drafted by the target's own layers: a share of its Tq = 1 step
+    costs = measured_costs(target, None if own else dc.model, batch=batch, max_k=MAX_K)
+    return costs._replace(draft=costs.target[0]) if own else costs
+
+
 def chosen_num_draft_tokens(
     target,
     kind: DraftKind,
@@ -322,13 +335,14 @@ def chosen_num_draft_tokens(
     keep: int | None = None,
     observed: ObservedCosts | None = None,
     drafting: float = 1.0,
+    step_costs: StepCosts | None = None,
 ):
     """k for ``num_draft_tokens=None``: :func:`drafts.choose_num_draft_tokens` on the target's
-    (and a model draft's) measured step costs at ``batch`` rows (``drafts.measured_costs``,
-    measured once per shape), with the caller's own step times in their place where it has
-    them (``observed``, :class:`drafts.ObservedCosts`), and ``acceptance`` (default the kind's
-    prior), with the kind's :class:`drafts.DraftCosts`; 0 (do not draft) only with
-    ``allow_zero``; ``keep``, the k in use, stays unless another is clearly faster
+    (and a model draft's) measured step costs at ``batch`` rows (:func:`draft_step_costs`, or
+    ``step_costs`` where the caller kept them), with the caller's own step times in their place
+    where it has them (``observed``, :class:`drafts.ObservedCosts`), and ``acceptance``
+    (default the kind's prior), with the kind's :class:`drafts.DraftCosts`; 0 (do not draft)
+    only with ``allow_zero``; ``keep``, the k in use, stays unless another is clearly faster
     (``drafts.KEEP_MARGIN``); ``drafting``, the fraction of rows that get a draft. A Medusa
     tree's k is its depth."""
     dc = kind.costs(target, params)
@@ -336,10 +350,7 @@ def chosen_num_draft_tokens(
         return dc.fixed_k
     if mesh_of(target) is not None:  # measuring runs unsharded programs: the unmeasured k
         return kind.default_num_draft_tokens
-    own = dc.model is target  # drafted by the target's own layers: a share of its Tq = 1 step
-    costs = measured_costs(target, None if own else dc.model, batch=batch, max_k=MAX_K)
-    if own:
-        costs = costs._replace(draft=costs.target[0])
+    costs = step_costs or draft_step_costs(target, kind, params, batch=batch)
     a = dc.prior if acceptance is None else acceptance
     calls = dc.calls
     if observed is not None and observed.seconds:

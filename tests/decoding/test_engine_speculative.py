@@ -214,6 +214,25 @@ def test_draft_length_chosen_from_costs(model, monkeypatch, prompts, refs):
     assert ks["steep"] == 0 and ks["flat"] > 1
 
 
+def test_the_k_rule_looks_the_measured_costs_up_once(model, monkeypatch, prompts, refs):
+    """However often the engine chooses k again, it looks the measured costs up once
+    (``speculative.draft_step_costs``: the lookup reads every parameter's dtype, 40 ms on
+    SmolLM2)."""
+    from decoding import speculative
+
+    calls, real = [], speculative.draft_step_costs
+    flat = tuple(1.0 + 0.01 * t for t in range(drafts.MAX_K + 1))
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: flat)
+    monkeypatch.setattr(
+        "decoding.engine.draft_step_costs", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    monkeypatch.setattr("decoding.engine.RECHOOSE_STEPS", 1)
+    eng = make_engine(model, num_draft_tokens=None)
+    rid = eng.submit(prompts[0], MAX_NEW)
+    assert eng.run_until_done()[rid] == refs[0]
+    assert eng.stats()["decode_steps"] > 2 and calls == [1]
+
+
 def test_no_draft_while_it_does_not_pay(model, monkeypatch, prompts, refs):
     """k = 0 (chosen where no k pays) runs plain decode steps, greedy output unchanged; the
     acceptance estimate keeps following the draft's first token against the tokens produced
