@@ -658,8 +658,9 @@ class PromptLookup(DraftKind):
 
 def lookup_found(tokens, min_ngram: int, max_ngram: int) -> bool:
     """Whether :func:`lookup` finds a match for one row of known ``tokens`` on the host: some
-    suffix n-gram (``min_ngram`` <= n <= ``max_ngram``) occurred earlier. The engine skips a
-    verification where no running row has one."""
+    suffix n-gram (``min_ngram`` <= n <= ``max_ngram``) occurred earlier. The engine asks its
+    per-request :class:`NgramIndex` the same (a non-empty draft) and skips a verification where
+    no running row has one."""
     return bool(lookup_draft(tokens, min_ngram, max_ngram, 1))
 
 
@@ -724,8 +725,8 @@ class NgramIndex:
 def lookup_next(tokens, min_ngram: int, max_ngram: int) -> int:
     """:func:`lookup`'s first proposed token for one row of known ``tokens``, on the host (numpy):
     the token after the latest earlier occurrence of the longest matching suffix n-gram
-    (``max_ngram`` down to ``min_ngram``), else the last token. The engine's estimate of the
-    acceptance rate while it is not drafting (k = 0)."""
+    (``max_ngram`` down to ``min_ngram``), else the last token. While it is not drafting (k = 0)
+    the engine compares this token, read from its :class:`NgramIndex`, with each row's new one."""
     first = lookup_draft(tokens, min_ngram, max_ngram, 1)
     return first[0] if first else int(np.asarray(tokens)[-1])
 
