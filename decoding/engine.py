@@ -122,6 +122,9 @@ RECHOOSE_STEPS = 16
 # few plain steps, then one in EXPLORE_EVERY: the k rule compares its own steps' costs.
 EXPLORE_STEPS = 16
 EXPLORE_EVERY = 256
+# While Medusa's k is 0 (plain steps), one decode step in PROBE_EVERY verifies one draft token
+# per row: the heads' guesses are only judged by verifying them, and the rule needs the rate.
+PROBE_EVERY = 32
 # What a request's own acceptance rate starts from: the engine's, worth this many tested tokens.
 ROW_PRIOR_WEIGHT = 4.0
 
@@ -183,8 +186,9 @@ class Engine:
         length is its own, up to k: the j tokens whose chance of being kept at the request's
         running rate, a^j, is at least a draft row's cost against a plain step's per row
         (timed at the decode batch; measured before: ``_row_caps``). A fixed k drafts k for
-        every row with a match. Medusa always drafts (k >= 1): its guesses are only seen by
-        verifying them.
+        every row with a match. With Medusa the rule may choose 0 too: decode steps then also
+        return each row's hidden state (the heads' input), and one step in ``PROBE_EVERY``
+        verifies a draft token per row so that the acceptance estimate follows the heads.
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
@@ -441,6 +445,8 @@ class Engine:
             try:
                 caps = self._row_caps()
                 ahead = self.num_draft_tokens + 1 if self.draft is not None else 1
+                if self._probe():
+                    ahead = 2
                 if caps:
                     ahead = 1 + max(caps.values(), default=0) if self.num_draft_tokens else 1
                 plan = self.scheduler.schedule(ahead)
@@ -683,7 +689,9 @@ class Engine:
         weighs a verification's cost against a plain step's as this engine runs them (real
         contexts, the lookup and acceptance around the forward), so while k >= 1 a plain step
         is timed now and then: every ``EXPLORE_STEPS`` until a few are, then every
-        ``EXPLORE_EVERY``. Its tokens are a plain step's, exact as a verification's."""
+        ``EXPLORE_EVERY``. Its tokens are a plain step's, exact as a verification's. (Medusa
+        could too, its plain steps keeping the rows' states, but on SmolLM2 timing them made
+        the engine slower at batch 1 and 8: 0.86x and 0.83x against 0.94x and 0.93x.)"""
         if not isinstance(self.draft, PromptLookup) or self._fixed_k is not None:
             return False  # only the k rule reads the times
         if plan.ahead == 1 or not plan.decode:
@@ -692,6 +700,15 @@ class Engine:
             return False  # not a verification's rows: its time would not compare
         every = EXPLORE_STEPS if self._observed.count(0) < 4 else EXPLORE_EVERY
         return self._counts["decode_steps"] % every == every // 2
+
+    def _probe(self) -> bool:
+        """Whether this step verifies one Medusa draft token per row although k is 0: every
+        ``PROBE_EVERY`` decode steps, so that the acceptance estimate follows the heads (rows
+        keep their hidden states through plain steps: ``Runner.decode``) and k can come
+        back."""
+        if not isinstance(self.draft, Medusa) or self.num_draft_tokens or self._fixed_k:
+            return False
+        return self._counts["decode_steps"] % PROBE_EVERY == PROBE_EVERY // 2
 
     def _choose_k(self) -> None:
         """k for the next verification steps (fixed, or the rule on the running estimate). The
@@ -711,8 +728,8 @@ class Engine:
                 self.runner.draft_params,
                 batch=self.max_batch,
                 acceptance=self.acceptance.rate,
-                # Medusa's guesses are only seen by verifying them: it always drafts.
-                allow_zero=isinstance(self.draft, PromptLookup),
+                # Medusa's guesses are judged by verifying them: while k is 0, by probes.
+                allow_zero=isinstance(self.draft, PromptLookup | Medusa),
                 keep=self.num_draft_tokens,
                 observed=self._observed,
                 drafting=self._drafting.rate if isinstance(self.draft, PromptLookup) else 1.0,

@@ -129,11 +129,15 @@ def decode_rows(
     sampling: SamplingParams,
     wanted,
     prefill=None,
+    states=None,
 ):
     """One token per row: last [B] fed at position lengths [B] through table [B, max_pages];
     ``kernels`` from ``decoding.packing.packed_weights`` (few-row products on CPU).
 
-    Returns ``(next tokens [B] int32, logprobs, k, v)``; seeds [B] uint32 and index [B] int32
+    Returns ``(next tokens [B] int32, logprobs, k, v)``, and with ``states`` = (hidden
+    [S, dim], slots [B] int32) also hidden with row b's hidden state at its position (what its
+    LM head read) in slot ``slots[b]`` (S or more: a padding row, dropped): Medusa's heads
+    draft from it, so a row that decoded plainly can draft at its next step. Seeds [B] uint32 and index [B] int32
     give each row's key (``row_keys``), ``sampling`` [B] its settings: row ``b`` draws alone
     (as at batch 1), a greedy row (temperature 0) takes the argmax. ``logprobs``:
     ``sampling.Logprobs`` [B] of the tokens under ``logprobs_mode`` (static), computed only
@@ -148,7 +152,13 @@ def decode_rows(
     their logits are dead code.
     """
     model = packed_model(graphdef, params, kernels)
-    if prefill is None:
+    if prefill is None and states is not None:
+        TRACES["decode"] += 1
+        _, cache, hidden = model(
+            last[:, None], cache=step_cache(k, v, lengths, table), return_hidden=True
+        )
+        logits = model.logits(hidden)
+    elif prefill is None:
         TRACES["decode"] += 1
         logits, cache = model(last[:, None], cache=step_cache(k, v, lengths, table))
     else:  # the prompt tokens are rows B.. of the same forward; the LM head is the B rows'
@@ -160,9 +170,14 @@ def decode_rows(
         _, cache, hidden = model(
             rows[0][:, None], cache=step_cache(k, v, *rows[1:]), return_hidden=True
         )
-        logits = model.logits(hidden[:B])
+        hidden = hidden[:B]
+        logits = model.logits(hidden)
     tokens = sample(logits[:, -1], row_keys(seeds, index), sampling)
     lp = token_logprobs(logits[:, -1], tokens, sampling, logprobs_mode, wanted)
+    if states is not None:
+        kept, slots = states
+        kept = kept.at[slots].set(hidden[:, -1].astype(kept.dtype), mode="drop")
+        return tokens, lp, cache.k, cache.v, kept
     return tokens, lp, cache.k, cache.v
 
 

@@ -111,7 +111,9 @@ class RunOutput(NamedTuple):
     (leading axis: token), or None when no row asked; ``verified``, whether drafts were
     verified (a plan with a draft may run a plain step: ``Runner.run``); ``seconds``, the
     wall time of the decode or verification call until its tokens were on the host (None when
-    it compiled, or without decode rows); ``found[i]``, with prompt lookup, whether row i's
+    it compiled, when prompt chunks ran before it in the same plan, or without decode rows:
+    the device runs what was queued first, so the call's time would hold theirs: at batch 8 on
+    SmolLM2 a first verification timed at 1 s where the next took 50 ms); ``found[i]``, with prompt lookup, whether row i's
     known tokens had an n-gram match before the step (``drafts.lookup_found``; None without
     it) and ``nexts[i]`` the first token its draft would propose from them (None where none
     matched); ``proposed[i]``, the draft tokens row i verified, where rows drafted apart
@@ -345,6 +347,8 @@ class Runner:
             out = self.verify(plan.decode, plan.ahead - 1, logprobs)
         else:
             out = self.decode(plan.decode, logprobs, folded=folded)  # a draft's k = 0: plain
+        if chunks:  # queued before the step, the chunks ran inside its timed call
+            out = out._replace(seconds=None)
         return out._replace(found=found, nexts=nexts)
 
     def fold(self, plan: StepPlan) -> tuple[list[Chunk], list[Chunk]]:
@@ -541,8 +545,14 @@ class Runner:
         for b, row in zip(pos, rows, strict=True):
             last[b], lengths[b] = row.req.tokens[-1], row.req.computed
         inputs = self._row_inputs(rows, self.max_pages, logprobs, B if self.compact else None)
+        states = None
+        if self.hidden is not None:  # Medusa: each row's state kept in its slot, as after a
+            slots = np.full(B, self.max_batch, np.int32)  # verification (padding: dropped)
+            for b, row in zip(pos, rows, strict=True):
+                slots[b] = row.req.row
+            states = (self.hidden, slots)
         t0, compiled = time.perf_counter(), self.compile_s
-        new, lp, self.k, self.v = self._call(
+        new, lp, self.k, self.v, *kept = self._call(
             self.decode_fn,
             self.params,
             self.kernels,
@@ -552,11 +562,16 @@ class Runner:
             lengths,
             *inputs,
             prefill,
+            states,
         )
         wanted = inputs[-1]
         new = to_host(new)  # whole on every process, also when rows span processes
         seconds = time.perf_counter() - t0 if self.compile_s == compiled else None
         self.counts["decode_steps"] += 1
+        if kept:
+            self.hidden = kept[0]
+            for row in rows:  # its state once the step's token is appended
+                self._hidden_of[row.req.row] = (row.req.rid, len(row.req.tokens) + 1)
         tokens = [[int(new[b])] for b in pos]
         if not wanted.any():  # zeros: not worth a transfer
             return RunOutput(tokens, [0] * len(rows), None, seconds=seconds)

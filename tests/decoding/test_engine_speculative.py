@@ -390,6 +390,46 @@ def test_medusa_hidden_state_is_the_rows_own(model, prompts, refs):
     assert eng.runner._hidden_of == [None] * eng.max_batch
 
 
+def test_medusa_decodes_plainly_where_no_k_pays_and_probes(model, monkeypatch, prompts, refs):
+    """Where no k pays the rule chooses k = 0 for Medusa too: plain decode steps, which keep
+    each row's hidden state in its slot (the state its LM head read, as a verification's), and
+    one step in ``PROBE_EVERY`` verifies one head token per row, so the heads are still judged
+    (these heads mostly repeat the LM head's last guess, so probes accept some) and k can come
+    back; greedy output stays ``generate``'s."""
+    import jax.numpy as jnp
+
+    from decoding import engine as engine_mod
+
+    steep = tuple(1.0 + 8.0 * t for t in range(drafts.MAX_K + 1))
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep)
+    monkeypatch.setattr(engine_mod, "PROBE_EVERY", 1 << 30)  # none yet: plain steps only
+    eng = make_engine(model, draft=medusa_draft(model), num_draft_tokens=None)
+    assert eng.num_draft_tokens == 0
+    rid = eng.submit(prompts[0], MAX_NEW)
+    req = eng.scheduler.waiting[0]
+    while len(req.tokens) < req.prompt_len + 3:
+        eng.step()
+    assert eng.stats()["draft_proposed"] == 0
+    slot, tokens = req.row, list(req.tokens)
+    assert eng.runner._hidden_of[slot] == (rid, len(tokens))
+    _, want = model(jnp.array([tokens[:-1]]), return_hidden=True)
+    np.testing.assert_allclose(eng.runner.hidden[slot], want[0, -1], rtol=1e-4, atol=1e-5)
+    assert eng.run_until_done()[rid] == refs[0]
+    monkeypatch.setattr(engine_mod, "PROBE_EVERY", 4)
+    rids = [eng.submit(p, MAX_NEW) for p in prompts]
+    out = eng.run_until_done()
+    assert [out[r] for r in rids] == refs
+    s = eng.stats()
+    assert 0 < s["draft_proposed"] < s["generated_tokens"] / 2  # probes, one token per row
+    assert s["draft_accepted"] > 0 and eng.acceptance.tested > 0
+    eng.acceptance.add(1000, 1000)  # heads seen to be always right: drafting pays again
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep[:1] * 9)
+    eng._step_costs = None
+    eng._observed = drafts.ObservedCosts()
+    eng._choose_k()
+    assert eng.num_draft_tokens > 0
+
+
 def test_a_step_without_any_match_is_a_plain_step(model):
     """Prompt lookup with no running row whose last n-gram occurred before: the step decodes one
     token per row instead of verifying filler, proposes nothing and judges nothing."""
