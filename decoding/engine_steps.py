@@ -137,8 +137,8 @@ def decode_rows(
     Returns ``(next tokens [B] int32, logprobs, k, v)``, and with ``states`` = (hidden
     [S, dim], slots [B] int32) also hidden with row b's hidden state at its position (what its
     LM head read) in slot ``slots[b]`` (S or more: a padding row, dropped): Medusa's heads
-    draft from it, so a row that decoded plainly can draft at its next step. Seeds [B] uint32 and index [B] int32
-    give each row's key (``row_keys``), ``sampling`` [B] its settings: row ``b`` draws alone
+    draft from it, so a row that decoded plainly can draft at its next step. Seeds [B] uint32
+    and index [B] int32 give each row's key (``row_keys``), ``sampling`` [B] its settings: row ``b`` draws alone
     (as at batch 1), a greedy row (temperature 0) takes the argmax. ``logprobs``:
     ``sampling.Logprobs`` [B] of the tokens under ``logprobs_mode`` (static), computed only
     when some row of ``wanted`` [B] bool asks (else zeros).

@@ -113,11 +113,11 @@ class RunOutput(NamedTuple):
     wall time of the decode or verification call until its tokens were on the host (None when
     it compiled, when prompt chunks ran before it in the same plan, or without decode rows:
     the device runs what was queued first, so the call's time would hold theirs: at batch 8 on
-    SmolLM2 a first verification timed at 1 s where the next took 50 ms); ``found[i]``, with prompt lookup, whether row i's
-    known tokens had an n-gram match before the step (``drafts.lookup_found``; None without
-    it) and ``nexts[i]`` the first token its draft would propose from them (None where none
-    matched); ``proposed[i]``, the draft tokens row i verified, where rows drafted apart
-    (``Runner.verify_ragged``; None where each verified k)."""
+    SmolLM2 a first verification timed at 1 s where the next took 50 ms); ``found[i]``, with
+    prompt lookup, whether row i's known tokens had an n-gram match before the step
+    (``drafts.lookup_found``; None without it) and ``nexts[i]`` the first token its draft would
+    propose from them (None where none matched); ``proposed[i]``, the draft tokens row i
+    verified, where rows drafted apart (``Runner.verify_ragged``; None where each verified k)."""
 
     tokens: list[list[int]]
     accepted: list[int]
