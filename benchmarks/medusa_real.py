@@ -63,7 +63,8 @@ def step_costs(target, heads, max_tq: int, *, context: int = 256, runs: int = 7)
     @jax.jit
     def draft(params, kernels, hparams, h):
         model = packed_model(graphdef, params, kernels)
-        return kind.head_logits(hparams, h, heads.num_heads, model)
+        root = jnp.zeros(h.shape[:1], jnp.int32)  # read only by heads with a root token
+        return kind.head_logits(hparams, h, heads.num_heads, model, root)
 
     costs = measure_step_costs(target, max_tq, context=context, repeats=runs)
     out = {f"target_tq{tq}_s": c for tq, c in enumerate(costs, 1)}

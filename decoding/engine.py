@@ -160,7 +160,8 @@ class Engine:
         pages grow by what the step writes and rejected positions are dropped by length.
         Medusa's heads read the row's hidden state at its last accepted position, which the
         verification returns and the runner keeps per batch slot; a row's first step (and the
-        first after a preemption moved it) drafts from zeros instead. The heads' drafts are
+        first after a preemption moved it) drafts from zeros instead; heads with a root token
+        (``MedusaHeads(root_token=True)``) also read the row's last token. The heads' drafts are
         their argmax tokens (deterministic, verified against a one-hot q: exact for sampled
         rows too, and independent of the batch). Or a draft ``models.Transformer`` (same
         vocabulary, smaller): its own page pool at the target's page ids (the same pages,

@@ -172,19 +172,27 @@ class MedusaDraft(DraftKind):
         _, _, h = ctx.target(tok, cache=cache.replace(lengths=pos), return_hidden=True)
         return h[:, 0]
 
-    def head_logits(self, params, h, k: int, target=None):
-        """h [B, dim] -> the first k heads' logits [B, k, V] float32 (shared-head heads take
-        them from ``target``'s LM head, in one k-row product per row)."""
+    def head_logits(self, params, h, k: int, target=None, root=None):
+        """h [B, dim] (and ``root`` [B], the token each h gave, for heads that read it) -> the
+        first k heads' logits [B, k, V] float32 (shared-head heads take them from ``target``'s
+        LM head, in one k-row product per row)."""
         heads = packed_model(self.graphdef, params[0], params[1])
-        return heads(h[:, None], num=k, target=target)[:, 0]
+        tokens = None if root is None else root[:, None]
+        return heads(h[:, None], num=k, target=target, tokens=tokens)[:, 0]
+
+    def _logits(self, ctx: Context, k: int):
+        """The first k heads' logits [B, k, V] at ``ctx.state``; the root each row's h gave is
+        its last known token (``ctx.seq`` at the cache's length, not yet fed)."""
+        root = jnp.take_along_axis(ctx.seq, ctx.cache.lengths[:, None], axis=1)[:, 0]
+        return self.head_logits(ctx.params, ctx.state, k, ctx.target, root)
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         if self.tree is not None:
-            logits = self.head_logits(ctx.params, ctx.state, self.tree.depth, ctx.target)
+            logits = self._logits(ctx, self.tree.depth)
             last = jnp.take_along_axis(ctx.seq, ctx.cache.lengths[:, None], axis=1)[:, 0]
             nodes = tree.node_tokens(self.tree, logits, last)[:, 1:]  # [B, N]
             return Proposal(nodes, None, ctx.state, ctx.cache, 1)
-        logits = self.head_logits(ctx.params, ctx.state, k, ctx.target)  # [B, k, V]
+        logits = self._logits(ctx, k)  # [B, k, V]
         B, _, V = logits.shape
         tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
         q = probabilities(logits, sampling)
@@ -203,7 +211,7 @@ class MedusaDraft(DraftKind):
         Deterministic, so it is verified against a one-hot q (exact for greedy and sampled rows
         alike) and a row's draft depends only on its own tokens and hidden state, never on a
         key shared with the batch."""
-        tokens = argmax(self.head_logits(ctx.params, ctx.state, k, ctx.target))
+        tokens = argmax(self._logits(ctx, k))
         if self.lookup_ngram is not None:
             n = self.lookup_ngram
             found, seen = lookup(ctx.seq, ctx.cache.lengths + 1, k, n, n, return_found=True)
@@ -257,7 +265,8 @@ def rank_accuracy(
     for prompt, new in zip(prompts, res.tokens, strict=True):
         seq = jnp.asarray([list(prompt) + list(new)], jnp.int32)
         _, h = target(seq, return_hidden=True)
-        logits = heads(h, target=target)[0]  # [T, H, V]
+        roots = jnp.pad(seq[:, 1:], ((0, 0), (0, 1)))  # x_{t+1} after h_t (the last: unused)
+        logits = heads(h, target=target, tokens=roots)[0]  # [T, H, V]
         T = seq.shape[1]
         for d in range(H):
             t = np.arange(len(prompt) - 1, T - 2 - d)  # positions with a known answer

@@ -6,7 +6,16 @@ head reads) the target predicts x_{t+1}; head i (0-based) predicts x_{t+2+i}. So
 has produced x_{t+1}, heads 0 .. k-1 draft x_{t+2} .. x_{t+1+k}.
 
 Head i: a residual SiLU layer ``r_i = h + silu(W_i h + b_i)`` (``W_i``, ``b_i`` initialised to
-zero, so an untrained head predicts what the target predicts one step earlier), then an LM head:
+zero, so an untrained head predicts what the target predicts one step earlier), then an LM head.
+
+Root token (``root_token=True``): each head also reads the embedding of x_{t+1}, the token the
+target has just produced from h_t (the draft's root, known before any head runs):
+``r_i = h + silu(W_i h + U_i e(x_{t+1}) + b_i)``, ``e`` the target's own embedding (so calls need
+``target=`` and ``tokens=``). Plain Medusa heads guess x_{t+2} without knowing x_{t+1}; Hydra
+(Ankner et al., 2024) conditions each head on the tokens before it. Conditioning every head on
+the root only keeps the heads independent of each other's guesses, so chains and token trees
+draft as before (every node of a tree shares the root), and it is the first head's largest
+missing input.
 
 * shared (``shared_head=True``, the default for a target with a tied embedding): the frozen
   target's own LM head, ``target.logits(r_i)``. A head is then only ``dim * dim + dim``
@@ -92,11 +101,31 @@ class MedusaHead(nnx.Module):
     """One head. ``residual(h)``: h [B, T, dim] -> r [B, T, dim]; ``head(h)`` (own LM head only):
     logits [B, T, V] float32."""
 
-    def __init__(self, config: TransformerConfig, *, shared_head: bool = False, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        shared_head: bool = False,
+        root_token: bool = False,
+        rngs: nnx.Rngs,
+    ):
         dt = config.jnp_dtype
         zeros = nnx.initializers.zeros
         self.res = Linear(
             config.dim, config.dim, kernel_init=zeros, dtype=dt, param_dtype=dt, rngs=rngs
+        )
+        self.root = (
+            Linear(
+                config.dim,
+                config.dim,
+                use_bias=False,
+                kernel_init=zeros,
+                dtype=dt,
+                param_dtype=dt,
+                rngs=rngs,
+            )
+            if root_token
+            else None
         )
         self.lm_head = (
             None
@@ -112,24 +141,32 @@ class MedusaHead(nnx.Module):
             )
         )
 
-    def residual(self, h):
-        return h + jax.nn.silu(self.res(h))
+    def residual(self, h, e=None):
+        """h [..., dim] (and with a root token, its embedding e [..., dim]) -> [..., dim]."""
+        z = self.res(h)
+        if self.root is not None:
+            z = z + self.root(e)
+        return h + jax.nn.silu(z)
 
-    def __call__(self, h):
+    def __call__(self, h, e=None):
         if self.lm_head is None:
             raise ValueError(
                 "a shared-head MedusaHead has no LM head: call MedusaHeads(h, target=)"
             )
-        return self.lm_head(self.residual(h)).astype(jnp.float32)
+        return self.lm_head(self.residual(h, e)).astype(jnp.float32)
 
 
 class MedusaHeads(nnx.Module):
     """``num_heads`` :class:`MedusaHead`s for a target with ``config``.
 
-    ``heads(h, num=None, target=None)``: the target's last hidden state h [B, T, dim] -> logits
-    [B, T, num, V] float32 (``num`` defaults to ``num_heads``); ``[..., i, :]`` predicts the token
-    i + 2 positions after h's own position. ``target`` (the frozen ``models.Transformer``) is
-    required when ``shared_head``: its LM head gives the logits.
+    ``heads(h, num=None, target=None, tokens=None)``: the target's last hidden state h [B, T, dim]
+    -> logits [B, T, num, V] float32 (``num`` defaults to ``num_heads``); ``[..., i, :]`` predicts
+    the token i + 2 positions after h's own position. ``target`` (the frozen
+    ``models.Transformer``) is required when ``shared_head``: its LM head gives the logits.
+
+    ``root_token`` (module doc): the heads also read the embedding of ``tokens`` [B, T] int, the
+    token after each of h's positions (x_{t+1}); calls then need ``tokens=`` and ``target=``
+    (whose embedding table gives e).
 
     ``shared_head``: None (default) shares the target's LM head when ``config.tie_embeddings``
     (a head is then its residual layer only), else each head owns a ``[dim, V]`` LM head.
@@ -146,6 +183,7 @@ class MedusaHeads(nnx.Module):
         *,
         shared_head: bool | None = None,
         vocab=None,
+        root_token: bool = False,
         rngs: nnx.Rngs,
     ):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
@@ -154,11 +192,17 @@ class MedusaHeads(nnx.Module):
             shared_head = bool(config.tie_embeddings)
         if not isinstance(shared_head, bool):
             raise TypeError(f"shared_head must be a bool or None, got {shared_head!r}")
+        if not isinstance(root_token, bool):
+            raise TypeError(f"root_token must be a bool, got {root_token!r}")
         self.config = config
         self.num_heads = num_heads
         self.shared_head = shared_head
+        self.root_token = root_token
         self.heads = nnx.List(
-            [MedusaHead(config, shared_head=shared_head, rngs=rngs) for _ in range(num_heads)]
+            [
+                MedusaHead(config, shared_head=shared_head, root_token=root_token, rngs=rngs)
+                for _ in range(num_heads)
+            ]
         )
         if vocab is None:
             self.vocab = self.vocab_head = None
@@ -181,19 +225,34 @@ class MedusaHeads(nnx.Module):
             rngs=rngs,
         )
 
-    def residuals(self, h, num: int | None = None):
-        """h [B, T, dim] -> the first ``num`` heads' residual outputs [B, T, num, dim]."""
-        return jnp.stack([head.residual(h) for head in list(self.heads)[:num]], axis=-2)
+    def residuals(self, h, num: int | None = None, e=None):
+        """h [B, T, dim] (and the root tokens' embeddings e [B, T, dim] with ``root_token``) ->
+        the first ``num`` heads' residual outputs [B, T, num, dim]."""
+        return jnp.stack([head.residual(h, e) for head in list(self.heads)[:num]], axis=-2)
 
-    def __call__(self, h, num: int | None = None, *, target=None):
+    def root_embeddings(self, tokens, target):
+        """The embeddings e [B, T, dim] the heads read for root ``tokens`` [B, T] (None without
+        ``root_token``); ValueError naming what is missing."""
+        if not self.root_token:
+            return None
+        if tokens is None or target is None:
+            raise ValueError(
+                "these Medusa heads read the root token (root_token=True): pass tokens= (the "
+                "token after each hidden state) and target= (whose embedding they read)"
+            )
+        self.check_target(target.config)
+        return target.embed(jnp.asarray(tokens, jnp.int32))
+
+    def __call__(self, h, num: int | None = None, *, target=None, tokens=None):
         """Logits [B, T, num, V] float32 of every head, or of the first ``num`` (a drafting step
         that needs only k)."""
+        e = self.root_embeddings(tokens, target)
         if not self.shared_head:
-            return jnp.stack([head(h) for head in list(self.heads)[:num]], axis=-2)
+            return jnp.stack([head(h, e) for head in list(self.heads)[:num]], axis=-2)
         if self.vocab is not None:
             if target is not None:
                 self.check_target(target.config)
-            r = self.residuals(h, num)  # [B, T, n, dim]
+            r = self.residuals(h, num, e)  # [B, T, n, dim]
             sub = self.vocab_head(r).astype(jnp.float32)  # few rows: the packed product
             c = self.config.final_softcap
             sub = c * jnp.tanh(sub / c) if c > 0 else sub
@@ -205,7 +264,7 @@ class MedusaHeads(nnx.Module):
                 "models.Transformer they were trained on)"
             )
         self.check_target(target.config)
-        r = self.residuals(h, num)  # [B, T, n, dim]
+        r = self.residuals(h, num, e)  # [B, T, n, dim]
         B, T, n, D = r.shape
         # One [B * T * n]-row product with the target's head (packed in decode steps).
         return target.logits(r.reshape(B, T * n, D)).reshape(B, T, n, -1)
@@ -261,6 +320,7 @@ def save_medusa(
     meta = dict(
         medusa_num_heads=heads.num_heads,
         shared_head=heads.shared_head,
+        root_token=heads.root_token,
         target=cfg,
         **(extra or {}),
     )
@@ -295,7 +355,12 @@ def load_medusa(path: str, config: TransformerConfig) -> MedusaHeads:
     vocab = tensors.pop("vocab", None)
     try:
         heads = MedusaHeads(
-            config, meta["medusa_num_heads"], shared_head=shared, vocab=vocab, rngs=nnx.Rngs(0)
+            config,
+            meta["medusa_num_heads"],
+            shared_head=shared,
+            vocab=vocab,
+            root_token=meta.get("root_token", False),
+            rngs=nnx.Rngs(0),
         )
     except (TypeError, ValueError) as e:  # a vocab tensor that lies
         raise ValueError(f"heads at {path}: {e}") from None

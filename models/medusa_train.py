@@ -360,9 +360,35 @@ def hidden_dataset(target, pairs, num_heads: int, *, batch: int = 8, bucket: int
     return np.concatenate(hs).astype(np.float32), np.concatenate(labels)
 
 
+def root_tokens(pairs) -> np.ndarray:
+    """The root token x_{t+1} [N] int32 of each of :func:`hidden_dataset`'s rows over ``pairs``
+    (the same row order; 0 at each sequence's last position, which has no labels)."""
+    out = []
+    for p, c in pairs:
+        s = np.asarray(list(p) + list(c), np.int32)
+        nxt = np.append(s[len(p) :], 0)  # s[t + 1] for t = len(p) - 1 .. len(s) - 1
+        out.append(nxt)
+    return np.concatenate(out).astype(np.int32)
+
+
+def root_embeddings(target, roots, *, chunk: int = 4096) -> np.ndarray:
+    """The target's embeddings [N, dim] float32 of root tokens [N] (what heads with
+    ``root_token`` read), computed in chunks."""
+    embed = jax.jit(lambda graphdef, state, t: nnx.merge(graphdef, state)(t))
+    graphdef, state = nnx.split(target.embed)
+    parts = []
+    for b in range(0, len(roots), chunk):
+        part = np.asarray(roots[b : b + chunk], np.int32)
+        pad = chunk - len(part)
+        e = embed(graphdef, state, np.pad(part, (0, pad)))
+        parts.append(np.asarray(e, np.float32)[: len(part)])
+    return np.concatenate(parts) if parts else np.zeros((0, target.config.dim), np.float32)
+
+
 def make_shared_step(graphdef, tx, softcap: float = 0.0):
-    """``step(params, opt_state, w, h, labels, ht) -> (params, opt_state, loss)``, jitted, for
-    shared-head heads: h [M, dim] cached hidden states, w [V', dim] the target's head rows over
+    """``step(params, opt_state, w, h, labels, ht, e) -> (params, opt_state, loss)``, jitted, for
+    shared-head heads: h [M, dim] cached hidden states (and e [M, dim] their root tokens'
+    embeddings, for heads with ``root_token``), w [V', dim] the target's head rows over
     the training vocabulary, labels [M, N] indices into those rows (-1: no label). The loss is
     the mean over heads of each head's cross entropy over the V' rows: against the label, or,
     with ht [M, N, dim] (the target's hidden state at t + 1 + i, whose LM head predicted the
@@ -372,9 +398,10 @@ def make_shared_step(graphdef, tx, softcap: float = 0.0):
     def cap(logits):
         return softcap * jnp.tanh(logits / softcap) if softcap > 0 else logits
 
-    def step(params, opt_state, w, h, labels, ht=None):
+    def step(params, opt_state, w, h, labels, ht=None, e=None):
         def f(p):
-            r = nnx.merge(graphdef, p).residuals(h[:, None])[:, 0]  # [M, N, dim]
+            ee = None if e is None else e[:, None]
+            r = nnx.merge(graphdef, p).residuals(h[:, None], None, ee)[:, 0]  # [M, N, dim]
             logits = cap(jnp.einsum("mnd,vd->mnv", r.astype(w.dtype), w).astype(jnp.float32))
             ok = labels >= 0
             if ht is None:
@@ -392,23 +419,30 @@ def make_shared_step(graphdef, tx, softcap: float = 0.0):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def hidden_accuracy(heads: MedusaHeads, target, h, labels, *, chunk: int = 256) -> list[float]:
+def hidden_accuracy(
+    heads: MedusaHeads, target, h, labels, roots=None, *, chunk: int = 256
+) -> list[float]:
     """Per-head top-1 accuracy [N] on cached hidden states h [M, dim] with labels [M, N] (-1
-    ignored), over the tokens the heads draft from (their draft vocabulary, else all)."""
+    ignored), over the tokens the heads draft from (their draft vocabulary, else all); ``roots``
+    [M], each row's root token (:func:`root_tokens`), for heads with ``root_token``."""
     graphdef, state = nnx.split(heads)
     t_graphdef, t_state = nnx.split(target)
+    if roots is None:
+        roots = np.zeros(len(h), np.int32)  # read only by heads with a root token
 
     @jax.jit
-    def pred(state, t_state, h):
+    def pred(state, t_state, h, r):
         heads = nnx.merge(graphdef, state)
-        return jnp.argmax(heads(h[None], target=nnx.merge(t_graphdef, t_state))[0], -1)
+        target = nnx.merge(t_graphdef, t_state)
+        return jnp.argmax(heads(h[None], target=target, tokens=r[None])[0], -1)
 
     right = np.zeros(heads.num_heads)
     total = np.zeros(heads.num_heads)
     for b in range(0, len(h), chunk):
         hb, lb = h[b : b + chunk], labels[b : b + chunk]
         pad = chunk - len(hb)
-        p = np.asarray(pred(state, t_state, np.pad(hb, ((0, pad), (0, 0)))))[: len(hb)]
+        rb = np.pad(np.asarray(roots[b : b + chunk], np.int32), (0, pad))
+        p = np.asarray(pred(state, t_state, np.pad(hb, ((0, pad), (0, 0))), rb))[: len(hb)]
         right += np.sum((p == lb) & (lb >= 0), 0)
         total += np.sum(lb >= 0, 0)
     return [float(x) for x in right / np.maximum(total, 1)]
@@ -425,6 +459,7 @@ def train_shared_heads(
     vocab: str = "data",
     draft_vocab: int | None = None,
     soft: bool = False,
+    roots=None,
     log=print,
 ):
     """Trains ``num_heads`` shared-head heads on cached hidden states h [M, dim] and labels
@@ -443,7 +478,10 @@ def train_shared_heads(
 
     ``soft``: the target's own distribution at t + 1 + i as each label (``make_shared_step``);
     h must then be :func:`hidden_dataset`'s consecutive rows (row j + 1 + i is position
-    t + 1 + i of the same sequence wherever row j has head i's label)."""
+    t + 1 + i of the same sequence wherever row j has head i's label).
+
+    ``roots``: None, or each row's root token [M] (:func:`root_tokens`): the heads then read it
+    (``MedusaHeads(root_token=True)``); ``heldout`` is then (h, labels, roots)."""
 
     labels = np.asarray(labels)[:, :num_heads]
     w_full = head_rows(target)
@@ -462,11 +500,20 @@ def train_shared_heads(
         raise ValueError(f"vocab must be 'data' or 'full', got {vocab!r}")
     # The draft vocabulary's rows stay the target's (a frozen copy): only the residual layers
     # train, so the vocabulary is attached to a second instance that shares nothing trainable.
-    heads = MedusaHeads(target.config, num_heads, shared_head=True, rngs=nnx.Rngs(tc.seed))
+    root = roots is not None
+    e = root_embeddings(target, np.asarray(roots)) if root else None
+    heads = MedusaHeads(
+        target.config, num_heads, shared_head=True, root_token=root, rngs=nnx.Rngs(tc.seed)
+    )
     drafting = heads
     if rows is not None:
         drafting = MedusaHeads(
-            target.config, num_heads, shared_head=True, vocab=rows, rngs=nnx.Rngs(tc.seed)
+            target.config,
+            num_heads,
+            shared_head=True,
+            vocab=rows,
+            root_token=root,
+            rngs=nnx.Rngs(tc.seed),
         ).init_from(target)
     graphdef, params = nnx.split(heads)
     tx = optimizer(dataclasses.replace(tc, weight_decay=0.0))
@@ -487,7 +534,8 @@ def train_shared_heads(
             if soft:
                 tidx = idx[:, None] + 1 + np.arange(num_heads)[None]  # [M, N]
                 ht = h[np.where(lab[idx] >= 0, tidx, idx[:, None])]
-            params, opt_state, loss = step_fn(params, opt_state, w, h[idx], lab[idx], ht)
+            eb = None if e is None else e[idx]
+            params, opt_state, loss = step_fn(params, opt_state, w, h[idx], lab[idx], ht, eb)
             done = i
             if first_loss is None:
                 first_loss = float(loss)  # the untrained heads' loss (computed before the update)
@@ -506,6 +554,7 @@ def train_shared_heads(
         num_heads=num_heads,
         vocab=vocab,
         soft_labels=soft,
+        root_token=root,
         vocab_rows=int(w.shape[0]),
         rows_seen=tc.steps * tc.batch,
         first_loss=first_loss,
@@ -555,6 +604,11 @@ def main(argv=None) -> int:
         "--hard-labels",
         action="store_true",
         help="train on the sampled tokens, not the target's distributions",
+    )
+    p.add_argument(
+        "--root-token",
+        action="store_true",
+        help="heads also read the embedding of the token the target just produced",
     )
     p.add_argument("--heldout", type=float, default=0.1, help="fraction of pairs held out")
     p.add_argument("--seed", type=int, default=0)
@@ -617,7 +671,10 @@ def _distill(p: argparse.ArgumentParser, args, argv, tc: TrainConfig, log) -> di
         heads=args.num_heads,
     )
     cache = _cache_dir(key)
-    if os.path.isfile(os.path.join(cache, "data.json")):  # written last
+    cached = os.path.isfile(os.path.join(cache, "data.json"))  # written last
+    if cached and args.root_token and not os.path.isfile(os.path.join(cache, "pairs.json")):
+        cached = False  # a cache from before the pairs were kept: no root tokens
+    if cached:
         log(f"hidden states from the cache {cache}")
         with open(os.path.join(cache, "data.json")) as f:
             data_meta = json.load(f)
@@ -653,13 +710,21 @@ def _distill(p: argparse.ArgumentParser, args, argv, tc: TrainConfig, log) -> di
             np.save(os.path.join(cache, "hidden.npy"), h)
             np.save(os.path.join(cache, "labels.npy"), labels)
             np.save(os.path.join(cache, "heldout.npy"), split)
+            with open(os.path.join(cache, "pairs.json"), "w") as f:
+                json.dump([[list(map(int, a)), list(map(int, c))] for a, c in pairs], f)
             with open(os.path.join(cache, "data.json"), "w") as f:
                 json.dump(data_meta, f)
         log(f"data: {data_meta} cached in {cache}")
     h = np.load(os.path.join(cache, "hidden.npy"))
     labels = np.load(os.path.join(cache, "labels.npy"))
     split = np.load(os.path.join(cache, "heldout.npy"))
-    heldout = (h[split], labels[split]) if split.any() else None
+    roots = None
+    if args.root_token:
+        with open(os.path.join(cache, "pairs.json")) as f:
+            roots = root_tokens(json.load(f))
+    heldout = None
+    if split.any():
+        heldout = (h[split], labels[split]) + (() if roots is None else (roots[split],))
     heads, summary = train_shared_heads(
         target,
         h[~split],
@@ -670,6 +735,7 @@ def _distill(p: argparse.ArgumentParser, args, argv, tc: TrainConfig, log) -> di
         vocab=args.vocab,
         draft_vocab=args.draft_vocab,
         soft=not args.hard_labels,
+        roots=None if roots is None else roots[~split],
         log=log,
     )
     command = " ".join(["python -m models.medusa_train", *(sys.argv[1:] if argv is None else argv)])

@@ -66,6 +66,8 @@ def draft_of(model, name):
         "lookup": lambda: PromptLookup(),
         "medusa": lambda: medusa_draft(model),
         "medusa+lookup": lambda: medusa_draft(model, lookup_ngram=2),
+        # heads that also read each row's root token (its last known token)
+        "medusa-root": lambda: Medusa(random_heads(model, 4, seed=3, scale=0.05, root_token=True)),
         "model": lambda: shallow(model, 1),
     }[name]()
 
@@ -115,7 +117,7 @@ def assert_clean(eng: Engine) -> None:
     assert s["pages_free"] + s["pages_cached"] == s["pages_total"]
 
 
-@pytest.mark.parametrize("draft", DRAFTS)
+@pytest.mark.parametrize("draft", [*DRAFTS, "medusa-root"])
 def test_greedy_equals_generate_alone(model, prompts, refs, draft):
     eng = make_engine(model, draft=draft_of(model, draft))
     ids = [eng.submit(p, MAX_NEW) for p in prompts]

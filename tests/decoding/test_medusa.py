@@ -17,32 +17,45 @@ from decoding.tree import cache_slots, compact_path
 from models import KVCache, MedusaHeads
 
 
-def random_heads(target, num_heads=4, seed=0, scale=0.3, shared_head=None, vocab=None):
+def random_heads(
+    target, num_heads=4, seed=0, scale=0.3, shared_head=None, vocab=None, root_token=False
+):
     """Heads initialised from the target's LM head (shared with a tied target by default),
-    their residual layers random."""
+    their residual layers random (with ``root_token``, the root token's projection too)."""
     heads = MedusaHeads(
-        target.config, num_heads, shared_head=shared_head, vocab=vocab, rngs=nnx.Rngs(seed)
+        target.config,
+        num_heads,
+        shared_head=shared_head,
+        vocab=vocab,
+        root_token=root_token,
+        rngs=nnx.Rngs(seed),
     )
     heads.init_from(target)
     for i, head in enumerate(heads.heads):
         shape = head.res.kernel.shape
         head.res.kernel.set_value(scale * jax.random.normal(jax.random.key(seed + i), shape))
+        if root_token:
+            key = jax.random.key(seed + 100 + i)
+            head.root.kernel.set_value(scale * jax.random.normal(key, shape))
     return heads
 
 
 @pytest.mark.parametrize(
-    "k, cache, shared, vocab",
+    "k, cache, shared, vocab, root",
     [
-        (4, "paged", True, None),
-        (3, "paged", True, range(0, 264, 3)),  # a draft vocabulary: a third of the tokens
-        pytest.param(3, "paged", False, None, marks=pytest.mark.slow),
-        pytest.param(2, "contiguous", True, None, marks=pytest.mark.slow),
+        (4, "paged", True, None, False),
+        (3, "paged", True, range(0, 264, 3), False),  # a draft vocabulary: a third of the tokens
+        (3, "paged", True, range(0, 264, 3), True),  # heads that read the root token
+        pytest.param(3, "paged", False, None, True, marks=pytest.mark.slow),
+        pytest.param(3, "paged", False, None, False, marks=pytest.mark.slow),
+        pytest.param(2, "contiguous", True, None, False, marks=pytest.mark.slow),
     ],
 )
-def test_chain_greedy_equals_generate(tiny_model, reference, k, cache, shared, vocab):  # noqa: F811
+def test_chain_greedy_equals_generate(tiny_model, reference, k, cache, shared, vocab, root):  # noqa: F811
     eos, want = reference
     vocab = None if vocab is None else list(vocab)
-    draft = Medusa(random_heads(tiny_model, shared_head=shared, vocab=vocab))
+    heads = random_heads(tiny_model, shared_head=shared, vocab=vocab, root_token=root)
+    draft = Medusa(heads)
     res = speculative_generate(
         tiny_model,
         draft,
@@ -64,6 +77,34 @@ def small_target():
 
 def test_chain_sampling_is_exact_t1(small_target):
     check_exact(small_target, Medusa(random_heads(small_target, 3, seed=5, scale=1.0)), 3, T1)
+
+
+def test_root_token_chain_sampling_is_exact_t1(small_target):
+    heads = random_heads(small_target, 3, seed=5, scale=1.0, root_token=True)
+    check_exact(small_target, Medusa(heads), 3, T1)
+
+
+def test_root_token_heads_draft_from_the_last_known_token(tiny_model):
+    """A root-token chain reads each row's last known token (``seq`` at the cache's length),
+    the x_{t+1} its hidden state gave: its draft is the heads' argmax with those tokens, and
+    another root changes it."""
+    from decoding.drafts import Context
+
+    heads = random_heads(tiny_model, 3, scale=1.0, root_token=True)
+    kind, params = Medusa(heads).split()
+    B, V = 4, tiny_model.config.vocab_size
+    h = jax.random.normal(jax.random.key(1), (B, tiny_model.config.dim))
+    seq = jax.random.randint(jax.random.key(2), (B, 12), 0, V)
+    lengths = jnp.asarray([3, 5, 0, 11])
+    cache = KVCache(k=None, v=None, lengths=lengths)
+    drafted = kind.greedy_chain(Context(tiny_model, cache, seq, params, h), 3)
+    root = seq[jnp.arange(B), lengths]
+    want = jnp.argmax(heads(h[:, None], target=tiny_model, tokens=root[:, None])[:, 0], -1)
+    np.testing.assert_array_equal(drafted, want)
+    other = jnp.argmax(heads(h[:, None], target=tiny_model, tokens=(root + 1)[:, None]), -1)
+    assert (np.asarray(other[:, 0]) != np.asarray(want)).any()
+    with pytest.raises(ValueError, match="tokens="):
+        heads(h[:, None], target=tiny_model)
 
 
 def test_chain_sampling_with_a_draft_vocabulary_is_exact_t1(small_target):
@@ -109,7 +150,7 @@ def test_bad_arguments(tiny_model):
 @pytest.mark.parametrize("cache", ["paged", pytest.param("contiguous", marks=pytest.mark.slow)])
 def test_tree_greedy_equals_generate(tiny_model, reference, cache):  # noqa: F811
     eos, want = reference
-    heads = random_heads(tiny_model, 3, scale=0.05)
+    heads = random_heads(tiny_model, 3, scale=0.05, root_token=cache == "paged")
     draft = Medusa(heads, tree=TreeSpec.default(3))
     res = speculative_generate(
         tiny_model, draft, PROMPTS, max_new_tokens=NEW, eos_id=eos, cache=cache

@@ -240,3 +240,35 @@ def test_shipped_heads_load():
     assert isinstance(heads, MedusaHeads) and heads.config.dim == target.config.dim
     summary = json.loads((shipped_path("code-target-medusa") / "training.json").read_text())
     assert len(summary["heldout_head_top1"]) == heads.num_heads
+
+
+def test_root_token_heads_read_the_token_and_round_trip(tmp_path):
+    """Heads with ``root_token`` add U e(x_{t+1}) inside the residual: untrained (U = 0) they are
+    the plain heads; trained, the root changes their logits; calls without the tokens or the
+    target are refused; checkpoints keep the flag and U."""
+    target = _tiny()
+    plain = _randomize(MedusaHeads(target.config, 2, rngs=nnx.Rngs(0)))
+    heads = _randomize(MedusaHeads(target.config, 2, root_token=True, rngs=nnx.Rngs(0)))
+    _, h = target(jnp.asarray([[5, 6, 7]]), return_hidden=True)
+    tokens = jnp.asarray([[6, 7, 9]])
+    np.testing.assert_array_equal(heads(h, target=target, tokens=tokens), plain(h, target=target))
+    for i, head in enumerate(heads.heads):
+        key = jax.random.key(50 + i)
+        head.root.kernel.set_value(0.5 * jax.random.normal(key, head.root.kernel.shape))
+    out = heads(h, target=target, tokens=tokens)
+    assert not np.allclose(out, heads(h, target=target, tokens=tokens + 1))
+    # the same as the residual layer written out with the target's own embedding
+    e = target.embed(tokens)
+    head = heads.heads[0]
+    r = h + jax.nn.silu(h @ head.res.kernel[...] + head.res.bias[...] + e @ head.root.kernel[...])
+    np.testing.assert_allclose(out[:, :, 0], target.logits(r), rtol=1e-5, atol=1e-5)
+    for kw in (dict(target=target), dict(tokens=tokens)):
+        with pytest.raises(ValueError, match="root_token"):
+            heads(h, **kw)
+    with pytest.raises(TypeError, match="root_token"):
+        MedusaHeads(target.config, 2, root_token=1, rngs=nnx.Rngs(0))
+    save_medusa(heads, str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["root_token"] is True
+    again = load_medusa(str(tmp_path), target.config)
+    assert again.root_token
+    np.testing.assert_array_equal(again(h, target=target, tokens=tokens), out)
