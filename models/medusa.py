@@ -44,6 +44,7 @@ tensor's name and shape.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -111,22 +112,11 @@ class MedusaHead(nnx.Module):
     ):
         dt = config.jnp_dtype
         zeros = nnx.initializers.zeros
-        self.res = Linear(
-            config.dim, config.dim, kernel_init=zeros, dtype=dt, param_dtype=dt, rngs=rngs
+        square = functools.partial(
+            Linear, config.dim, config.dim, kernel_init=zeros, dtype=dt, param_dtype=dt, rngs=rngs
         )
-        self.root = (
-            Linear(
-                config.dim,
-                config.dim,
-                use_bias=False,
-                kernel_init=zeros,
-                dtype=dt,
-                param_dtype=dt,
-                rngs=rngs,
-            )
-            if root_token
-            else None
-        )
+        self.res = square()
+        self.root = square(use_bias=False) if root_token else None
         self.lm_head = (
             None
             if shared_head

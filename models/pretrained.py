@@ -151,7 +151,8 @@ def pretrained(
     frozen code-target (``models.medusa_train``), in ``dtype``. For
     "smollm2-135m-instruct-medusa", shared-head Medusa heads self-distilled on
     SmolLM2-135M-Instruct (``python -m models.medusa_train``; they read the target's LM head:
-    pass the target to ``decoding.Medusa``'s generation, ``heads(h, target=model)``).
+    pass the target to ``decoding.Medusa``'s generation; they also read the root token,
+    ``heads(h, target=model, tokens=next_tokens)``).
     """
     if name in SHIPPED_MEDUSA:
         dtype = jnp.float32 if dtype is None else dtype
