@@ -176,3 +176,36 @@ def test_root_token_heads_learn_what_the_sampled_token_decides():
     a_plain = hidden_accuracy(plain, target, h, labels, chunk=len(h))
     a_root = hidden_accuracy(rooted, target, h, labels, roots, chunk=len(h))
     assert a_root[0] > a_plain[0] + 0.1, (a_plain, a_root)
+
+
+def test_cli_root_token_heads_from_generated_then_cached_data(tmp_path, monkeypatch):
+    """``python -m models.medusa_train --root-token`` on a stand-in target: the first run
+    generates and caches the data (with the continuations' tokens), the second reads the cache;
+    both save heads that read the root token, and a cache without the tokens is remade."""
+    import json
+
+    from models import medusa_train
+    from models.medusa import load_medusa
+
+    target = _tiny(0, num_layers=1)
+    tokens = _ChatTokens()
+    tokens.chat_template = "stand-in"
+    monkeypatch.setattr(medusa_train, "pretrained", lambda name: (target, tokens))
+    monkeypatch.setattr(medusa_train, "_cache_dir", lambda key: str(tmp_path / "cache"))
+    argv = ["--target", "code-target", "--prompts", "10", "--gen-batch", "10"]  # 1 held out
+    argv += ["--max-new-tokens", "8", "--steps", "4", "--batch", "16", "--root-token"]
+    logs = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: logs.append(" ".join(map(str, a))))
+    for run in ("generated", "cached", "remade"):
+        if run == "remade":
+            (tmp_path / "cache" / "pairs.json").unlink()  # a cache from before the tokens
+        logs.clear()
+        out = str(tmp_path / run)
+        assert medusa_train.main([*argv, "--out", out]) == 0
+        assert any("from the cache" in line for line in logs) == (run == "cached"), logs
+        heads = load_medusa(out, target.config)
+        assert heads.root_token
+        summary = json.loads((tmp_path / run / "training.json").read_text())
+        assert summary["root_token"] and "--root-token" in summary["command"]
+        assert len(summary["heldout_head_top1"]) == 4  # scored with the held-out rows' roots
+    assert (tmp_path / "cache" / "pairs.json").exists()
