@@ -237,6 +237,7 @@ def speculation(args) -> None:
                 spec_latency_s=spec_lat,
                 latency_x=plain_lat / spec_lat,
                 k=st["num_draft_tokens"],
+                heads_k=st["heads_draft_tokens"],  # Medusa + lookup: k where no n-gram matched
                 acceptance=st["draft_accepted"] / max(st["draft_proposed"], 1),
                 new_tokens=useful,
                 identical=all(p[0] == plain_tok for p in passes["plain"] + passes[name]),

@@ -87,6 +87,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import functools
 import time
 
 import jax
@@ -190,6 +191,12 @@ class Engine:
         every row with a match. With Medusa the rule may choose 0 too: decode steps then also
         return each row's hidden state (the heads' input), and one step in ``PROBE_EVERY``
         verifies a draft token per row so that the acceptance estimate follows the heads.
+        ``Medusa(heads, lookup_ngram=n)`` keeps a k per source, each chosen on its own
+        running acceptance: ``num_draft_tokens`` for steps where some row's n-gram matched
+        (those rows draft the lookup's continuation, the others the heads' tokens) and
+        ``heads_draft_tokens`` for steps where none did (the heads alone); which one a step
+        verifies is read from the rows' tokens before it (``drafts.NgramIndex``). A fixed k
+        serves both.
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
@@ -279,15 +286,26 @@ class Engine:
             counts=self._counts,
             replay_tokens=self.runner.replay_tokens,
         )
+        # Medusa with lookup_ngram: a step where no row's n-gram matched verifies the heads'
+        # drafts alone, at their own k (heads_draft_tokens) from their own acceptance.
+        self.heads_draft_tokens = k
+        self._heads_acceptance = None
         if draft is not None:
             kind, params = self.runner.draft, self.runner.draft_params
             kind.check(model, k or 1)  # Medusa: the heads' shapes, k <= num_heads
-            self.acceptance = AcceptanceEstimate(kind.costs(model, params).prior)
+            prior = kind.costs(model, params).prior
+            self.acceptance = AcceptanceEstimate(prior)
+            if isinstance(draft, Medusa) and draft.lookup_ngram is not None:
+                self._heads_acceptance = AcceptanceEstimate(prior)
             # The steps' own costs and, for prompt lookup, the share of rows with a match:
-            # what the k rule weighs (_choose_k).
+            # what the k rule weighs (_choose_k). The measured costs are looked up once, when
+            # the rule first weighs them (``speculative.draft_step_costs``: the lookup alone
+            # cost 40 ms, 7% of a batch-8 pass when it ran every ``RECHOOSE_STEPS``).
             self._observed = ObservedCosts()
             self._drafting = AcceptanceEstimate(1.0)
-            self._step_costs = None  # the measured costs the k rule weighs, once looked up
+            self._step_costs = functools.cache(
+                functools.partial(draft_step_costs, model, kind, params, batch=self.max_batch)
+            )
             self._choose_k()
         # Ragged prompt lookup with k chosen: each row's draft length from its own acceptance
         # (_row_caps): a drafted token pays where the chance it is kept exceeds what a row of
@@ -444,15 +462,17 @@ class Engine:
             # handing a row's tokens out can be redone after an exception (see below).
             events, logprobs, lengths = dict(self._events), dict(self._step_logprobs), None
             try:
-                caps = self._row_caps()
+                caps, ks = self._row_caps(), self._source_ks()
                 ahead = self.num_draft_tokens + 1 if self.draft is not None else 1
-                if self._probe():
+                if ks is not None:
+                    ahead = 1 + max(ks)
+                elif self._probe():
                     ahead = 2
                 if caps:
                     ahead = 1 + max(caps.values(), default=0) if self.num_draft_tokens else 1
                 plan = self.scheduler.schedule(ahead)
                 out = self.runner.run(
-                    plan, set(self._num_logprobs), plain=self._explore(plan), caps=caps
+                    plan, set(self._num_logprobs), plain=self._explore(plan), caps=caps, ks=ks
                 )
                 lengths = [len(row.req.tokens) for row in plan.decode]
                 self.scheduler.postprocess(plan, out.tokens)
@@ -592,7 +612,7 @@ class Engine:
         verifications chooses k again."""
         if not plan.decode or self.draft is None:
             return
-        k = plan.ahead - 1
+        k = plan.ahead - 1  # the k in use (prompt lookup); out.k, the step's verified drafts
         # A step's cost where it computed the rows a verification does (max_batch of them): a
         # plain step (k = 0 chosen, or nothing to propose) or a verification of k. Not a ragged
         # one: its rows drafted what they had (and their own lengths), fewer than k each, so
@@ -603,7 +623,7 @@ class Engine:
             out.verified or self.runner.decode_batch(len(plan.decode)) == self.max_batch
         )
         if out.seconds is not None and full:
-            self._observed.observe(k if out.verified else 0, out.seconds)
+            self._observed.observe(out.k, out.seconds)
         if out.seconds is not None and self._row_threshold is not None:
             self._row_costs(plan, out)
         if isinstance(self.draft, PromptLookup):
@@ -612,7 +632,7 @@ class Engine:
             # Not drafting: would the draft's first token have been this step's token? Only
             # where some row had a match: a step where none has is never verified.
             # A row with a match that drafted nothing (cap 0): its own rate follows the same.
-            drafted = out.proposed or [k if out.verified else 0] * len(plan.decode)
+            drafted = out.proposed or [out.k] * len(plan.decode)
             for row, n, f, m, first in zip(
                 plan.decode, lengths, found, drafted, out.nexts, strict=True
             ):
@@ -622,13 +642,16 @@ class Engine:
                         self.acceptance.update(hit, 1)
                     if self._row_threshold is not None:
                         self._row_rate(row.req.rid).update(hit, 1)
-        proposed = out.proposed or [k] * len(out.accepted)
+        proposed = out.proposed or [out.k] * len(out.accepted)
         pairs = zip(plan.decode, out.accepted, proposed, strict=True) if out.verified else ()
+        estimate = self.acceptance
+        if self._heads_acceptance is not None and not any(out.found):
+            estimate = self._heads_acceptance  # the heads' drafts alone
         for row, n, m in pairs:
             if m:  # a ragged verification's rows without a draft proposed nothing
                 self._counts["draft_accepted"] += n
                 self._counts["draft_proposed"] += m
-                self.acceptance.update(n, m)
+                estimate.update(n, m)
                 if self._row_threshold is not None:
                     self._row_rate(row.req.rid).update(n, m)
         if self._counts["decode_steps"] % RECHOOSE_STEPS == 0:
@@ -703,39 +726,54 @@ class Engine:
         return self._counts["decode_steps"] % every == every // 2
 
     def _probe(self) -> bool:
-        """Whether this step verifies one Medusa draft token per row although k is 0: every
-        ``PROBE_EVERY`` decode steps, so that the acceptance estimate follows the heads (rows
-        keep their hidden states through plain steps: ``Runner.decode``) and k can come
-        back."""
-        if not isinstance(self.draft, Medusa) or self.num_draft_tokens or self._fixed_k:
+        """Whether this step verifies one Medusa draft token per row although k is 0 (with
+        ``lookup_ngram``, either source's): every ``PROBE_EVERY`` decode steps, so that the
+        acceptance estimate follows the heads (rows keep their hidden states through plain
+        steps: ``Runner.decode``) and k can come back."""
+        if not isinstance(self.draft, Medusa) or self._fixed_k:
+            return False
+        if self.num_draft_tokens and (self._heads_acceptance is None or self.heads_draft_tokens):
             return False
         return self._counts["decode_steps"] % PROBE_EVERY == PROBE_EVERY // 2
 
+    def _source_ks(self) -> tuple[int, int] | None:
+        """Medusa with ``lookup_ngram``: (k of a step where some row's n-gram matched, k of
+        one where none did, whose rows all draft with the heads), each at least 1 in a probe
+        step (``_probe``); None for other drafts. Copying rows keep most of a long lookup
+        draft, the heads' open-chat guesses one token in four, so one k for both would pay a
+        long verification for the heads' guesses or cut the lookup's (on SmolLM2 at batch 1
+        one k chose 4 and ran at 1.25x, lookup alone at 1.38x)."""
+        if self._heads_acceptance is None:
+            return None
+        ks = (self.num_draft_tokens, self.heads_draft_tokens)
+        return tuple(max(k, 1) for k in ks) if self._probe() else ks
+
     def _choose_k(self) -> None:
-        """k for the next verification steps (fixed, or the rule on the running estimate). The
-        measured costs are looked up once (``speculative.draft_step_costs``: the lookup alone
-        cost 40 ms, 7% of a batch-8 pass when it ran every ``RECHOOSE_STEPS``)."""
-        if self._fixed_k is None:
-            kind, params = self.runner.draft, self.runner.draft_params
-            if (
-                self._step_costs is None
-                and mesh_of(self._model) is None
-                and kind.costs(self._model, params).fixed_k is None
-            ):
-                self._step_costs = draft_step_costs(self._model, kind, params, batch=self.max_batch)
-            self.num_draft_tokens = chosen_num_draft_tokens(
+        """k for the next verification steps (fixed, or the rule on the running estimate; with
+        ``Medusa(heads, lookup_ngram=n)`` one k per source, each on its own estimate: the
+        steps cost the same, what they keep differs)."""
+        if self._fixed_k is not None:
+            return
+        lookup = isinstance(self.draft, PromptLookup)
+
+        def chosen(estimate: AcceptanceEstimate, keep: int | None) -> int:
+            return chosen_num_draft_tokens(
                 self._model,
                 self.runner.draft,
                 self.runner.draft_params,
                 batch=self.max_batch,
-                acceptance=self.acceptance.rate,
+                acceptance=estimate.rate,
                 # Medusa's guesses are judged by verifying them: while k is 0, by probes.
                 allow_zero=isinstance(self.draft, PromptLookup | Medusa),
-                keep=self.num_draft_tokens,
+                keep=keep,
                 observed=self._observed,
-                drafting=self._drafting.rate if isinstance(self.draft, PromptLookup) else 1.0,
+                drafting=self._drafting.rate if lookup else 1.0,
                 step_costs=self._step_costs,
             )
+
+        self.num_draft_tokens = chosen(self.acceptance, self.num_draft_tokens)
+        if self._heads_acceptance is not None:
+            self.heads_draft_tokens = chosen(self._heads_acceptance, self.heads_draft_tokens)
 
     # ----------------------------------------------------------------------------- stats
 
@@ -788,6 +826,9 @@ class Engine:
             compile_s=self.runner.compile_s,
             tokens_per_s=c["generated_tokens"] / run_s if run_s > 0 else 0.0,
             num_draft_tokens=self.num_draft_tokens,
+            heads_draft_tokens=(
+                self.heads_draft_tokens if self._heads_acceptance is not None else None
+            ),
             draft_accepted=c["draft_accepted"],
             draft_proposed=c["draft_proposed"],
             pool_layers=len(self.pool_layers),

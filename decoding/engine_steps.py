@@ -152,21 +152,15 @@ def decode_rows(
     their logits are dead code.
     """
     model = packed_model(graphdef, params, kernels)
-    if prefill is None and states is not None:
-        TRACES["decode"] += 1
-        _, cache, hidden = model(
-            last[:, None], cache=step_cache(k, v, lengths, table), return_hidden=True
-        )
-        logits = model.logits(hidden)
-    elif prefill is None:
+    if prefill is None and states is None:
         TRACES["decode"] += 1
         logits, cache = model(last[:, None], cache=step_cache(k, v, lengths, table))
-    else:  # the prompt tokens are rows B.. of the same forward; the LM head is the B rows'
-        TRACES["mixed"] += 1
+    else:  # the hidden states wanted, or the prompt tokens as rows B.. of the same forward:
+        TRACES["decode" if prefill is None else "mixed"] += 1  # the LM head is the B rows'
         B = last.shape[0]
-        rows = [
-            jnp.concatenate([a, b]) for a, b in zip((last, lengths, table), prefill, strict=True)
-        ]
+        rows = (last, lengths, table)
+        if prefill is not None:
+            rows = [jnp.concatenate([a, b]) for a, b in zip(rows, prefill, strict=True)]
         _, cache, hidden = model(
             rows[0][:, None], cache=step_cache(k, v, *rows[1:]), return_hidden=True
         )

@@ -117,7 +117,9 @@ class RunOutput(NamedTuple):
     prompt lookup, whether row i's known tokens had an n-gram match before the step
     (``drafts.lookup_found``; None without it) and ``nexts[i]`` the first token its draft would
     propose from them (None where none matched); ``proposed[i]``, the draft tokens row i
-    verified, where rows drafted apart (``Runner.verify_ragged``; None where each verified k)."""
+    verified, where rows drafted apart (``Runner.verify_ragged``; None where each verified k);
+    ``k``, the draft tokens each row verified (0: a plain step; a ragged verification's most).
+    ``found`` and ``nexts`` also come with ``Medusa(heads, lookup_ngram=n)``'s n-gram."""
 
     tokens: list[list[int]]
     accepted: list[int]
@@ -127,6 +129,7 @@ class RunOutput(NamedTuple):
     found: list[bool] | None = None
     proposed: list[int] | None = None
     nexts: list[int | None] | None = None
+    k: int = 0
 
 
 class Runner:
@@ -318,24 +321,30 @@ class Runner:
         logprobs: set[int] = frozenset(),
         plain: bool = False,
         caps: dict[int, int] | None = None,
+        ks: tuple[int, int] | None = None,
     ) -> RunOutput:
         """Executes ``plan``: its page copies, its prefill chunks, then one decode (or
-        verification of ``plan.ahead - 1`` drafts, unless ``plain``) step for its decode rows;
-        logprobs are computed for the rows of the request ids in ``logprobs``. ``caps``: a
-        ragged verification's most draft tokens per request id (default ``plan.ahead - 1``)."""
+        verification of k = ``plan.ahead - 1`` drafts, unless ``plain``) step for its decode
+        rows; logprobs are computed for the rows of the request ids in ``logprobs``. ``caps``:
+        a ragged verification's most draft tokens per request id (default k). ``ks``, with
+        ``Medusa(heads, lookup_ngram=n)``: k where some row's n-gram matched, k where none
+        did (each at most ``plan.ahead - 1``; 0: a plain step)."""
         self.copy(plan.copies)
         nexts = self._lookup_nexts(plan.decode)
         found = None if nexts is None else [t is not None for t in nexts]
+        k = plan.ahead - 1
+        if ks is not None and found is not None:
+            k = ks[0] if any(found) else ks[1]
         verify = (
             self.draft is not None
-            and plan.ahead > 1
+            and k > 0
             and not plain
             and bool(plan.decode)
-            and (found is None or any(found))
+            and (not isinstance(self.draft, PromptLookup) or any(found))
         )
         drafts = None
         if verify and self.ragged:
-            drafts = self.lookup_drafts(plan.decode, plan.ahead - 1, caps)
+            drafts = self.lookup_drafts(plan.decode, k, caps)
             verify = any(drafts)  # a match may have no room left before the rows' ends
         folded, chunks = ([], list(plan.prefill)) if verify else self.fold(plan)
         self.prefill_chunks(chunks)
@@ -344,12 +353,12 @@ class Runner:
         if verify and drafts is not None:
             out = self.verify_ragged(plan.decode, drafts, logprobs)
         elif verify:
-            out = self.verify(plan.decode, plan.ahead - 1, logprobs)
+            out = self.verify(plan.decode, k, logprobs)
         else:
             out = self.decode(plan.decode, logprobs, folded=folded)  # a draft's k = 0: plain
         if chunks:  # queued before the step, the chunks ran inside its timed call
             out = out._replace(seconds=None)
-        return out._replace(found=found, nexts=nexts)
+        return out._replace(found=found, nexts=nexts, k=k if out.verified else 0)
 
     def fold(self, plan: StepPlan) -> tuple[list[Chunk], list[Chunk]]:
         """(chunks computed inside the plan's decode step, the rest, run before it by
@@ -396,16 +405,21 @@ class Runner:
         """``req``'s prompt-lookup index (``drafts.NgramIndex``), kept with the request: its
         tokens only grow, so each step indexes the new ones alone."""
         if req.lookup is None:
-            req.lookup = NgramIndex(self.draft.min_ngram, self.draft.max_ngram)
+            if isinstance(self.draft, PromptLookup):
+                req.lookup = NgramIndex(self.draft.min_ngram, self.draft.max_ngram)
+            else:  # Medusa's lookup_ngram n: drafts.lookup's rule at n .. n
+                req.lookup = NgramIndex(self.draft.lookup_ngram, self.draft.lookup_ngram)
         return req.lookup
 
     def _lookup_nexts(self, rows: tuple[DecodeRow, ...]) -> list[int | None] | None:
-        """With prompt lookup, each row's first draft token from its known tokens, None where
-        no suffix n-gram occurred before (``drafts.lookup_found``); None without prompt
-        lookup. Where no row has a match the drafts would be filler, so a plain step (one
-        token per row) does the same for less; the engine counts the rows that draft from
-        these and, while they do not, whether the first token would have been kept."""
-        if not isinstance(self.draft, PromptLookup) or not rows:
+        """With prompt lookup (or Medusa's ``lookup_ngram``), each row's first draft token from
+        its known tokens, None where no suffix n-gram occurred before (``drafts.lookup_found``);
+        None without a lookup. Where no row has a match prompt lookup's drafts would be
+        filler, so a plain step (one token per row) does the same for less; the engine counts
+        the rows that draft from these and, while they do not, whether the first token would
+        have been kept. Medusa's heads draft there instead, at their own k (``run``'s ``ks``)."""
+        medusa = isinstance(self.draft, MedusaDraft) and self.draft.lookup_ngram is not None
+        if not (isinstance(self.draft, PromptLookup) or medusa) or not rows:
             return None
         firsts = [self._index(row.req).draft(row.req.tokens, 1) for row in rows]
         return [f[0] if f else None for f in firsts]

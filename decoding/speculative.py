@@ -19,6 +19,7 @@ stats. The loop reaches the draft only through ``decoding.drafts.DraftKind``'s m
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -335,11 +336,12 @@ def chosen_num_draft_tokens(
     keep: int | None = None,
     observed: ObservedCosts | None = None,
     drafting: float = 1.0,
-    step_costs: StepCosts | None = None,
+    step_costs: StepCosts | Callable[[], StepCosts] | None = None,
 ):
     """k for ``num_draft_tokens=None``: :func:`drafts.choose_num_draft_tokens` on the target's
     (and a model draft's) measured step costs at ``batch`` rows (:func:`draft_step_costs`, or
-    ``step_costs`` where the caller kept them), with the caller's own step times in their place
+    ``step_costs`` where the caller keeps them: the costs, or a callable giving them, called
+    only where they are weighed), with the caller's own step times in their place
     where it has them (``observed``, :class:`drafts.ObservedCosts`), and ``acceptance``
     (default the kind's prior), with the kind's :class:`drafts.DraftCosts`; 0 (do not draft)
     only with ``allow_zero``; ``keep``, the k in use, stays unless another is clearly faster
@@ -350,7 +352,10 @@ def chosen_num_draft_tokens(
         return dc.fixed_k
     if mesh_of(target) is not None:  # measuring runs unsharded programs: the unmeasured k
         return kind.default_num_draft_tokens
-    costs = step_costs or draft_step_costs(target, kind, params, batch=batch)
+    if step_costs is None:
+        costs = draft_step_costs(target, kind, params, batch=batch)
+    else:
+        costs = step_costs() if callable(step_costs) else step_costs
     a = dc.prior if acceptance is None else acceptance
     calls = dc.calls
     if observed is not None and observed.seconds:

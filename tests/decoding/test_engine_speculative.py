@@ -426,10 +426,55 @@ def test_medusa_decodes_plainly_where_no_k_pays_and_probes(model, monkeypatch, p
     assert s["draft_accepted"] > 0 and eng.acceptance.tested > 0
     eng.acceptance.add(1000, 1000)  # heads seen to be always right: drafting pays again
     monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep[:1] * 9)
-    eng._step_costs = None
+    eng._step_costs.cache_clear()
     eng._observed = drafts.ObservedCosts()
     eng._choose_k()
     assert eng.num_draft_tokens > 0
+
+
+def test_medusa_with_lookup_keeps_a_k_per_source(model, monkeypatch, prompts, refs):
+    """``Medusa(heads, lookup_ngram=n)``: a step where some row's n-gram matched verifies
+    ``num_draft_tokens``, one where none did ``heads_draft_tokens``, each chosen on its own
+    source's running acceptance; with the heads judged useless and the lookup sure, steps
+    without a match decode plainly (but for probes, which judge the heads alone) while those
+    with one draft long, and every greedy output stays ``generate``'s."""
+    from decoding import engine as engine_mod
+
+    costs = tuple(1.0 + 0.1 * t for t in range(drafts.MAX_K + 1))
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: costs)
+    monkeypatch.setattr(engine_mod, "PROBE_EVERY", 4)
+    eng = make_engine(model, draft=medusa_draft(model, lookup_ngram=2), num_draft_tokens=None)
+    eng.acceptance.add(1000, 1000)
+    eng._heads_acceptance.add(0, 1000)
+    eng._choose_k()
+    k_found, k_none = eng.num_draft_tokens, eng.heads_draft_tokens
+    assert k_found == 4 and k_none == 0 and eng.stats()["heads_draft_tokens"] == 0
+    steps, run = [], eng.runner.run
+
+    def recorded(plan, *args, **kwargs):
+        out = run(plan, *args, **kwargs)
+        if plan.decode:
+            steps.append((any(out.found), out.k, kwargs["ks"]))
+        return out
+
+    monkeypatch.setattr(eng.runner, "run", recorded)
+    monkeypatch.setattr(engine_mod, "RECHOOSE_STEPS", 1 << 30)  # the ks stay as set
+    judged = {"lookup": [], "heads": []}  # (accepted, proposed) each estimate was given
+    for name, est in (("lookup", eng.acceptance), ("heads", eng._heads_acceptance)):
+        monkeypatch.setattr(est, "update", lambda n, m, j=judged[name]: j.append(m))
+    for p, ref in zip(prompts, refs, strict=True):  # alone: more steps without any match
+        rid = eng.submit(p, MAX_NEW)
+        assert eng.run_until_done()[rid] == ref
+    for found, k, ks in steps:
+        assert k == (ks[0] if found else ks[1])
+    assert {k for found, k, _ in steps if found} == {k_found}
+    assert {k for found, k, _ in steps if not found} == {0, 1}  # plain steps, and probes
+    # each verified row judged its step's source: the probes' one head token, the lookup's k
+    probes = sum(1 for found, k, _ in steps if not found and k)
+    assert judged["heads"] == [1] * probes and set(judged["lookup"]) == {k_found}
+    fixed = make_engine(model, draft=medusa_draft(model, lookup_ngram=2), num_draft_tokens=2)
+    assert (fixed.num_draft_tokens, fixed.heads_draft_tokens) == (2, 2)
+    assert make_engine(model, draft=medusa_draft(model)).stats()["heads_draft_tokens"] is None
 
 
 def test_a_step_without_any_match_is_a_plain_step(model):
