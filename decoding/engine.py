@@ -195,8 +195,10 @@ class Engine:
         running acceptance: ``num_draft_tokens`` for steps where some row's n-gram matched
         (those rows draft the lookup's continuation, the others the heads' tokens) and
         ``heads_draft_tokens`` for steps where none did (the heads alone); which one a step
-        verifies is read from the rows' tokens before it (``drafts.NgramIndex``). A fixed k
-        serves both.
+        verifies is read from the rows' tokens before it (``drafts.NgramIndex``). The
+        lookup's k goes up to ``drafts.MAX_K`` (rows without a match then draft past the last
+        head), the heads' to ``num_heads``. A fixed k serves both (the heads' at most
+        ``num_heads``).
       logprobs_mode: what ``submit(logprobs=n)`` reports: ``"raw"`` (default: the model's
         distribution, as vLLM's default and OpenAI's API) or ``"processed"`` (the tempered,
         filtered distribution the token was drawn from); ``sampling.token_logprobs``.
@@ -290,6 +292,8 @@ class Engine:
         # drafts alone, at their own k (heads_draft_tokens) from their own acceptance.
         self.heads_draft_tokens = k
         self._heads_acceptance = None
+        if isinstance(draft, Medusa) and k is not None:
+            self.heads_draft_tokens = min(k, draft.heads.num_heads)
         if draft is not None:
             kind, params = self.runner.draft, self.runner.draft_params
             kind.check(model, k or 1)  # Medusa: the heads' shapes, k <= num_heads
@@ -756,7 +760,7 @@ class Engine:
             return
         lookup = isinstance(self.draft, PromptLookup)
 
-        def chosen(estimate: AcceptanceEstimate, keep: int | None) -> int:
+        def chosen(estimate: AcceptanceEstimate, keep: int | None, most=None) -> int:
             return chosen_num_draft_tokens(
                 self._model,
                 self.runner.draft,
@@ -769,11 +773,14 @@ class Engine:
                 observed=self._observed,
                 drafting=self._drafting.rate if lookup else 1.0,
                 step_costs=self._step_costs,
+                max_k=most,
             )
 
         self.num_draft_tokens = chosen(self.acceptance, self.num_draft_tokens)
-        if self._heads_acceptance is not None:
-            self.heads_draft_tokens = chosen(self._heads_acceptance, self.heads_draft_tokens)
+        if self._heads_acceptance is not None:  # the heads draft num_heads tokens at most
+            self.heads_draft_tokens = chosen(
+                self._heads_acceptance, self.heads_draft_tokens, self.runner.draft.num_heads
+            )
 
     # ----------------------------------------------------------------------------- stats
 

@@ -70,7 +70,9 @@ class Medusa:
     ``num_draft_tokens``, ``drafts.default_k("medusa")`` the default); ``Medusa(heads,
     tree=TreeSpec.default(4))`` or ``tree=TreeSpec.from_accuracies(...)`` drafts a token tree
     (``decoding.tree``; k = the tree's depth); ``Medusa(heads, lookup_ngram=3)`` a chain that
-    takes prompt lookup's continuation where the last 3 tokens occurred before (module doc)."""
+    takes prompt lookup's continuation where the last 3 tokens occurred before (module doc),
+    up to ``drafts.MAX_K`` tokens (rows without a match draft past the last head from its
+    distribution again)."""
 
     def __init__(
         self, heads: MedusaHeads, tree: TreeSpec | None = None, lookup_ngram: int | None = None
@@ -147,7 +149,7 @@ class MedusaDraft(DraftKind):
                 f"tree of depth {self.tree.depth} needs that many heads, the Medusa heads have "
                 f"num_heads={self.num_heads}"
             )
-        if k > self.num_heads:
+        if k > self.num_heads and self.lookup_ngram is None:
             raise ValueError(
                 f"num_draft_tokens={k} exceeds the Medusa heads' num_heads={self.num_heads}"
             )
@@ -158,10 +160,10 @@ class MedusaDraft(DraftKind):
 
     def costs(self, target, params) -> DraftCosts:
         fixed = None if self.tree is None else self.tree.depth  # a tree drafts its depth
-        # The heads cost little beside the target's step.
-        return DraftCosts(
-            PRIOR_ACCEPTANCE["medusa"], max_k=min(MAX_K, self.num_heads), fixed_k=fixed
-        )
+        # The heads cost little beside the target's step. With lookup_ngram a matched row's
+        # draft runs past the heads (up to MAX_K): a copying answer keeps long drafts.
+        most = MAX_K if self.lookup_ngram is not None else min(MAX_K, self.num_heads)
+        return DraftCosts(PRIOR_ACCEPTANCE["medusa"], max_k=most, fixed_k=fixed)
 
     def prefill(self, ctx: Context, tokens, prompt_lengths):
         """h [B, dim] at the last prompt token, from a Tq = 1 forward of the target after its
@@ -182,9 +184,15 @@ class MedusaDraft(DraftKind):
 
     def _logits(self, ctx: Context, k: int):
         """The first k heads' logits [B, k, V] at ``ctx.state``; the root each row's h gave is
-        its last known token (``ctx.seq`` at the cache's length, not yet fed)."""
+        its last known token (``ctx.seq`` at the cache's length, not yet fed). Past the last
+        head (k > num_heads, with ``lookup_ngram``: a long lookup draft's rows without a match)
+        the last head's logits again: its tokens there are drawn from them, so they are the
+        q those positions are verified against (exact, if rarely kept)."""
         root = jnp.take_along_axis(ctx.seq, ctx.cache.lengths[:, None], axis=1)[:, 0]
-        return self.head_logits(ctx.params, ctx.state, k, ctx.target, root)
+        logits = self.head_logits(ctx.params, ctx.state, min(k, self.num_heads), ctx.target, root)
+        if k > self.num_heads:
+            logits = logits[:, [min(i, self.num_heads - 1) for i in range(k)]]
+        return logits
 
     def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
         if self.tree is not None:

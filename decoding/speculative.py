@@ -337,6 +337,7 @@ def chosen_num_draft_tokens(
     observed: ObservedCosts | None = None,
     drafting: float = 1.0,
     step_costs: StepCosts | Callable[[], StepCosts] | None = None,
+    max_k: int | None = None,
 ):
     """k for ``num_draft_tokens=None``: :func:`drafts.choose_num_draft_tokens` on the target's
     (and a model draft's) measured step costs at ``batch`` rows (:func:`draft_step_costs`, or
@@ -345,8 +346,8 @@ def chosen_num_draft_tokens(
     where it has them (``observed``, :class:`drafts.ObservedCosts`), and ``acceptance``
     (default the kind's prior), with the kind's :class:`drafts.DraftCosts`; 0 (do not draft)
     only with ``allow_zero``; ``keep``, the k in use, stays unless another is clearly faster
-    (``drafts.KEEP_MARGIN``); ``drafting``, the fraction of rows that get a draft. A Medusa
-    tree's k is its depth."""
+    (``drafts.KEEP_MARGIN``); ``drafting``, the fraction of rows that get a draft; ``max_k``
+    caps the kind's most k. A Medusa tree's k is its depth."""
     dc = kind.costs(target, params)
     if dc.fixed_k is not None:
         return dc.fixed_k
@@ -364,7 +365,7 @@ def chosen_num_draft_tokens(
         costs,
         a,
         draft_calls=calls,
-        max_k=dc.max_k,
+        max_k=dc.max_k if max_k is None else min(max_k, dc.max_k),
         allow_zero=allow_zero,
         keep=keep,
         drafting=drafting,

@@ -448,7 +448,8 @@ def test_medusa_with_lookup_keeps_a_k_per_source(model, monkeypatch, prompts, re
     eng._heads_acceptance.add(0, 1000)
     eng._choose_k()
     k_found, k_none = eng.num_draft_tokens, eng.heads_draft_tokens
-    assert k_found == 4 and k_none == 0 and eng.stats()["heads_draft_tokens"] == 0
+    # the lookup's drafts run past the 4 heads (rows without a match: the last head again)
+    assert k_found == drafts.MAX_K and k_none == 0 and eng.stats()["heads_draft_tokens"] == 0
     steps, run = [], eng.runner.run
 
     def recorded(plan, *args, **kwargs):
@@ -472,8 +473,15 @@ def test_medusa_with_lookup_keeps_a_k_per_source(model, monkeypatch, prompts, re
     # each verified row judged its step's source: the probes' one head token, the lookup's k
     probes = sum(1 for found, k, _ in steps if not found and k)
     assert judged["heads"] == [1] * probes and set(judged["lookup"]) == {k_found}
-    fixed = make_engine(model, draft=medusa_draft(model, lookup_ngram=2), num_draft_tokens=2)
-    assert (fixed.num_draft_tokens, fixed.heads_draft_tokens) == (2, 2)
+    fixed = make_engine(model, draft=medusa_draft(model, lookup_ngram=2), num_draft_tokens=6)
+    assert (fixed.num_draft_tokens, fixed.heads_draft_tokens) == (6, 4)  # 4 heads
+    rids = [fixed.submit(p, MAX_NEW) for p in prompts]
+    out = fixed.run_until_done()
+    assert [out[r] for r in rids] == refs
+    fixed._heads_acceptance.add(1000, 1000)
+    eng._heads_acceptance, eng.heads_draft_tokens = fixed._heads_acceptance, None
+    eng._choose_k()
+    assert eng.heads_draft_tokens == 4  # the heads, always right, draft all they have
     assert make_engine(model, draft=medusa_draft(model)).stats()["heads_draft_tokens"] is None
 
 

@@ -295,7 +295,7 @@ def test_rank_accuracy_is_a_distribution_over_ranks(tiny_model):
     np.testing.assert_array_equal(heads(h, num=2, target=tiny_model), full[..., :2, :])
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, 6])  # 6: past the 4 heads
 def test_chain_with_lookup_greedy_equals_generate(tiny_model, reference, k):  # noqa: F811
     eos, want = reference
     draft = Medusa(random_heads(tiny_model), lookup_ngram=2)
@@ -327,12 +327,23 @@ def test_chain_with_lookup_proposes_the_continuation_where_the_ngram_matched(tin
     np.testing.assert_array_equal(got[1], heads_only[1])
     q = kind.propose(ctx, 3, T1, key).q  # sampling: the lookup row's q is one-hot
     np.testing.assert_array_equal(q[0], jax.nn.one_hot(jnp.asarray([7, 8, 9]), q.shape[-1]))
+    # past the 3 heads: the lookup row's continuation goes on, the other row's draft takes the
+    # last head's guess again (greedy; sampled, its distribution, which q says)
+    long = kind.propose(ctx, 5, SamplingConfig(), key).tokens
+    np.testing.assert_array_equal(long[0], [7, 8, 9, 5, 6])
+    np.testing.assert_array_equal(long[1], [*heads_only[1], heads_only[1, 2], heads_only[1, 2]])
+    q = kind.propose(ctx, 5, T1, key).q
+    np.testing.assert_array_equal(q[1, 3], q[1, 2])
+    with pytest.raises(ValueError, match="num_heads=3"):
+        plain_kind.check(tiny_model, 4)
+    kind.check(tiny_model, 8)
 
 
-def test_chain_with_lookup_sampling_is_exact_t1(small_target):
+@pytest.mark.parametrize("k", [2, 3])  # 3: past the 2 heads, from the last head's q again
+def test_chain_with_lookup_sampling_is_exact_t1(small_target, k):
     # n = 1: most steps find the last token earlier, some do not, so both sources are drawn.
     heads = random_heads(small_target, 2, seed=9, scale=1.0)
-    check_exact(small_target, Medusa(heads, lookup_ngram=1), 2, T1)
+    check_exact(small_target, Medusa(heads, lookup_ngram=1), k, T1)
 
 
 @pytest.mark.parametrize(
