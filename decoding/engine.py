@@ -296,7 +296,7 @@ class Engine:
             self.heads_draft_tokens = min(k, draft.heads.num_heads)
         if draft is not None:
             kind, params = self.runner.draft, self.runner.draft_params
-            kind.check(model, k or 1)  # Medusa: the heads' shapes, k <= num_heads
+            kind.check(model, k or 1)  # Medusa: the heads' shapes, k <= num_heads (or MAX_K)
             prior = kind.costs(model, params).prior
             self.acceptance = AcceptanceEstimate(prior)
             if isinstance(draft, Medusa) and draft.lookup_ngram is not None:
