@@ -21,8 +21,8 @@ live tokens over the token slots the running requests hold as pages (paged), aga
 over ``max length`` slots per running request (contiguous preallocation, the seed's ~5%). Writes
 ``benchmarks/results/engine_cpu.json`` and ``engine_cpu.png`` and prints a table.
 
-``--speculation [--quick]``: SmolLM2-135M-Instruct in the engine with and without prompt lookup
-(:func:`speculation`): throughput and mean latency at batch 1, 8 and 32;
+``--speculation [--quick] [--batches B ...]``: SmolLM2-135M-Instruct in the engine with and
+without prompt lookup (:func:`speculation`): throughput and mean latency at batch 1, 8 and 32;
 ``benchmarks/results/engine_speculative.json``.
 """
 
@@ -205,7 +205,8 @@ def speculation(args) -> None:
     mix = [ids for w in REAL_PROMPTS for ids in real_prompt_ids(tok, w)]
     mix = [mix[i // 2 + (i % 2) * (len(mix) // 2)] for i in range(len(mix))]  # alternate
     rows = []
-    for batch in SPEC_BATCHES[:2] if args.quick else SPEC_BATCHES:
+    batches = args.batches or (SPEC_BATCHES[:2] if args.quick else SPEC_BATCHES)
+    for batch in batches:
         n_req = max(4, 2 * batch)
         requests = [(mix[i % len(mix)], new) for i in range(n_req)]
         spec_pass(model, requests, batch, None, tok.eos_id)  # warm-up: compilation
@@ -253,6 +254,7 @@ def speculation(args) -> None:
         page_size=PAGE,
         max_seq_len=SPEC_MAX_SEQ,
         quick=args.quick,
+        batches=list(batches),
         loadavg=os.getloadavg(),
     )
     name = "engine_speculative" + ("_bf16" if args.dtype == "bfloat16" else "")
@@ -268,6 +270,15 @@ def main() -> None:
     )
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="SmolLM2's weights"
+    )
+    parser.add_argument(
+        "--batches",
+        type=common.positive,
+        nargs="+",
+        help="--speculation's batches (default 1 8 32, quick 1 8). Each compiled step holds "
+        "memory mappings of its JIT code; all three batches with every draft in one process "
+        "passed Linux's default vm.max_map_count (65530) and LLVM failed ('Cannot allocate "
+        "memory'): split a full run over processes",
     )
     args = parser.parse_args()
     if args.speculation:
