@@ -101,6 +101,10 @@ def kvcache_case(
 
 MODEL_CASES = [
     dict(id="model_decode-code-target", family="model_decode"),
+    *(
+        dict(id=f"model_decode-code-target-{fmt}", family="model_decode_quantized", fmt=fmt)
+        for fmt in ("q8_0", "q4_0", "q4_1")
+    ),
     dict(id="model_train-code-target", family="model_train"),
     dict(id="generate-llama-3-8b-loop", family="generate", phase="loop"),
     dict(id="generate-llama-3-8b-prefill", family="generate", phase="prefill"),
@@ -141,6 +145,7 @@ def smoke_cases() -> list[dict]:
         mosaic_flash_case(128, "bfloat16", "causal"),
         mosaic_kvcache_case(128, "bfloat16", 8, 1, "paged", rotary=True),
         MODEL_CASES[0],
+        MODEL_CASES[1],  # the Q8_0 decode step
     ]
 
 
@@ -182,7 +187,7 @@ def build(case: dict, where):
         return _flash(case, sds)
     if family == "kvcache":
         return _kvcache(case, sds)
-    if family in ("model_decode", "model_train", "generate"):
+    if family in ("model_decode", "model_decode_quantized", "model_train", "generate"):
         from benchmarks import gpu_models
 
         return getattr(gpu_models, family)(case, sds)

@@ -1,7 +1,8 @@
 """Whole-model programs for deviceless CUDA compiles: weights and caches as shapes only.
 
 Each builder takes a case dict and ``sds(shape, dtype)`` (a ``ShapeDtypeStruct`` placed on the
-target) and returns ``(fn, args)``; nothing of model size is ever allocated (``nnx.eval_shape``).
+target) and returns ``(fn, args)``; nothing of model size is ever allocated (``nnx.eval_shape``;
+the quantized decode builds the 5M-parameter code target, whose blocks need values).
 See :mod:`benchmarks.gpu_cases` for the shapes.
 """
 
@@ -44,6 +45,25 @@ def model_decode(case, sds, preset: str = "code-target", batch: int = 8):
     config = TransformerConfig.preset(preset, attn_impl="pallas")
     graphdef, state = abstract_model(config, sds)
     cache = paged_cache(config, sds, batch, 1024)
+
+    def step(state, tokens, cache):
+        return nnx.merge(graphdef, state)(tokens, cache=cache)
+
+    return step, (state, sds((batch, 1), jnp.int32), cache)
+
+
+def model_decode_quantized(case, sds, preset: str = "code-target", batch: int = 8):
+    """``model_decode`` with every linear layer (and the tied head) block-quantized to
+    ``case["fmt"]`` (``models.quantize``), bfloat16 activations: the GPU's weight-only path, where
+    each product's operand is its blocks dequantized inside the program. The blocks come from
+    weight values, so this small model is built for real (5M parameters) and then placed."""
+    from models import quantize
+
+    config = TransformerConfig.preset(preset, attn_impl="pallas")
+    model = quantize(Transformer(config, rngs=nnx.Rngs(0)), case["fmt"], dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(model)
+    state = _placed(state, sds)
+    cache = paged_cache(model.config, sds, batch, 1024)
 
     def step(state, tokens, cache):
         return nnx.merge(graphdef, state)(tokens, cache=cache)

@@ -144,6 +144,52 @@ def _dequantize(xp, fmt: str, quants, scales, mins=None):
     return w.reshape(-1, w.shape[-1])
 
 
+# Rows up to which a product on a non-CPU backend multiplies the blocks' integers directly
+# (block_matmul) instead of dequantizing W first: its [K / 32, rows, N] float32 partial sums cost
+# rows / 8 times the Q8_0 weights' bytes, so past 8 rows dequantizing once is the cheaper pass.
+BLOCK_DOT_ROWS = 8
+# Formats whose GPU programs take block_matmul for few rows. XLA's GPU compiler fuses Q8_0's
+# int8 -> bfloat16 convert into its GEMM, so the blocks are read as stored; a Q4 format's nibble
+# unpacking (and, shift) it does not fuse: it writes the unpacked weights in bfloat16 first, as
+# dequantizing does, and the partial sums would only add to that.
+BLOCK_DOT_FORMATS = ("q8_0",)
+
+
+def block_matmul(x, fmt: str, quants, scales, mins=None):
+    """``x [..., K] @ W`` for block-quantized ``W`` without materialising W: per block b, the
+    integers' product ``p_b = x_b @ q_b`` (exact integers in the operand dtype, float32
+    accumulation; one batched product over the blocks, which XLA's GPU compiler fuses with
+    Q8_0's int8 convert, so those blocks are read once as stored), then
+    ``y = sum_b d_b p_b`` (Q8_0), ``sum_b d_b (p_b - 8 s_b)`` (Q4_0) or ``sum_b d_b p_b + m_b s_b``
+    (Q4_1), s_b the block's activation sum. Returns float32. The dequantizing product rounds
+    ``d q`` to the activation dtype first; this does not, so the two differ by that rounding."""
+    check_format(fmt)
+    K, N = x.shape[-1], scales.shape[-1]
+    nb = K // BLOCK
+    lead = x.shape[:-1]
+    xb = x.reshape(-1, nb, BLOCK).transpose(1, 0, 2)  # [nb, M, 32]
+    batch = (((2,), (1,)), ((0,), (0,)))
+
+    def dot(xs, q):
+        return lax.dot_general(xs, q.astype(x.dtype), batch, preferred_element_type=jnp.float32)
+
+    if fmt == "q8_0":
+        part = dot(xb, quants.reshape(nb, BLOCK, N))
+    else:  # row 16 b + j of quants: weight j (low nibble) and 16 + j (high nibble) of block b
+        q = quants.reshape(nb, 16, N)
+        part = dot(xb[..., :16], q & 15) + dot(xb[..., 16:], q >> 4)
+    d = scales.astype(jnp.float32)[:, None, :]  # [nb, 1, N]
+    if fmt == "q8_0":
+        y = jnp.sum(part * d, axis=0)
+    else:
+        s = jnp.sum(xb.astype(jnp.float32), axis=2)[:, :, None]  # [nb, M, 1]
+        if fmt == "q4_0":
+            y = jnp.sum((part - 8 * s) * d, axis=0)
+        else:
+            y = jnp.sum(part * d + s * mins.astype(jnp.float32)[:, None, :], axis=0)
+    return y.reshape(*lead, N)
+
+
 def dequantize_array(fmt: str, quants, scales, mins=None) -> np.ndarray:
     """Inverse of :func:`quantize_array`: float32 [K, N], gguf.quants' values exactly."""
     check_format(fmt)
@@ -158,9 +204,10 @@ class QuantLinear(nnx.Module):
     """``y = x @ W (+ bias)`` with ``W [in_features, out_features]`` block-quantized (``fmt``).
 
     ``dtype``: the activation dtype (inputs are cast to it, outputs are in it). Few-row calls on
-    CPU after :func:`models.transformer.attach_decode_weights` use the quantized kernel; the others
-    dequantize ``W`` to ``dtype`` and multiply (as :class:`~models.linear.Linear` would the
-    dequantized weights)."""
+    CPU after :func:`models.transformer.attach_decode_weights` use the quantized kernel; in a
+    program for another backend (GPU), Q8_0 products of at most :data:`BLOCK_DOT_ROWS` rows
+    multiply the blocks' integers (:func:`block_matmul`); the others dequantize ``W`` to
+    ``dtype`` and multiply (as :class:`~models.linear.Linear` would the dequantized weights)."""
 
     packed_kernel = None  # models.linear.PackedWeights: panels of rows_matmul.pack_quantized
     # The few-row kernel's activations: "q8" | "f32" | None (rows_matmul.DEFAULT_ACTIVATIONS);
@@ -196,8 +243,19 @@ class QuantLinear(nnx.Module):
 
     def _plain(self, x):
         x = x.astype(self.dtype)
-        y = lax.dot_general(x, self.weight(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+        if self.fmt in BLOCK_DOT_FORMATS and x.size // x.shape[-1] <= BLOCK_DOT_ROWS:
+            y = native.on_cpu(self._dequantized, self._block_product, x)
+        else:
+            y = self._dequantized(x)
         return y if self.bias is None else y + self.bias[...]
+
+    def _dequantized(self, x):
+        return lax.dot_general(x, self.weight(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+
+    def _block_product(self, x):
+        # Programs for other backends: on CPU, few rows take the native kernel (_packed).
+        a = self.arrays()
+        return block_matmul(x, self.fmt, a["quants"], a["scales"], a.get("mins")).astype(x.dtype)
 
     def _packed(self, x):
         y = rows_matmul.matmul_quantized(

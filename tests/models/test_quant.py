@@ -77,6 +77,45 @@ def test_layer_within_the_formats_error(fmt):
     assert (np.abs(y - x @ w) <= np.abs(x) @ bound + 1e-4).all()
 
 
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_block_matmul_equals_product_with_dequantized_weights(fmt, dtype):
+    """The GPU programs' few-row product over the blocks' integers: x @ W without W, against
+    float64 on the dequantized weights (x rounded to its dtype first), for 1, 3 and 8 rows and
+    leading axes; only float32 accumulation separates them."""
+    K, N = 160, 72
+    a = quant.quantize_array(_weights(K, N, seed=11), fmt)
+    wq = quant.dequantize_array(fmt, **a).astype(np.float64)
+    arrays = [jnp.asarray(a[k]) if k in a else None for k in ("quants", "scales", "mins")]
+    rng = np.random.default_rng(12)
+    for shape in [(1, K), (3, K), (8, K), (2, 4, K)]:
+        x = jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+        y = jax.jit(quant.block_matmul, static_argnums=1)(x, fmt, *arrays)
+        assert y.shape == (*shape[:-1], N) and y.dtype == jnp.float32
+        ref = np.asarray(x, np.float64) @ wq
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_gpu_programs_multiply_the_blocks_for_few_rows(fmt):
+    """Lowered for CUDA (no GPU needed), a Q8_0 layer's product of at most BLOCK_DOT_ROWS rows is
+    the batched product over the blocks (W never dequantized); more rows, and the Q4 formats,
+    dequantize W and multiply."""
+    a = {k: jnp.asarray(v) for k, v in quant.quantize_array(_weights(96, 40), fmt).items()}
+    layer = quant.QuantLinear(fmt, a, dtype=jnp.bfloat16)
+
+    def lowered(rows):
+        x = jnp.zeros((rows, 96), jnp.bfloat16)
+        return jax.jit(layer).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+    few, many = lowered(quant.BLOCK_DOT_ROWS), lowered(quant.BLOCK_DOT_ROWS + 1)
+    assert "batching_dims" not in many and "tensor<96x40xbf16>" in many
+    if fmt in quant.BLOCK_DOT_FORMATS:
+        assert "batching_dims = [0] x [0]" in few and "tensor<96x40xbf16>" not in few
+    else:
+        assert few.count("dot_general") == 1 and "tensor<96x40xbf16>" in few
+
+
 @native
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 @pytest.mark.parametrize("M", [1, 3, 9])
