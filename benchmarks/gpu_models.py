@@ -54,9 +54,10 @@ def model_decode(case, sds, preset: str = "code-target", batch: int = 8):
 
 def model_decode_quantized(case, sds, preset: str = "code-target", batch: int = 8):
     """``model_decode`` with every linear layer (and the tied head) block-quantized to
-    ``case["fmt"]`` (``models.quantize``), bfloat16 activations: the GPU's weight-only path, where
-    each product's operand is its blocks dequantized inside the program. The blocks come from
-    weight values, so this small model is built for real (5M parameters) and then placed."""
+    ``case["fmt"]`` (``models.quantize``), bfloat16 activations: the GPU's weight-only path (Q8_0:
+    the blocks' integers multiplied, ``quant.block_matmul``; Q4: dequantized in the program). The
+    blocks come from weight values, so this small model is built for real (5M parameters) and
+    then placed."""
     from models import quantize
 
     config = TransformerConfig.preset(preset, attn_impl="pallas")
