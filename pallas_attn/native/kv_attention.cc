@@ -1,11 +1,12 @@
 // Attention of a few new queries over a KV cache on CPU, in one pass over each row's keys: the
 // attention step of attention_with_kvcache's "xla" path on the CPU backend (pallas_attn/cpu.py).
 //
-// Tasks are (batch row, span of its keys); a task walks its span position by position, reading
-// each position's keys and values of all Hkv heads (adjacent in the cache) once for all Tq x Hq
-// queries of the row, in place (paged through the block table, or a contiguous row; float32,
-// bfloat16, float16 or FP8 e4m3 with a per-(row, head) descale), in chunks of kChunk keys with
-// an online softmax (natural-log lse); the spans of a row are merged at the end (split-KV).
+// Tasks are (group of batch rows reading the same keys, span of those keys); a task walks its
+// span position by position, reading each position's keys and values of all Hkv heads (adjacent
+// in the cache) once for all Tq x Hq queries of the group's rows, in place (paged through the
+// block table, or a contiguous row; float32, bfloat16, float16 or FP8 e4m3 with a per-(row,
+// head) descale), in chunks of kChunk keys with an online softmax (natural-log lse); a query's
+// spans are merged at the end (split-KV).
 // Within a chunk, each query row's scores come 16 keys at a time (16 products summed across lanes
 // by one shuffle tree; long rows (kLongRow): per key, for 8 query rows at once; AVX2 without
 // AVX-512: 8 keys at a time, horizontal adds), and values are accumulated for 8 query rows at a
@@ -411,29 +412,49 @@ inline void key_range(const Problem& p, int64_t b, int64_t i, int64_t& lo, int64
   if (p.right >= 0 && pos + p.right + 1 < hi) hi = pos + p.right + 1;
 }
 
-// Keys [k0, k1) of batch row b into `part`, position-major: at each key position the rows of all
-// Hkv heads are adjacent in the cache (one contiguous Hkv * D run), so the task reads its span
-// front to back (hardware prefetch and TLB friendly) and every head's Tq x G queries use it.
+// Batch rows that read the same keys: their block tables agree on every page any of them reads,
+// with the same FP8 descale and no tree mask. A ragged verification's draft rows are rows of
+// their request's pages (one row per draft token, each seeing one key more), so one pass over a
+// request's keys serves its row and its draft rows, as a row of Tq queries does. rows[0]'s table
+// and descale are read.
+struct Group {
+  const int64_t* rows;
+  int64_t n;
+};
+
+// This thread's next task's keys [k0, k1), in `table`'s pages (null: none).
+struct Next {
+  const int32_t* table;
+  int64_t k0, k1;
+};
+
+// Keys [k0, k1) of a group of batch rows into `part`, position-major: at each key position the
+// rows of all Hkv heads are adjacent in the cache (one contiguous Hkv * D run), so the task reads
+// its span front to back (hardware prefetch and TLB friendly) and every head's queries use it:
+// the group's n * Tq queries, query j = m * Tq + i being query i of batch row rows[m].
+// `next`'s keys are asked for ahead of their use (a task is one span).
 template <typename E>
-void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, int64_t b,
-          int64_t k0, int64_t k1, Partial& part) {
-  const int64_t R = p.Tq * p.G, D = p.D, H = p.Hkv, rows = H * R;
+void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, Group grp,
+          int64_t k0, int64_t k1, Next next, Partial& part) {
+  const int64_t b = grp.rows[0], Q = grp.n * p.Tq;
+  const int64_t R = Q * p.G, D = p.D, H = p.Hkv, rows = H * R;
   part.reset(rows, D);
-  // The row's queries, scaled, as qs[h * R + r] (r = i * G + g): q[b, i, h * G + g, :] * scale;
-  // the scores s; a chunk converted to float32 (else read in place: kbuf, vbuf null).
+  // The group's queries, scaled, as qs[h * R + r] (r = j * G + g): query j of head h * G + g,
+  // times scale; the scores s; a chunk converted to float32 (else read in place: kbuf, vbuf null).
   thread_local std::vector<float> qs_v, s_v, kbuf_v, vbuf_v;
   thread_local std::vector<int64_t> range_v;
   float* qs = scratch(qs_v, rows * D);
   float* s = scratch(s_v, rows * kChunk);
-  int64_t* lo = scratch(range_v, 2 * p.Tq + kChunk);
-  int64_t *hi = lo + p.Tq, *at = hi + p.Tq;
+  int64_t* lo = scratch(range_v, 2 * Q + kChunk);
+  int64_t *hi = lo + Q, *at = hi + Q;
   const float *kp[kChunk], *vp[kChunk];  // each position's H x D keys / values as float32
   for (int64_t h = 0; h < H; ++h)
     for (int64_t r = 0; r < R; ++r) {
-      const float* src = p.q + ((b * p.Tq + r / p.G) * p.Hq + h * p.G + r % p.G) * D;
+      const int64_t j = r / p.G, row = grp.rows[j / p.Tq], i = j % p.Tq;
+      const float* src = p.q + ((row * p.Tq + i) * p.Hq + h * p.G + r % p.G) * D;
       for (int64_t d = 0; d < D; ++d) qs[(h * R + r) * D + d] = src[d] * p.scale;
     }
-  for (int64_t i = 0; i < p.Tq; ++i) key_range(p, b, i, lo[i], hi[i]);
+  for (int64_t j = 0; j < Q; ++j) key_range(p, grp.rows[j / p.Tq], j % p.Tq, lo[j], hi[j]);
   const int64_t tree_start = p.q_offset[b];
   const int32_t* tree = p.tree ? p.tree + b * p.Tq * p.Tq : nullptr;
   const int32_t* blocks = p.table + b * p.max_blocks;
@@ -449,30 +470,32 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
   float* kbuf = f32 && k_unscaled ? nullptr : scratch(kbuf_v, kLanes * H * D);
   float* vbuf = f32 && v_unscaled ? nullptr : scratch(vbuf_v, kChunk * D);
   // Cache offset of each position's row (pages clamped into the pool: masked keys read junk).
-  const auto row_at = [&](int64_t pos) {
-    int64_t page = blocks[pos / p.P];
+  const auto row_in = [&](const int32_t* table, int64_t pos) {
+    int64_t page = table[pos / p.P];
     page = page < 0 ? 0 : page >= p.num_pages ? p.num_pages - 1 : page;
     return (page * p.P + pos % p.P) * H * D;
   };
+  const auto row_at = [&](int64_t pos) { return row_in(blocks, pos); };
   // Asks for the key and value rows of positions [c0, c1) ahead of their use. Left to demand
   // misses, a decode step's cache (evicted by the weights streamed since the last step) came in
   // at a third of the memory bandwidth: one row of Hkv x D at a time, with the products between.
   constexpr int64_t kLine = 64;
   const int64_t row_bytes = H * D * int64_t(sizeof(typename E::T));
-  const auto prefetch = [&](int64_t c0, int64_t c1) {
+  const auto prefetch = [&](const int32_t* table, int64_t c0, int64_t c1) {
     for (int64_t pos = c0; pos < c1; ++pos) {
-      const char* kr = reinterpret_cast<const char*>(kc + row_at(pos));
-      const char* vr = reinterpret_cast<const char*>(vc + row_at(pos));
+      const char* kr = reinterpret_cast<const char*>(kc + row_in(table, pos));
+      const char* vr = reinterpret_cast<const char*>(vc + row_in(table, pos));
       for (int64_t b = 0; b < row_bytes; b += kLine) {
         __builtin_prefetch(kr + b);
         __builtin_prefetch(vr + b);
       }
     }
   };
-  prefetch(k0, k1 - k0 < kChunk ? k1 : k0 + kChunk);
+  prefetch(blocks, k0, k1 - k0 < kChunk ? k1 : k0 + kChunk);
+  if (next.table && k1 - k0 <= kChunk) prefetch(next.table, next.k0, next.k1);
   for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
     const int64_t n = k1 - c0 < kChunk ? k1 - c0 : kChunk;
-    if (c0 + n < k1) prefetch(c0 + n, k1 - c0 - n < kChunk ? k1 : c0 + n + kChunk);
+    if (c0 + n < k1) prefetch(blocks, c0 + n, k1 - c0 - n < kChunk ? k1 : c0 + n + kChunk);
     for (int64_t c = 0; c < n; ++c) at[c] = row_at(c0 + c);
     for (int64_t cb = 0; cb < n; cb += kLanes) {  // scores, kLanes key positions at a time
       const int64_t ce = n - cb < kLanes ? n : cb + kLanes;
@@ -504,7 +527,7 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
     const bool tree_here = tree && c0 < tree_start + p.Tq && c0 + n > tree_start;
     for (int64_t hr = 0; hr < rows; ++hr) {  // masks, then the online softmax
       float* sr = &s[hr * kChunk];
-      const int64_t i = (hr % R) / p.G;
+      const int64_t i = (hr % R) / p.G;  // the group's query (one row's own where there is a tree)
       float cm = kNegInf;
       if (!tree_here) {  // the visible keys are one run [a, e) of the chunk: mask its ends
         const int64_t a = lo[i] - c0 < 0 ? 0 : lo[i] - c0 > n ? n : lo[i] - c0;
@@ -560,75 +583,149 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, in
   }
 }
 
-// out and lse of batch row b from the partials of its splits (natural-log lse merge).
-void combine(const Problem& p, int64_t b, const Partial* parts, int64_t splits) {
-  const int64_t R = p.Tq * p.G, D = p.D;
-  for (int64_t h = 0; h < p.Hkv; ++h) {
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t hr = h * R + r, i = r / p.G, hq = h * p.G + r % p.G;
-      float M = kNegInf;
-      for (int64_t t = 0; t < splits; ++t)
-        if (parts[t].l[hr] > 0.f && parts[t].m[hr] > M) M = parts[t].m[hr];
-      float* o = p.out + ((b * p.Tq + i) * p.Hq + hq) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-      float L = 0.f;
-      for (int64_t t = 0; t < splits; ++t) {
-        if (parts[t].l[hr] <= 0.f) continue;
-        const float w = std::exp(parts[t].m[hr] - M);
-        L += parts[t].l[hr] * w;
-        axpy(w, &parts[t].acc[hr * D], o, D);
+// out and lse of the group's rows from the partials of its spans (natural-log lse merge), each
+// query over the spans in order; a span where it saw no key (l = 0) adds nothing.
+void combine(const Problem& p, Group grp, const Partial* parts, int64_t spans) {
+  const int64_t Rm = p.Tq * p.G, R = grp.n * Rm, D = p.D;
+  for (int64_t m = 0; m < grp.n; ++m) {
+    const int64_t b = grp.rows[m];
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      for (int64_t r = 0; r < Rm; ++r) {
+        const int64_t hr = h * R + m * Rm + r, i = r / p.G, hq = h * p.G + r % p.G;
+        float M = kNegInf;
+        for (int64_t t = 0; t < spans; ++t)
+          if (parts[t].l[hr] > 0.f && parts[t].m[hr] > M) M = parts[t].m[hr];
+        float* o = p.out + ((b * p.Tq + i) * p.Hq + hq) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+        float L = 0.f;
+        for (int64_t t = 0; t < spans; ++t) {
+          if (parts[t].l[hr] <= 0.f) continue;
+          const float w = std::exp(parts[t].m[hr] - M);
+          L += parts[t].l[hr] * w;
+          axpy(w, &parts[t].acc[hr * D], o, D);
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        p.lse[(b * p.Hq + hq) * p.Tq + i] = L > 0.f ? M + std::log(L) : kNegInf;
       }
-      const float inv = L > 0.f ? 1.f / L : 0.f;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      p.lse[(b * p.Hq + hq) * p.Tq + i] = L > 0.f ? M + std::log(L) : kNegInf;
     }
   }
 }
 
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
-// A row's keys are cut into ceil(keys / kSplitKeys) spans, at most kMaxSplits, each a task whose
-// partial result is merged by lse in span order. The cut depends on the row's own keys only, not
-// on the batch or the thread count, so a row's output is the same bit for bit whichever rows
-// share its call (the engine's batches change every step) and however many threads run it.
-// Decode reads each layer's cache once per step from memory (the weights streamed since have
-// evicted it), so even a single row's few hundred keys are worth both threads.
+// Keys are cut into spans at multiples of kSplitKeys (absolute positions), each span of a group a
+// task whose partial result is merged by lse in span order. The cut depends on the positions
+// only, not on the row's length, the batch, its groups or the thread count, so a query's output
+// is the same bit for bit whichever rows share its call (the engine's batches change every step)
+// or its pass over the keys (a group), and however many threads run it. Decode reads each
+// layer's cache once per step from memory (the weights streamed since have evicted it), so even
+// a single row's few hundred keys are worth both threads.
 constexpr int64_t kSplitKeys = 64;
-constexpr int64_t kMaxSplits = 16;
+static_assert(kSplitKeys % kChunk == 0, "a span is whole chunks");
+// Partials of one wave of groups at most (bytes): a long context at a large batch would
+// otherwise hold a partial per span of every row at once.
+constexpr int64_t kWaveBytes = int64_t(64) << 20;
 
-// Tasks: (batch row, span of its keys); each fills its own Partial, and a row's partials are
+// Whether batch rows a and b read the same keys (Group): the same pages for every block either
+// reads ([0, last) covers both), the same descale, no tree mask.
+bool same_keys(const Problem& p, int64_t a, int64_t b, int64_t last) {
+  if (p.tree) return false;
+  const int32_t *ta = p.table + a * p.max_blocks, *tb = p.table + b * p.max_blocks;
+  int64_t blocks = (last + p.P - 1) / p.P;
+  blocks = blocks > p.max_blocks ? p.max_blocks : blocks;
+  for (int64_t j = 0; j < blocks; ++j)
+    if (ta[j] != tb[j]) return false;
+  for (int64_t s = 0; s < 2; ++s)
+    for (int64_t h = 0; h < p.Hkv; ++h)
+      if (p.descale[(s * p.B + a) * p.Hkv + h] != p.descale[(s * p.B + b) * p.Hkv + h])
+        return false;
+  return true;
+}
+
+// Tasks: (group, span of its keys); each fills its own Partial, and a group's partials are
 // merged once all are done.
 template <typename E>
 void run(ffi::ThreadPool& pool, const Problem& p, const void* kc, const void* vc) {
-  std::vector<int64_t> first(p.B), last(p.B), splits(p.B), task0(p.B + 1, 0);
+  std::vector<int64_t> first(p.B), last(p.B);
   int64_t keys = 0;
   for (int64_t b = 0; b < p.B; ++b) {  // the union of the rows' key ranges
     int64_t unused;  // the first query sees the lowest keys, the last query the highest
     key_range(p, b, 0, first[b], unused);
     key_range(p, b, p.Tq - 1, unused, last[b]);
     if (last[b] < first[b]) last[b] = first[b];
-    const int64_t len = last[b] - first[b];
-    keys += len;
-    const int64_t s = (len + kSplitKeys - 1) / kSplitKeys;
-    splits[b] = s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s;
-    task0[b + 1] = task0[b] + splits[b];
+    keys += last[b] - first[b];
   }
+  // Groups, in order of their first rows: members[gbeg[g], gbeg[g + 1]).
+  std::vector<int64_t> members, gbeg{0}, gfirst, glast;
+  std::vector<char> taken(p.B, 0);
+  for (int64_t a = 0; a < p.B; ++a) {
+    if (taken[a]) continue;
+    int64_t lo = first[a], hi = last[a];
+    members.push_back(a);
+    for (int64_t b = a + 1; b < p.B; ++b) {
+      if (taken[b] || p.table[a * p.max_blocks] != p.table[b * p.max_blocks]) continue;
+      if (!same_keys(p, a, b, hi > last[b] ? hi : last[b])) continue;
+      taken[b] = 1;
+      members.push_back(b);
+      lo = first[b] < lo ? first[b] : lo;
+      hi = last[b] > hi ? last[b] : hi;
+    }
+    gbeg.push_back(int64_t(members.size()));
+    gfirst.push_back(lo);
+    glast.push_back(hi);
+  }
+  const int64_t groups = int64_t(gfirst.size());
   const bool parallel = 2 * keys * p.Hq * p.Tq * p.D >= kParallelWork;
-  std::vector<Partial> parts(task0[p.B]);
-  const int64_t rows = p.Hkv * p.Tq * p.G, per = rows * (p.D + 2);
-  std::unique_ptr<float[]> states(new float[task0[p.B] * per]);
-  for (int64_t t = 0; t < task0[p.B]; ++t) parts[t].bind(&states[t * per], rows);
   const auto* k = static_cast<const typename E::T*>(kc);
   const auto* v = static_cast<const typename E::T*>(vc);
-  pallas_attn::parallel_for(pool, task0[p.B], parallel, [&](int64_t t0, int64_t t1) {
-    int64_t b = 0;
-    for (int64_t t = t0; t < t1; ++t) {
-      while (task0[b + 1] <= t) ++b;
-      const int64_t j = t - task0[b], n = splits[b], len = last[b] - first[b];
-      const int64_t k0 = first[b] + len * j / n, k1 = first[b] + len * (j + 1) / n;
-      span<E>(p, k, v, b, k0, k1, parts[t]);
+  std::vector<int64_t> task0, tgroup, tspan;  // per wave: task -> (group, its span's first key)
+  std::vector<Partial> parts;
+  std::unique_ptr<float[]> states;
+  for (int64_t g0 = 0; g0 < groups;) {  // waves of groups
+    task0.assign(1, 0), tgroup.clear(), tspan.clear();
+    int64_t bytes = 0, g1 = g0, floats = 0;
+    for (; g1 < groups; ++g1) {
+      const int64_t s0 = gfirst[g1] / kSplitKeys * kSplitKeys;
+      const int64_t spans = glast[g1] > s0 ? (glast[g1] - s0 + kSplitKeys - 1) / kSplitKeys : 1;
+      const int64_t per = (gbeg[g1 + 1] - gbeg[g1]) * p.Hkv * p.Tq * p.G * (p.D + 2);
+      if (g1 > g0 && bytes + spans * per * 4 > kWaveBytes) break;
+      bytes += spans * per * 4;
+      for (int64_t j = 0; j < spans; ++j) tgroup.push_back(g1), tspan.push_back(s0 + j * kSplitKeys);
+      task0.push_back(int64_t(tgroup.size()));
+      floats += spans * per;
     }
-  });
-  for (int64_t b = 0; b < p.B; ++b) combine(p, b, &parts[task0[b]], splits[b]);
+    parts.resize(tgroup.size());
+    states.reset(new float[floats]);  // each task resets its own, in parallel
+    for (int64_t t = 0, at = 0; t < int64_t(tgroup.size()); ++t) {
+      const int64_t g = tgroup[t], n = gbeg[g + 1] - gbeg[g], rows = n * p.Hkv * p.Tq * p.G;
+      parts[t].bind(&states[at], rows);
+      at += rows * (p.D + 2);
+    }
+    const auto task_keys = [&](int64_t t, int64_t& a, int64_t& e) {  // task t's keys [a, e)
+      const int64_t g = tgroup[t];
+      a = tspan[t] > gfirst[g] ? tspan[t] : gfirst[g];
+      e = tspan[t] + kSplitKeys < glast[g] ? tspan[t] + kSplitKeys : glast[g];
+      e = e < a ? a : e;
+    };
+    pallas_attn::parallel_for(pool, int64_t(tgroup.size()), parallel, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t g = tgroup[t];
+        const Group grp{&members[gbeg[g]], gbeg[g + 1] - gbeg[g]};
+        int64_t a, e;
+        task_keys(t, a, e);
+        Next ahead{nullptr, 0, 0};
+        if (t + 1 < t1) {
+          ahead.table = p.table + members[gbeg[tgroup[t + 1]]] * p.max_blocks;
+          task_keys(t + 1, ahead.k0, ahead.k1);
+        }
+        span<E>(p, k, v, grp, a, e, ahead, parts[t]);
+      }
+    });
+    for (int64_t g = g0; g < g1; ++g)
+      combine(p, Group{&members[gbeg[g]], gbeg[g + 1] - gbeg[g]}, &parts[task0[g - g0]],
+              task0[g - g0 + 1] - task0[g - g0]);
+    g0 = g1;
+  }
 }
 
 ffi::Error KVAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,

@@ -677,3 +677,44 @@ def test_native_row_is_batch_invariant(Tq):
         alone = run(q[r : r + 1], kc[r : r + 1], vc[r : r + 1], lens[r : r + 1])
         np.testing.assert_array_equal(np.asarray(alone.out[0]), np.asarray(batch.out[r]))
         np.testing.assert_array_equal(np.asarray(alone.lse[0]), np.asarray(batch.lse[r]))
+
+
+@pytest.mark.skipif(not native.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("Tq,window", [(1, (-1, -1)), (2, (-1, -1)), (1, (70, 0))])
+def test_native_rows_sharing_pages_read_them_once(dtype, Tq, window):
+    """Rows whose block tables agree (a ragged verification's draft rows: their request's pages,
+    one key more each) are one pass over the keys, and each row's output is still the one it has
+    alone, bit for bit; a row sharing only a prefix page (prefix caching) or another row's first
+    page with a different descale is not grouped, and every row matches the reference."""
+    B, P, Hq, Hkv, D, pages = 7, 16, 6, 2, 64, 40
+    dt = getattr(jnp, dtype)
+    keys = jax.random.split(jax.random.key(12), 3)
+    q = jax.random.normal(keys[0], (B, Tq, Hq, D), jnp.float32).astype(dt)
+    kc = jax.random.normal(keys[1], (pages, P, Hkv, D), jnp.float32).astype(dt)
+    vc = jax.random.normal(keys[2], (pages, P, Hkv, D), jnp.float32).astype(dt)
+    req_a = [3, 9, 4, 11, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]
+    req_b = [5, 6, 7, 0, 1, 2, 8, 10, 12, 13, 14, 15, 16, 17, 18, 19]
+    prefix = [3, 9, 32, 33, 34, 35, 36, 37, 38, 39, 0, 1, 2, 5, 6, 7]  # req_a's first 2 pages
+    table = np.asarray([req_a, req_b, req_a, req_a, prefix, req_b, req_a], np.int32)
+    # Row 0 a request's row at 130 keys, rows 2, 3 its draft rows (one key more each), row 6 a
+    # draft row past a page boundary; rows 1 and 5 another request; row 4 shares 2 pages.
+    lens = jnp.asarray([130, 57, 131, 132, 150, 58, 160], jnp.int32)
+    run = lambda q, n, t: attention_with_kvcache(  # noqa: E731
+        q, kc, vc, cache_seqlens=n, block_table=jnp.asarray(t), causal=True,
+        window_size=window, return_lse=True, impl="native",
+    )
+    batch = run(q, lens, table)
+    ref = attention_with_kvcache(
+        q, kc, vc, cache_seqlens=lens, block_table=jnp.asarray(table), causal=True,
+        window_size=window, return_lse=True, impl="reference",
+    )
+    tol = 2e-2 if dtype == "bfloat16" else 2e-5
+    np.testing.assert_allclose(
+        np.asarray(batch.out, np.float32), np.asarray(ref.out, np.float32), atol=tol, rtol=tol
+    )
+    np.testing.assert_allclose(np.asarray(batch.lse), np.asarray(ref.lse), atol=1e-4, rtol=1e-5)
+    for r in range(B):
+        alone = run(q[r : r + 1], lens[r : r + 1], table[r : r + 1])
+        np.testing.assert_array_equal(as_bits(alone.out[0]), as_bits(batch.out[r]))
+        np.testing.assert_array_equal(np.asarray(alone.lse[0]), np.asarray(batch.lse[r]))
