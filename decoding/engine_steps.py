@@ -175,16 +175,37 @@ def decode_rows(
     return tokens, lp, cache.k, cache.v
 
 
-def accept_rows(p, q, drafts, keys, lengths=None):
-    """``acceptance.accept`` for each row alone with its own key (keys [B]; ``lengths`` [B] or
-    None), so a row's draws do not depend on the batch -> (n [B], nxt [B])."""
+def accept_sampled(logits, sampling: SamplingParams, drafts, keys, q=None, lengths=None):
+    """``acceptance.accept`` for each row alone, under its own settings and key: logits
+    [B, k + 1, V] the target's at the row's k + 1 positions, drafts [B, k], keys [B], q [B, k, V]
+    the draft's distributions (None: a deterministic draft, one-hot), lengths [B] or None
+    -> (n [B], nxt [B]); a row's draws do not depend on the batch.
 
-    def one(p, q, d, key, *c):
-        n, nxt = accept(p[None], q[None], d[None], key, *(x[None] for x in c))
+    Row by row (``lax.map``): batched, the [B, k + 1, V] distributions, their top-p sorts and
+    the one-hot q made a verification's scratch about 90 MB at batch 8 on SmolLM2, past glibc's
+    largest reused block (32 MB), so every step mapped it afresh and faulted its pages in,
+    greedy steps too (about 3 ms of a 31 ms step)."""
+
+    def one(args):
+        lg, settings, d, key, qb, c = args
+        p = probabilities(lg, jax.tree.map(lambda x: x[None], settings))  # [k + 1, V]
+        qb = jax.nn.one_hot(d, p.shape[-1]) if q is None else qb
+        extra = () if lengths is None else (c[None],)
+        n, nxt = accept(p[None], qb[None], d[None], key, *extra)
         return n[0], nxt[0]
 
-    extra = () if lengths is None else (lengths,)
-    return jax.vmap(one)(p, q, drafts, keys, *extra)
+    fill = jnp.zeros(drafts.shape[:1], jnp.int32)
+    return jax.lax.map(
+        one,
+        (
+            logits,
+            sampling,
+            drafts,
+            keys,
+            drafts if q is None else q,
+            fill if lengths is None else lengths,
+        ),
+    )
 
 
 def verify_rows(
@@ -263,12 +284,8 @@ def verify_rows(
         )
 
     def sampled():
-        rows = jax.tree.map(lambda x: x[:, None], sampling)  # [B, 1]: one per row's k + 1
-        p = probabilities(logits, rows)  # [B, k + 1, V], each row under its own settings
-        # A deterministic draft's q is one-hot: built here, so greedy steps never make it.
-        qs = jax.nn.one_hot(drafts, p.shape[-1]) if deterministic else q
-
-        return accept_rows(p, qs, drafts, keys)
+        # A deterministic draft's q is one-hot: built there, so greedy steps never make it.
+        return accept_sampled(logits, sampling, drafts, keys, None if deterministic else q)
 
     n, nxt = branch(all_greedy(sampling), lambda: accept_greedy(argmax(logits), drafts), sampled)
     if found is not None:
@@ -342,9 +359,7 @@ def verify_ragged_rows(
     keys = row_keys(seeds, index)
 
     def sampled():
-        p = probabilities(logits[ids], jax.tree.map(lambda x: x[:, None], sampling))
-        q = jax.nn.one_hot(drafted, p.shape[-1])  # a deterministic draft: one-hot
-        return accept_rows(p, q, drafted, keys, count)
+        return accept_sampled(logits[ids], sampling, drafted, keys, lengths=count)
 
     def greedy():
         return accept_greedy(argmax(logits)[ids], jnp.where(live, drafted, -1))
