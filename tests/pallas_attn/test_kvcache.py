@@ -701,13 +701,27 @@ def test_native_rows_sharing_pages_read_them_once(dtype, Tq, window):
     # draft row past a page boundary; rows 1 and 5 another request; row 4 shares 2 pages.
     lens = jnp.asarray([130, 57, 131, 132, 150, 58, 160], jnp.int32)
     run = lambda q, n, t: attention_with_kvcache(  # noqa: E731
-        q, kc, vc, cache_seqlens=n, block_table=jnp.asarray(t), causal=True,
-        window_size=window, return_lse=True, impl="native",
+        q,
+        kc,
+        vc,
+        cache_seqlens=n,
+        block_table=jnp.asarray(t),
+        causal=True,
+        window_size=window,
+        return_lse=True,
+        impl="native",
     )
     batch = run(q, lens, table)
     ref = attention_with_kvcache(
-        q, kc, vc, cache_seqlens=lens, block_table=jnp.asarray(table), causal=True,
-        window_size=window, return_lse=True, impl="reference",
+        q,
+        kc,
+        vc,
+        cache_seqlens=lens,
+        block_table=jnp.asarray(table),
+        causal=True,
+        window_size=window,
+        return_lse=True,
+        impl="reference",
     )
     tol = 2e-2 if dtype == "bfloat16" else 2e-5
     np.testing.assert_allclose(
