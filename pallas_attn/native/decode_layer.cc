@@ -69,10 +69,7 @@ void widen(const void* src, bool bf16, float* dst, int64_t n) {
     return;
   }
   const auto* h = static_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = uint32_t(h[i]) << 16;
-    std::memcpy(&dst[i], &u, 4);
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(h[i]);
 }
 
 inline bool float_type(ffi::DataType t) {

@@ -422,23 +422,41 @@ struct Group {
   int64_t n;
 };
 
-// This thread's next task's keys [k0, k1), in `table`'s pages (null: none).
-struct Next {
-  const int32_t* table;
-  int64_t k0, k1;
-};
+// Keys are cut into spans at fixed absolute positions, each span of a group a task whose partial
+// result is merged by lse in span order. The cut depends on the positions only, not on the row's
+// length, the batch, its groups or the thread count, so a query's output is the same bit for bit
+// whichever rows share its call (the engine's batches change every step) or its pass over the
+// keys (a group), and however many threads run it. Spans are kSplitKeys long below kSplitLongAt,
+// kSplitLong past it: a decode step's few hundred keys are still worth both threads (each
+// layer's cache comes from memory, the weights streamed since have evicted it), while a long
+// context is not cut into a span per 64 keys, each with its partial to fill and merge (a bfloat16
+// row of 8192 keys read 15% slower than in spans of 512). Spans stay equal past kSplitLongAt
+// because a thread claims a run of consecutive tasks: spans growing with the position (a
+// power-of-two range cut in 4) put a third of a long row in one thread's run.
+constexpr int64_t kSplitKeys = 64, kSplitLongAt = 512, kSplitLong = 256;
+static_assert(kSplitKeys % kChunk == 0 && kSplitLong % kChunk == 0 &&
+                  kSplitLongAt % kSplitKeys == 0 && kSplitLongAt % kSplitLong == 0,
+              "spans are whole chunks, cut at multiples of their length");
 
-// Keys [k0, k1) of a group of batch rows into `part`, position-major: at each key position the
-// rows of all Hkv heads are adjacent in the cache (one contiguous Hkv * D run), so the task reads
-// its span front to back (hardware prefetch and TLB friendly) and every head's queries use it:
-// the group's n * Tq queries, query j = m * Tq + i being query i of batch row rows[m].
-// `next`'s keys are asked for ahead of their use (a task is one span).
+// The end of the span holding key position pos.
+inline int64_t span_end(int64_t pos) {
+  const int64_t step = pos < kSplitLongAt ? kSplitKeys : kSplitLong;
+  return (pos / step + 1) * step;
+}
+
+// Keys [k0, k1) of a group of batch rows, position-major: at each key position the rows of all
+// Hkv heads are adjacent in the cache (one contiguous Hkv * D run), so the pass reads its keys
+// front to back (hardware prefetch and TLB friendly) and every head's queries use it: the
+// group's n * Tq queries, query j = m * Tq + i being query i of batch row rows[m].
+// The keys are `nparts` consecutive spans (span_end, the first holding k0), each into its own
+// partial parts[j]: one pass, one setup and one prefetch stream for a thread's run of spans,
+// with the same partials as one pass per span.
 template <typename E>
 void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, Group grp,
-          int64_t k0, int64_t k1, Next next, Partial& part) {
+          int64_t k0, int64_t k1, Partial* parts, int64_t nparts) {
   const int64_t b = grp.rows[0], Q = grp.n * p.Tq;
   const int64_t R = Q * p.G, D = p.D, H = p.Hkv, rows = H * R;
-  part.reset(rows, D);
+  for (int64_t j = 0; j < nparts; ++j) parts[j].reset(rows, D);
   // The group's queries, scaled, as qs[h * R + r] (r = j * G + g): query j of head h * G + g,
   // times scale; the scores s; a chunk converted to float32 (else read in place: kbuf, vbuf null).
   thread_local std::vector<float> qs_v, s_v, kbuf_v, vbuf_v;
@@ -492,9 +510,11 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, Gr
     }
   };
   prefetch(blocks, k0, k1 - k0 < kChunk ? k1 : k0 + kChunk);
-  if (next.table && k1 - k0 <= kChunk) prefetch(next.table, next.k0, next.k1);
-  for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
-    const int64_t n = k1 - c0 < kChunk ? k1 - c0 : kChunk;
+  for (int64_t c0 = k0, n, j = 0, cut = span_end(k0); c0 < k1; c0 += n) {
+    if (c0 >= cut) ++j, cut = span_end(c0);  // the next span (spans are whole chunks)
+    n = k1 - c0 < kChunk ? k1 - c0 : kChunk;
+    n = c0 + n > cut ? cut - c0 : n;
+    Partial& part = parts[j];
     if (c0 + n < k1) prefetch(blocks, c0 + n, k1 - c0 - n < kChunk ? k1 : c0 + n + kChunk);
     for (int64_t c = 0; c < n; ++c) at[c] = row_at(c0 + c);
     for (int64_t cb = 0; cb < n; cb += kLanes) {  // scores, kLanes key positions at a time
@@ -613,15 +633,6 @@ void combine(const Problem& p, Group grp, const Partial* parts, int64_t spans) {
 }
 
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
-// Keys are cut into spans at multiples of kSplitKeys (absolute positions), each span of a group a
-// task whose partial result is merged by lse in span order. The cut depends on the positions
-// only, not on the row's length, the batch, its groups or the thread count, so a query's output
-// is the same bit for bit whichever rows share its call (the engine's batches change every step)
-// or its pass over the keys (a group), and however many threads run it. Decode reads each
-// layer's cache once per step from memory (the weights streamed since have evicted it), so even
-// a single row's few hundred keys are worth both threads.
-constexpr int64_t kSplitKeys = 64;
-static_assert(kSplitKeys % kChunk == 0, "a span is whole chunks");
 // Partials of one wave of groups at most (bytes): a long context at a large batch would
 // otherwise hold a partial per span of every row at once.
 constexpr int64_t kWaveBytes = int64_t(64) << 20;
@@ -678,19 +689,20 @@ void run(ffi::ThreadPool& pool, const Problem& p, const void* kc, const void* vc
   const bool parallel = 2 * keys * p.Hq * p.Tq * p.D >= kParallelWork;
   const auto* k = static_cast<const typename E::T*>(kc);
   const auto* v = static_cast<const typename E::T*>(vc);
-  std::vector<int64_t> task0, tgroup, tspan;  // per wave: task -> (group, its span's first key)
+  std::vector<int64_t> task0, tgroup, tspan;  // per wave: task -> (group, its first key)
   std::vector<Partial> parts;
   std::unique_ptr<float[]> states;
   for (int64_t g0 = 0; g0 < groups;) {  // waves of groups
     task0.assign(1, 0), tgroup.clear(), tspan.clear();
     int64_t bytes = 0, g1 = g0, floats = 0;
     for (; g1 < groups; ++g1) {
-      const int64_t s0 = gfirst[g1] / kSplitKeys * kSplitKeys;
-      const int64_t spans = glast[g1] > s0 ? (glast[g1] - s0 + kSplitKeys - 1) / kSplitKeys : 1;
+      int64_t spans = 1;  // [gfirst, glast) in spans (one, empty, where it is empty)
+      for (int64_t pos = span_end(gfirst[g1]); pos < glast[g1]; pos = span_end(pos)) ++spans;
       const int64_t per = (gbeg[g1 + 1] - gbeg[g1]) * p.Hkv * p.Tq * p.G * (p.D + 2);
       if (g1 > g0 && bytes + spans * per * 4 > kWaveBytes) break;
       bytes += spans * per * 4;
-      for (int64_t j = 0; j < spans; ++j) tgroup.push_back(g1), tspan.push_back(s0 + j * kSplitKeys);
+      for (int64_t j = 0, pos = gfirst[g1]; j < spans; ++j, pos = span_end(pos))
+        tgroup.push_back(g1), tspan.push_back(pos);
       task0.push_back(int64_t(tgroup.size()));
       floats += spans * per;
     }
@@ -703,22 +715,19 @@ void run(ffi::ThreadPool& pool, const Problem& p, const void* kc, const void* vc
     }
     const auto task_keys = [&](int64_t t, int64_t& a, int64_t& e) {  // task t's keys [a, e)
       const int64_t g = tgroup[t];
-      a = tspan[t] > gfirst[g] ? tspan[t] : gfirst[g];
-      e = tspan[t] + kSplitKeys < glast[g] ? tspan[t] + kSplitKeys : glast[g];
+      a = tspan[t];
+      e = span_end(a) < glast[g] ? span_end(a) : glast[g];
       e = e < a ? a : e;
     };
     pallas_attn::parallel_for(pool, int64_t(tgroup.size()), parallel, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t t = t0, t2; t < t1; t = t2) {  // a group's consecutive spans in one pass
         const int64_t g = tgroup[t];
+        for (t2 = t + 1; t2 < t1 && tgroup[t2] == g;) ++t2;
         const Group grp{&members[gbeg[g]], gbeg[g + 1] - gbeg[g]};
-        int64_t a, e;
-        task_keys(t, a, e);
-        Next ahead{nullptr, 0, 0};
-        if (t + 1 < t1) {
-          ahead.table = p.table + members[gbeg[tgroup[t + 1]]] * p.max_blocks;
-          task_keys(t + 1, ahead.k0, ahead.k1);
-        }
-        span<E>(p, k, v, grp, a, e, ahead, parts[t]);
+        int64_t a, e, unused;
+        task_keys(t, a, unused);
+        task_keys(t2 - 1, unused, e);
+        span<E>(p, k, v, grp, a, e > a ? e : a, &parts[t], t2 - t);
       }
     });
     for (int64_t g = g0; g < g1; ++g)

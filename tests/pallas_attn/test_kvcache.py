@@ -658,19 +658,20 @@ def test_interpret_is_deterministic():
 
 
 @pytest.mark.skipif(not native.available(), reason="native CPU kernels not built")
-@pytest.mark.parametrize("Tq", [1, 3])
-def test_native_row_is_batch_invariant(Tq):
+@pytest.mark.parametrize("Tq,window", [(1, (-1, -1)), (3, (-1, -1)), (1, (1100, 0))])
+def test_native_row_is_batch_invariant(Tq, window):
     """A row's output from the native kernel is the same bit for bit alone or in a batch of rows
-    of other lengths (its keys are cut into spans by its own length only): the engine's batches
-    change every step, and a request's tokens must not depend on who shares them."""
-    B, S, Hq, Hkv, D = 3, 900, 8, 2, 64
+    of other lengths (its keys are cut into spans at fixed positions, 64 keys apart and wider past
+    512, whatever the row's length, first key or batch): the engine's batches change every step,
+    and a request's tokens must not depend on who shares them."""
+    B, S, Hq, Hkv, D = 4, 2600, 8, 2, 64
     keys = jax.random.split(jax.random.key(11), 3)
     q = jax.random.normal(keys[0], (B, Tq, Hq, D), jnp.float32)
     kc = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.float32)
     vc = jax.random.normal(keys[2], (B, S, Hkv, D), jnp.float32)
-    lens = jnp.asarray([830, 45, 300], jnp.int32)
+    lens = jnp.asarray([830, 45, 300, 2555], jnp.int32)
     run = lambda q, kc, vc, n: attention_with_kvcache(  # noqa: E731
-        q, kc, vc, cache_seqlens=n, causal=True, return_lse=True, impl="native"
+        q, kc, vc, cache_seqlens=n, causal=True, window_size=window, return_lse=True, impl="native"
     )
     batch = run(q, kc, vc, lens)
     for r in range(B):
