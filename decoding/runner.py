@@ -304,6 +304,8 @@ class Runner:
         if self.ragged and draft_lengths:  # each (decode batch, draft rows) pair
             for B in sorted({self.decode_batch(n) for n in range(1, self.max_batch + 1)}):
                 most = min(B * max(draft_lengths), self.draft_room(B))
+                if self.mixes and B >= MIX_MIN_BATCH:  # and prompt rows (fold)
+                    most = self.draft_room(B)
                 for E in sorted({draft_bucket(n, B) for n in range(1, most + 1)}):
                     self.verify_ragged((), [], frozenset(), batch=B, extra=E)
         else:
@@ -346,12 +348,15 @@ class Runner:
         if verify and self.ragged:
             drafts = self.lookup_drafts(plan.decode, k, caps)
             verify = any(drafts)  # a match may have no room left before the rows' ends
-        folded, chunks = ([], list(plan.prefill)) if verify else self.fold(plan)
+        if verify and drafts is None:  # a Medusa or model draft's rows take no prompt rows
+            folded, chunks = [], list(plan.prefill)
+        else:  # a ragged verification's free rows take them as a plain step's do
+            folded, chunks = self.fold(plan, sum(map(len, drafts)) if verify else 0)
         self.prefill_chunks(chunks)
         if not plan.decode:
             return RunOutput([], [], None)
         if verify and drafts is not None:
-            out = self.verify_ragged(plan.decode, drafts, logprobs)
+            out = self.verify_ragged(plan.decode, drafts, logprobs, folded=folded)
         elif verify:
             out = self.verify(plan.decode, k, logprobs)
         else:
@@ -360,22 +365,29 @@ class Runner:
             out = out._replace(seconds=None)
         return out._replace(found=found, nexts=nexts, k=k if out.verified else 0)
 
-    def fold(self, plan: StepPlan) -> tuple[list[Chunk], list[Chunk]]:
+    def fold(self, plan: StepPlan, drafted: int = 0) -> tuple[list[Chunk], list[Chunk]]:
         """(chunks computed inside the plan's decode step, the rest, run before it by
         ``prefill_chunks``). On CPU with packed weights, at a decode batch B of at least
-        ``MIX_MIN_BATCH``, without rings and in a plain step (``mixes``), the chunks whose
-        tokens fit in the step's ``DECODE_MAX_ROWS - B`` free rows (in plan order; not a
-        request's with a ring replay) join it as rows of one token each (``engine_steps.decode_rows``' ``prefill``):
-        at 8-16 rows a step's products are compute-bound, so a separate prefill call pays its
-        own pass over the weights (about 10 ms of a 16-token chunk's 24 on SmolLM2) on top of
-        what its rows cost inside the step."""
+        ``MIX_MIN_BATCH``, without rings, in a plain step or a ragged verification of
+        ``drafted`` draft rows (``mixes``), the chunks whose tokens fit in the step's
+        ``DECODE_MAX_ROWS - B`` free rows (less the draft rows; in plan order; not a request's
+        with a ring replay) join it as rows of one token each (``engine_steps.decode_rows``'
+        ``prefill``, ``verify_ragged_rows``' rows without an owner): at 8-16 rows a step's
+        products are compute-bound, so a separate prefill call pays its own pass over the
+        weights (about 10 ms of a 16-token chunk's 24 on SmolLM2) on top of what its rows cost
+        inside the step. With prompt lookup, whose rows finish apart, most admissions are one
+        request's: a prefill call each."""
         chunks = list(plan.prefill)
         B = self.decode_batch(len(plan.decode)) if plan.decode else 0
         if not self.mixes or B < MIX_MIN_BATCH:
             return [], chunks
         replayed = {c.req.rid for c in chunks if c.replay}
-        # the folded rows are padded to a multiple of MIN_CHUNK: room for that many
-        folded, rest, room = [], [], (DECODE_MAX_ROWS - B) // MIN_CHUNK * MIN_CHUNK
+        # the folded rows are padded to a multiple of MIN_CHUNK (a verification's, with its
+        # draft rows, to draft_bucket's): room for that many
+        folded, rest = [], []
+        room = (DECODE_MAX_ROWS - B) // MIN_CHUNK * MIN_CHUNK
+        if drafted:
+            room = self.draft_room(B) - drafted
         for c in chunks:
             n = c.stop - c.start
             if not c.replay and c.req.rid not in replayed and n <= room:
@@ -661,16 +673,25 @@ class Runner:
         return out
 
     def verify_ragged(
-        self, rows: tuple[DecodeRow, ...], drafts, logprobs: set[int], batch=None, extra=None
+        self,
+        rows: tuple[DecodeRow, ...],
+        drafts,
+        logprobs: set[int],
+        batch=None,
+        extra=None,
+        folded=(),
     ) -> RunOutput:
         """One step verifying each row's own draft ``drafts[i]`` (``lookup_drafts``), each
         draft token a row of one token after the decode batch's rows
         (``engine_steps.verify_ragged_rows``): at ``batch`` or ``decode_batch(len(rows))``
         rows plus the draft tokens padded to ``draft_bucket``'s (or ``extra``) rows. On a
         memory-bound model a row is cheap, so a row without a draft costs one row instead of
-        a verification's k + 1; a row's tokens depend only on its own draft."""
+        a verification's k + 1; a row's tokens depend only on its own draft. The ``folded``
+        chunks' tokens (``fold``) are rows after the draft rows, owned by no row (their keys
+        and values written, their logits unused), counted in the padding."""
         B = batch or self.decode_batch(len(rows))
-        E = extra or draft_bucket(sum(map(len, drafts)), B)
+        n_folded = sum(c.stop - c.start for c in folded)
+        E = extra or draft_bucket(sum(map(len, drafts)) + n_folded, B)
         N = B + E
         last, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
         tokens, positions = np.zeros(E, np.int32), np.zeros(E, np.int32)
@@ -687,6 +708,12 @@ class Runner:
                 tables[i, : len(row.pages)] = row.pages
                 owner[B + i], step[B + i], where[b, j] = b, j + 1, B + i
                 i += 1
+        for c in folded:  # owner 0, step -1: as padding rows, on the request's pages
+            j = i + c.stop - c.start
+            tokens[i:j] = c.req.tokens[c.start : c.stop]
+            positions[i:j] = np.arange(c.start, c.stop)
+            tables[i:j, : len(c.pages)] = c.pages
+            i = j
         inputs = self._row_inputs(rows, self.max_pages, logprobs, B)
         drafted = (tokens, positions, tables, owner, step, where, count)
         t0, compiled = time.perf_counter(), self.compile_s
@@ -702,7 +729,9 @@ class Runner:
             drafted,
         )
         n, nxt = to_host((n, nxt))
-        seconds = time.perf_counter() - t0 if self.compile_s == compiled else None
+        # not a draft row's cost where prompt rows rode in it (the engine's _row_costs)
+        timed = self.compile_s == compiled and not folded
+        seconds = time.perf_counter() - t0 if timed else None
         self.counts["decode_steps"] += 1
         out = [[*draft[: n[b]], int(nxt[b])] for b, draft in enumerate(drafts)]
         accepted, proposed = [int(n[b]) for b in range(len(rows))], list(map(len, drafts))

@@ -137,10 +137,10 @@ def test_chunks_fold_into_decode_steps(model, monkeypatch):
 
 
 @pytest.mark.parametrize("k", [None, 2])
-def test_prompt_lookup_folds_chunks_into_its_plain_steps(model, monkeypatch, k):
+def test_prompt_lookup_folds_chunks_into_its_steps(model, monkeypatch, k):
     """With prompt lookup, chunks ride in the plain steps (k = 0 chosen where verifying costs
-    too much; or no running row has a match) and never in a verification; outputs equal
-    ``generate`` alone, and nothing compiles after the warm-up."""
+    too much; or no running row has a match) and in the ragged verifications, as rows after the
+    draft rows; outputs equal ``generate`` alone, and nothing compiles after the warm-up."""
     steep = drafts.StepCosts(tuple(1.0 + t for t in range(drafts.MAX_K + 1)))
     monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep.target)
     rng = np.random.default_rng(8)
@@ -166,7 +166,7 @@ def test_prompt_lookup_folds_chunks_into_its_plain_steps(model, monkeypatch, k):
         return decode(rows, logprobs, batch, **kw)
 
     def verified(rows, drafts, logprobs, **kw):
-        steps.append(("verify", []))
+        steps.append(("verify", [c.req.rid for c in kw.get("folded", ())]))
         return verify(rows, drafts, logprobs, **kw)
 
     monkeypatch.setattr(eng.runner, "decode", decoded)
@@ -178,7 +178,7 @@ def test_prompt_lookup_folds_chunks_into_its_plain_steps(model, monkeypatch, k):
     if k is None:
         assert all(kind == "plain" for kind, _ in steps)
     else:
-        assert any(kind == "verify" for kind, _ in steps)
+        assert any(kind == "verify" and rids for kind, rids in steps)  # a prompt rode in one
     got = [out[r] for r in ids]
     want = [
         generate(model, [p], max_new_tokens=len(o)).tokens[0]
