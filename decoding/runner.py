@@ -682,16 +682,20 @@ class Runner:
         folded=(),
     ) -> RunOutput:
         """One step verifying each row's own draft ``drafts[i]`` (``lookup_drafts``), each
-        draft token a row of one token after the decode batch's rows
-        (``engine_steps.verify_ragged_rows``): at ``batch`` or ``decode_batch(len(rows))``
-        rows plus the draft tokens padded to ``draft_bucket``'s (or ``extra``) rows. On a
+        draft token a row of one token (``engine_steps.verify_ragged_rows``): at ``batch`` or
+        ``decode_batch(len(rows))`` rows, whose padding rows take the first draft tokens, plus
+        the tokens left padded to ``draft_bucket``'s rows (at least one; or ``extra``). On a
         memory-bound model a row is cheap, so a row without a draft costs one row instead of
         a verification's k + 1; a row's tokens depend only on its own draft. The ``folded``
-        chunks' tokens (``fold``) are rows after the draft rows, owned by no row (their keys
-        and values written, their logits unused), counted in the padding."""
+        chunks' tokens (``fold``) are rows after the draft tokens, owned by no row (their keys
+        and values written, their logits unused). At 5 rows (a decode batch of 8) a draft of
+        3 tokens runs 8 + 1 rows, not 8 + 4: rows cost per row, padding rows too."""
         B = batch or self.decode_batch(len(rows))
-        n_folded = sum(c.stop - c.start for c in folded)
-        E = extra or draft_bucket(sum(map(len, drafts)) + n_folded, B)
+        # Draft and prompt tokens take the decode batch's padding rows first (a row is a row:
+        # its token, position and table are what an extra row's would be), then extra rows.
+        free = list(range(len(rows), B))
+        spill = sum(map(len, drafts)) + sum(c.stop - c.start for c in folded) - len(free)
+        E = extra or draft_bucket(max(spill, 1), B)
         N = B + E
         last, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
         tokens, positions = np.zeros(E, np.int32), np.zeros(E, np.int32)
@@ -699,22 +703,30 @@ class Runner:
         owner, step = np.zeros(N, np.int32), np.full(N, -1, np.int32)
         where, count = np.zeros((B, MAX_K), np.int32), np.zeros(B, np.int32)
         owner[:B], step[:B] = np.arange(B), 0
-        i = 0
+        inputs = self._row_inputs(rows, self.max_pages, logprobs, B)
+        slots = iter(free + list(range(B, N)))
+
+        def put(token, position, pages, who, place):  # -> the row it took
+            i = next(slots)
+            if i < B:
+                last[i], lengths[i], inputs[0][i, : len(pages)] = token, position, pages
+            else:
+                tokens[i - B], positions[i - B], tables[i - B, : len(pages)] = (
+                    token,
+                    position,
+                    pages,
+                )
+            owner[i], step[i] = who, place
+            return i
+
         for b, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
             req = row.req
             last[b], lengths[b], count[b] = req.tokens[-1], req.computed, len(draft)
             for j, token in enumerate(draft):
-                tokens[i], positions[i] = token, req.computed + 1 + j
-                tables[i, : len(row.pages)] = row.pages
-                owner[B + i], step[B + i], where[b, j] = b, j + 1, B + i
-                i += 1
+                where[b, j] = put(token, req.computed + 1 + j, row.pages, b, j + 1)
         for c in folded:  # owner 0, step -1: as padding rows, on the request's pages
-            j = i + c.stop - c.start
-            tokens[i:j] = c.req.tokens[c.start : c.stop]
-            positions[i:j] = np.arange(c.start, c.stop)
-            tables[i:j, : len(c.pages)] = c.pages
-            i = j
-        inputs = self._row_inputs(rows, self.max_pages, logprobs, B)
+            for t in range(c.start, c.stop):
+                put(c.req.tokens[t], t, c.pages, 0, -1)
         drafted = (tokens, positions, tables, owner, step, where, count)
         t0, compiled = time.perf_counter(), self.compile_s
         n, nxt, lp, self.k, self.v = self._call(
@@ -729,8 +741,8 @@ class Runner:
             drafted,
         )
         n, nxt = to_host((n, nxt))
-        # not a draft row's cost where prompt rows rode in it (the engine's _row_costs)
-        timed = self.compile_s == compiled and not folded
+        # not a draft row's cost where prompt rows or padding rows held some (_row_costs)
+        timed = self.compile_s == compiled and not folded and not free
         seconds = time.perf_counter() - t0 if timed else None
         self.counts["decode_steps"] += 1
         out = [[*draft[: n[b]], int(nxt[b])] for b, draft in enumerate(drafts)]

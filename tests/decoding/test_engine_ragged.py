@@ -166,6 +166,28 @@ def test_a_step_has_the_batch_and_its_drafts_rows(model, monkeypatch):
     with pytest.raises(RuntimeError, match="stop"):
         eng.runner.verify_ragged(rows, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], frozenset())
     assert shapes == [(2, 14)]
+    # 3 rows at a decode batch of 4: the padding row takes the first draft token, the other two
+    # one extra row each (draft_bucket(2, 4)); one token fits in the padding row: one extra row
+    seen = []
+    monkeypatch.setattr(eng.runner, "ragged_fn", lambda *a: seen.append(a) or fn(*a))
+    three = tuple(
+        DecodeRow(
+            Request(i, 20, 60, SamplingConfig(), None, 0, list(range(21)), computed=20, row=i),
+            (i, 5),
+        )
+        for i in range(3)
+    )
+    for ds, want in (([[7, 8], [9], []], (4, 2)), ([[], [9], []], (4, 1))):
+        with pytest.raises(RuntimeError, match="stop"):
+            eng.runner.verify_ragged(three, ds, frozenset(), batch=4)
+        assert shapes[-1] == want
+    (_, _, _, _, last, lengths, table, *_, drafted) = seen[0]
+    owner, step, where = drafted[3], drafted[4], drafted[5]
+    assert last[3] == 7 and lengths[3] == 21 and list(table[3, :2]) == [0, 5]
+    assert (owner[3], step[3], where[0, 0]) == (0, 1, 3)
+    assert list(drafted[0]) == [8, 9] and list(drafted[1]) == [22, 21]
+    assert list(owner[4:]) == [0, 1] and list(step[4:]) == [2, 1]
+    assert (where[0, 1], where[1, 0]) == (4, 5)
     assert [draft_bucket(n, 1) for n in (1, 2, 3, 4, 5, 7, 8, 9)] == [1, 2, 4, 4, 7, 7, 8, 15]
     assert [draft_bucket(n, 8) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 16]
     assert [draft_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 64, 65)] == [
