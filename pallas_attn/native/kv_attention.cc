@@ -488,34 +488,33 @@ void span(const Problem& p, const typename E::T* kc, const typename E::T* vc, Gr
   float* kbuf = f32 && k_unscaled ? nullptr : scratch(kbuf_v, kLanes * H * D);
   float* vbuf = f32 && v_unscaled ? nullptr : scratch(vbuf_v, kChunk * D);
   // Cache offset of each position's row (pages clamped into the pool: masked keys read junk).
-  const auto row_in = [&](const int32_t* table, int64_t pos) {
-    int64_t page = table[pos / p.P];
+  const auto row_at = [&](int64_t pos) {
+    int64_t page = blocks[pos / p.P];
     page = page < 0 ? 0 : page >= p.num_pages ? p.num_pages - 1 : page;
     return (page * p.P + pos % p.P) * H * D;
   };
-  const auto row_at = [&](int64_t pos) { return row_in(blocks, pos); };
   // Asks for the key and value rows of positions [c0, c1) ahead of their use. Left to demand
   // misses, a decode step's cache (evicted by the weights streamed since the last step) came in
   // at a third of the memory bandwidth: one row of Hkv x D at a time, with the products between.
   constexpr int64_t kLine = 64;
   const int64_t row_bytes = H * D * int64_t(sizeof(typename E::T));
-  const auto prefetch = [&](const int32_t* table, int64_t c0, int64_t c1) {
+  const auto prefetch = [&](int64_t c0, int64_t c1) {
     for (int64_t pos = c0; pos < c1; ++pos) {
-      const char* kr = reinterpret_cast<const char*>(kc + row_in(table, pos));
-      const char* vr = reinterpret_cast<const char*>(vc + row_in(table, pos));
+      const char* kr = reinterpret_cast<const char*>(kc + row_at(pos));
+      const char* vr = reinterpret_cast<const char*>(vc + row_at(pos));
       for (int64_t b = 0; b < row_bytes; b += kLine) {
         __builtin_prefetch(kr + b);
         __builtin_prefetch(vr + b);
       }
     }
   };
-  prefetch(blocks, k0, k1 - k0 < kChunk ? k1 : k0 + kChunk);
+  prefetch(k0, k1 - k0 < kChunk ? k1 : k0 + kChunk);
   for (int64_t c0 = k0, n, j = 0, cut = span_end(k0); c0 < k1; c0 += n) {
     if (c0 >= cut) ++j, cut = span_end(c0);  // the next span (spans are whole chunks)
     n = k1 - c0 < kChunk ? k1 - c0 : kChunk;
     n = c0 + n > cut ? cut - c0 : n;
     Partial& part = parts[j];
-    if (c0 + n < k1) prefetch(blocks, c0 + n, k1 - c0 - n < kChunk ? k1 : c0 + n + kChunk);
+    if (c0 + n < k1) prefetch(c0 + n, k1 - c0 - n < kChunk ? k1 : c0 + n + kChunk);
     for (int64_t c = 0; c < n; ++c) at[c] = row_at(c0 + c);
     for (int64_t cb = 0; cb < n; cb += kLanes) {  // scores, kLanes key positions at a time
       const int64_t ce = n - cb < kLanes ? n : cb + kLanes;
