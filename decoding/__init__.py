@@ -2,6 +2,7 @@
 and the continuous-batching engine (its scheduler and step plans)."""
 
 from decoding.drafts import DraftKind, EarlyExit, PromptLookup
+from decoding.eagle import Eagle
 from decoding.engine import Engine
 from decoding.generate import (
     DecodeState,
@@ -28,6 +29,7 @@ __all__ = [
     "Engine",
     "GenerateOptions",
     "GenerateResult",
+    "Eagle",
     "Medusa",
     "OutOfPagesError",
     "PageAllocator",

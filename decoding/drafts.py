@@ -61,14 +61,20 @@ from models.transformer import rope_tables
 # asked for it outside ``speculative_generate``, and a fallback); ``speculative_generate`` and
 # ``Engine`` choose k from measured step costs instead (:func:`choose_num_draft_tokens`).
 DEFAULT_K = {
-    "cpu": {"model": 3, "prompt-lookup": 1, "early-exit": 1, "medusa": 1},
-    "gpu": {"model": 3, "prompt-lookup": 3, "early-exit": 1, "medusa": 2},
+    "cpu": {"model": 3, "prompt-lookup": 1, "early-exit": 1, "medusa": 1, "eagle": 3},
+    "gpu": {"model": 3, "prompt-lookup": 3, "early-exit": 1, "medusa": 2, "eagle": 4},
 }
 # The largest k the cost-based choice considers (and measures Tq = 1 .. MAX_K + 1 for).
 MAX_K = 8
 # Prior acceptance rate per draft kind (the chance that a drafted token is accepted), the
 # starting point of the running estimate; weighed as PRIOR_WEIGHT proposed tokens.
-PRIOR_ACCEPTANCE = {"model": 0.6, "prompt-lookup": 0.5, "early-exit": 0.5, "medusa": 0.5}
+PRIOR_ACCEPTANCE = {
+    "model": 0.6,
+    "prompt-lookup": 0.5,
+    "early-exit": 0.5,
+    "medusa": 0.5,
+    "eagle": 0.6,
+}
 PRIOR_WEIGHT = 16.0
 # Tested draft positions over which the running estimate's observations fade (by 1/e): a few
 # requests' worth, so k follows the workload running now.

@@ -41,6 +41,7 @@ from decoding.drafts import (
     choose_num_draft_tokens,
     measured_costs,
 )
+from decoding.eagle import Eagle
 from decoding.generate import (
     GenerateOptions,
     GenerateResult,
@@ -298,11 +299,11 @@ def draft_kind(draft):
         return ModelDraft.split(draft)
     if isinstance(draft, PromptLookup | EarlyExit):
         return draft, None
-    if isinstance(draft, Medusa):
+    if isinstance(draft, Medusa | Eagle):
         return draft.split()
     raise TypeError(
-        "draft must be a models.Transformer, decoding.PromptLookup, decoding.EarlyExit or "
-        f"decoding.Medusa, got {type(draft).__name__}"
+        "draft must be a models.Transformer, decoding.PromptLookup, decoding.EarlyExit, "
+        f"decoding.Medusa or decoding.Eagle, got {type(draft).__name__}"
     )
 
 

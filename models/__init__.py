@@ -3,6 +3,7 @@
 sharding (``models.shard``), and models by name (SmolLM2-135M-Instruct, the shipped code models)."""
 
 from models.config import PRESETS, RopeScaling, TransformerConfig
+from models.eagle import EagleHead
 from models.gguf import load_gguf, save_gguf
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.kv_cache import KVCache
@@ -21,6 +22,7 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "KVCache",
+    "EagleHead",
     "MedusaHeads",
     "QuantLinear",
     "RopeScaling",

@@ -19,6 +19,7 @@ from scipy import stats
 
 from decoding import EarlyExit, PromptLookup, SamplingConfig, probabilities
 from decoding.drafts import ModelDraft
+from decoding.eagle import EagleDraft
 from decoding.speculative import draft_kind, speculative_decode, speculative_prefill
 from models import KVCache
 
@@ -52,6 +53,8 @@ def sample_new_tokens(target, draft, *, k, sampling, seed=0):
         draft_cache = None
         if isinstance(kind, ModelDraft):
             draft_cache = KVCache.contiguous(kind.config, N, cap)
+        elif isinstance(kind, EagleDraft):
+            draft_cache = kind.empty_state(model, params, N, cap)
         common = dict(eos_id=-1, max_new_tokens=NEW, sampling=sampling)
         state = speculative_prefill(
             model,

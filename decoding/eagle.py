@@ -1,0 +1,187 @@
+"""EAGLE drafting (Li et al., 2024) in ``speculative_generate``: the target drafts for itself
+with a ``models.EagleHead``, one decoder block that reads the target's own hidden states.
+
+The draft keeps its own one-layer KV cache of pairs (h_j, x_{j+1}) (``models.eagle``), at the
+target's length. A verification (``[last, d_1 .. d_k]``, Tq = k + 1) also returns the target's
+hidden states h_L .. h_{L+k}; the first n + 1 of them (n accepted) pair with the tokens after
+them, which are then all known: ``last``'s successors d_1 .. d_n and the target's own token. The
+next step's ``propose`` feeds those n + 1 pairs into the draft's cache in one call (k + 1 rows,
+the rows past n + 1 written and then dropped by the length), reads the draft's feature at the
+last of them, and drafts k tokens, feeding each with the draft's own feature in place of the
+target's (k - 1 more calls of one row). Greedy drafts the argmax; sampling draws from the
+draft's distribution q (shaped by the target's ``SamplingConfig``), which the verification rule
+uses, so the output stays exactly the target's either way.
+
+After the target's prefill the draft's prefill runs the target over the prompts once more for
+their hidden states (its logits unused) and feeds all pairs but the last, which stays pending.
+
+Chains only, in ``speculative_generate`` (a batch of rows, each at its own length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from decoding.drafts import (
+    MAX_K,
+    PRIOR_ACCEPTANCE,
+    Context,
+    DraftCosts,
+    DraftKind,
+    Proposal,
+    Verified,
+    _split_keys,
+    check_vocab,
+    default_k,
+    verify_chain,
+)
+from decoding.packing import packed_model, packed_weights
+from decoding.sampling import probabilities, sample
+from models.eagle import EagleHead
+from models.sharding import mesh_of
+
+
+class Eagle:
+    """A draft kind for ``speculative_generate``: ``Eagle(head)`` with ``head`` a
+    ``models.EagleHead`` trained for the target (``python -m models.eagle_train``); k up to
+    ``drafts.MAX_K``, chosen from the measured step costs unless ``num_draft_tokens`` fixes
+    it."""
+
+    def __init__(self, head: EagleHead):
+        if not isinstance(head, EagleHead):
+            raise TypeError(f"head must be a models.EagleHead, got {type(head).__name__}")
+        self.head = head
+
+    def split(self) -> tuple[EagleDraft, Any]:
+        """(the static draft kind, params: the head's and their packed copies for few-row
+        products, ``decoding.packing.packed_weights``)."""
+        graphdef, params = nnx.split(self.head)
+        c = self.head.config
+        share = draft_share(self.head)
+        return EagleDraft(graphdef, c.dim, c.vocab_size, share), (
+            params,
+            packed_weights(self.head, params),
+        )
+
+
+def draft_share(head: EagleHead) -> float:
+    """One drafting call's weights as a share of the target's (what a memory-bound step
+    reads): the block, ``fc`` and the draft vocabulary's rows against the whole target."""
+    c = head.config
+    mine = sum(int(v[...].size) for _, v in nnx.to_flat_state(nnx.state(head, nnx.Param)))
+    D, H, Hkv, M = c.dim, c.num_heads, c.num_kv_heads, c.mlp_dim
+    hd = c.resolved_head_dim
+    layer = D * (H + 2 * Hkv) * hd + H * hd * D + 3 * D * M
+    target = c.num_layers * layer + c.vocab_size * D * (1 if c.tie_embeddings else 2)
+    return mine / target
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDraft(DraftKind):
+    """The static side of :class:`Eagle` (``graphdef`` of the head; params passed apart).
+
+    State: (cache, pending h [B, MAX_K + 1, dim], pending count [B]): the draft's one-layer
+    ``KVCache`` (lengths = pairs fed), and the target's hidden states of the positions whose
+    pairs are not fed yet (the first ``count`` rows)."""
+
+    graphdef: Any
+    dim: int
+    vocab_size: int
+    share: float
+    prefill_calls = 1
+
+    @property
+    def default_num_draft_tokens(self) -> int:
+        return default_k("eagle")
+
+    @property
+    def deterministic(self) -> bool:
+        return False  # draws from its own distribution when sampling
+
+    def check(self, target, k: int) -> None:
+        check_vocab("the EAGLE head", self.vocab_size, target)
+        if self.dim != target.config.dim:
+            raise ValueError(
+                f"the EAGLE head has dim {self.dim}, the target has {target.config.dim}"
+            )
+        if k > MAX_K:
+            raise ValueError(f"num_draft_tokens={k} exceeds drafts.MAX_K={MAX_K} for EAGLE")
+
+    def place(self, draft, params, target):
+        if mesh_of(target) is not None:
+            raise ValueError("EAGLE drafting runs on an unsharded target only")
+        return params
+
+    def costs(self, target, params) -> DraftCosts:
+        share = self.share
+        return DraftCosts(PRIOR_ACCEPTANCE["eagle"], target, lambda k: k * share, max_k=MAX_K)
+
+    def head(self, params) -> EagleHead:
+        return packed_model(self.graphdef, *params)
+
+    def make_state(self, target, params, cache_kind: str, batch, page_size: int, num_pages):
+        """A contiguous draft cache whatever the target's (one layer: small)."""
+        return self.empty_state(target, params, len(batch.done), batch.capacity), None
+
+    def empty_state(self, target, params, rows: int, capacity: int):
+        """The state for ``rows`` rows of up to ``capacity`` positions (traceable)."""
+        head = nnx.merge(self.graphdef, params[0])
+        cache = head.cache(rows, capacity + MAX_K + 2)
+        pend = jnp.zeros((rows, MAX_K + 1, self.dim), target.config.jnp_dtype)
+        return cache, pend, jnp.zeros((rows,), jnp.int32)
+
+    def prefill(self, ctx: Context, tokens, prompt_lengths):
+        """The target's hidden states over the prompts (an uncached forward, logits unused),
+        the pairs of positions 0 .. P - 2 fed, position P - 1's pending."""
+        cache, pend, _ = ctx.state
+        B, T = tokens.shape
+        _, h = ctx.target(tokens, return_hidden=True)  # [B, T, dim]
+        head = self.head(ctx.params)
+        nxt = ctx.seq[:, 1 : T + 1]  # the token after each position (the first new one at P)
+        e = ctx.target.embed(nxt)
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        kv = (cache.k[0], cache.v[0], jnp.zeros((B,), jnp.int32), None)
+        _, (kc, vc) = head.features(h, e, positions, kv=kv)
+        last = jnp.maximum(prompt_lengths - 1, 0)
+        pend = pend.at[:, 0].set(jnp.take_along_axis(h, last[:, None, None], 1)[:, 0])
+        cache = cache.replace(k=(kc,), v=(vc,), lengths=last.astype(jnp.int32))
+        return cache, pend, jnp.ones((B,), jnp.int32)
+
+    def propose(self, ctx: Context, k: int, sampling, key) -> Proposal:
+        cache, pend, count = ctx.state
+        head = self.head(ctx.params)
+        embed = ctx.target.embed
+        D = cache.lengths
+        j = jnp.arange(k + 1, dtype=jnp.int32)
+        pos = D[:, None] + j  # [B, k + 1]
+        nxt = jnp.take_along_axis(ctx.seq, jnp.minimum(pos + 1, ctx.seq.shape[1] - 1), axis=1)
+        kv = (cache.k[0], cache.v[0], D, None)
+        f, (kc, vc) = head.features(pend[:, : k + 1], embed(nxt), pos, kv=kv)
+        feat = jnp.take_along_axis(f, (count - 1)[:, None, None], axis=1)  # [B, 1, dim]
+        lengths = D + count  # = the target's length: the pairs all known
+        keys = _split_keys(key, k)
+        toks, qs = [], []
+        for i in range(k):
+            logits = head.logits(feat)[:, 0]
+            toks.append(sample(logits, keys[i], sampling))
+            qs.append(probabilities(logits, sampling))
+            if i + 1 < k:  # the drafted token fed with the draft's own feature
+                kv = (kc, vc, lengths + i, None)
+                feat, (kc, vc) = head.features(
+                    feat, embed(toks[-1][:, None]), (lengths + i)[:, None], kv=kv
+                )
+        tokens = jnp.stack(toks, 1)
+        q = jnp.stack(qs, 1)
+        state = (cache.replace(k=(kc,), v=(vc,), lengths=lengths), pend, count)
+        return Proposal(tokens, q, state, ctx.cache, k)
+
+    def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
+        n, nxt, cache, hidden = verify_chain(target, last, prop, sampling, key, hidden=True)
+        draft_cache, pend, _ = prop.state
+        k1 = hidden.shape[1]
+        pend = pend.at[:, :k1].set(hidden.astype(pend.dtype))
+        return Verified(prop.tokens, n, nxt, cache, (draft_cache, pend, n + 1))

@@ -1,0 +1,439 @@
+"""Training an EAGLE draft head (``models.eagle``) by self-distillation on a frozen target
+(``python -m models.eagle_train --target smollm2-135m-instruct --out DIR``).
+
+Data: the same chat prompts and the target's own greedy and sampled continuations as the Medusa
+trainer (``models.medusa_train.distill_prompts`` / ``self_distill_data``), then the target's
+hidden states over each whole sequence (one uncached forward per batch of similar lengths).
+Both are cached under ``$TMPDIR/pallas_attn_eagle/`` (a rerun with the same data arguments skips
+them).
+
+Loss at pair j (the draft reads (h_j, x_{j+1})): cross entropy of the draft's logits over the
+draft vocabulary against the target's own distribution at j + 1 (soft labels, from h_{j+1}),
+plus ``--feature-weight`` times the smooth-L1 distance of its feature to h_{j+1} (EAGLE's
+regression, which keeps the fed-back features close to what the target would give). Pairs in the
+prompt weigh ``PROMPT_WEIGHT``: the draft only drafts answers. Gaussian noise of ``--noise``
+times each feature's scale is added to the h the draft reads (EAGLE's noise: at drafting time it
+reads its own, imperfect, features after the first token).
+
+Evaluation (held-out prompts' greedy continuations): ``chain_acceptance`` drafts k tokens after
+every position of an answer exactly as decoding does (the cached block, its own features fed
+back) and counts how many the target's greedy answer keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from models.cli import Interrupted, output_dir, report_interrupt
+from models.eagle import TRAINABLE, EagleHead, save_eagle
+from models.interrupts import deferred_interrupts
+from models.medusa import head_rows
+from models.medusa_train import DISTILL_SUBJECTS, DISTILL_TASKS, distill_prompts, self_distill_data
+from models.pretrained import model_arg, pretrained
+from models.train_step import TrainConfig, optimizer
+
+PROMPT_WEIGHT = 0.1
+
+
+def sequence_features(target, seqs, *, batch: int = 8, bucket: int = 32, log=print):
+    """The target's hidden states over each sequence: a list of float32 [len(s), dim] arrays.
+    Sequences are batched by length (one uncached forward per batch, right-padded to a multiple
+    of ``bucket``: a causal model's earlier positions never see the padding)."""
+    graphdef, state = nnx.split(target)
+
+    @jax.jit
+    def fwd(state, tokens):
+        return nnx.merge(graphdef, state)(tokens, return_hidden=True)[1]
+
+    order = np.argsort([len(s) for s in seqs], kind="stable")
+    out = [None] * len(seqs)
+    start = time.perf_counter()
+    for b in range(0, len(order), batch):
+        idx = order[b : b + batch]
+        T = -(-max(len(seqs[i]) for i in idx) // bucket) * bucket
+        tokens = np.zeros((batch, T), np.int32)
+        for r, i in enumerate(idx):
+            tokens[r, : len(seqs[i])] = seqs[i]
+        h = np.asarray(fwd(state, tokens), np.float32)
+        for r, i in enumerate(idx):
+            out[i] = h[r, : len(seqs[i])]
+        if (b // batch) % 25 == 0:
+            log(
+                f"hidden states: {b + len(idx)}/{len(seqs)} sequences, "
+                f"{time.perf_counter() - start:.0f}s"
+            )
+    return out
+
+
+def draft_vocabulary(seqs, prompt_lengths, size: int) -> np.ndarray:
+    """The ``size`` most frequent tokens of the answers (FR-Spec's ranking), sorted ids."""
+    toks = np.concatenate([np.asarray(s[p:]) for s, p in zip(seqs, prompt_lengths, strict=True)])
+    ids, counts = np.unique(toks, return_counts=True)
+    keep = ids[np.argsort(-counts, kind="stable")[:size]]
+    return np.sort(keep).astype(np.int32)
+
+
+def make_step(graphdef, rest, tx, *, feature_weight: float, noise: float, softcap: float):
+    """``step(params, opt_state, w, embed, batch, key) -> (params, opt_state, loss)``, jitted.
+    ``w`` [V', dim]: the target's LM-head rows of the draft vocabulary; ``embed`` [V, dim]: its
+    embedding table; ``batch``: (tokens [B, T+1], h [B, T+1, dim], weights [B, T]) with pair j
+    reading (h_j, tokens_{j+1}) and answering h_{j+1}."""
+
+    def cap(x):
+        return softcap * jnp.tanh(x / softcap) if softcap > 0 else x
+
+    def step(params, opt_state, w, embed, batch, key):
+        tokens, h, weights = batch
+        B, T = weights.shape
+        h_in, h_next = h[:, :-1], h[:, 1:]
+        e = embed[tokens[:, 1:]]
+        scale = jnp.sqrt(jnp.mean(jnp.square(h_in), axis=(0, 1), keepdims=True))
+        h_in = h_in + noise * scale * jax.random.normal(key, h_in.shape, h_in.dtype)
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        segments = (weights > 0).astype(jnp.int32)  # padding: its own segment, weight 0
+        p_target = jax.nn.softmax(cap(jnp.einsum("btd,vd->btv", h_next, w)), -1)
+
+        def f(p):
+            head = nnx.merge(graphdef, p, rest)
+            feat, _ = head.features(h_in, e, positions, segment_ids=segments)
+            logits = head.sub_logits(feat)
+            ce = optax.softmax_cross_entropy(logits, p_target)
+            reg = jnp.mean(optax.huber_loss(feat, h_next), -1)
+            return jnp.sum((ce + feature_weight * reg) * weights) / jnp.maximum(jnp.sum(weights), 1)
+
+        loss, grads = jax.value_and_grad(f)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _batch(seqs, feats, prompt_lengths, idx, bucket: int = 32):
+    """(tokens [B, T+1], h [B, T+1, dim], weights [B, T]) for the sequences ``idx``."""
+    T1 = -(-max(len(seqs[i]) for i in idx) // bucket) * bucket
+    dim = feats[idx[0]].shape[1]
+    tokens = np.zeros((len(idx), T1), np.int32)
+    h = np.zeros((len(idx), T1, dim), np.float32)
+    weights = np.zeros((len(idx), T1 - 1), np.float32)
+    for r, i in enumerate(idx):
+        n, p = len(seqs[i]), prompt_lengths[i]
+        tokens[r, :n] = seqs[i]
+        h[r, :n] = feats[i]
+        weights[r, : n - 1] = PROMPT_WEIGHT
+        weights[r, p - 1 : n - 1] = 1.0  # pairs whose answer is an answer token's feature
+    return tokens, h, weights
+
+
+def chain_acceptance(head: EagleHead, target, seq, feats, prompt_length: int, k: int):
+    """Greedy chain drafting after every answer position of one sequence, as decoding drafts:
+    the pairs up to (h_t, x_{t+1}) from the target, then k tokens with the draft's own features
+    fed back. Returns the number of leading draft tokens equal to the sequence's, per anchor t
+    (int [A]); ``seq`` must be the target's greedy answer for this to be the acceptance."""
+    seq = np.asarray(seq, np.int32)
+    L, P = len(seq), prompt_length
+    anchors = np.arange(P - 1, L - 2)  # x_{t+2} exists
+    if anchors.size == 0:
+        return np.zeros(0, np.int32)
+    graphdef, state = nnx.split(head)
+    embed = target.embed.embedding[...]
+
+    @jax.jit
+    def run(state, tokens, h, anchors):
+        head = nnx.merge(graphdef, state)
+        n = tokens.shape[0] - 1
+        cache = head.cache(1, n + k + 1)
+        pos = jnp.arange(n, dtype=jnp.int32)[None]
+        kv = (cache.k[0], cache.v[0], cache.lengths, None)
+        f, (kc, vc) = head.features(h[None, :n], embed[tokens[None, 1:]], pos, kv=kv)
+        A = anchors.shape[0]
+        kc = jnp.broadcast_to(kc, (A, *kc.shape[1:]))
+        vc = jnp.broadcast_to(vc, (A, *vc.shape[1:]))
+        lengths = anchors + 1
+        feat = f[0, anchors][:, None]  # [A, 1, dim]
+        drafted = []
+        for i in range(k):
+            tok = head.vocab[...][jnp.argmax(head.sub_logits(feat)[:, 0], -1)]
+            drafted.append(tok)
+            if i + 1 < k:
+                kv = (kc, vc, lengths, None)
+                feat, (kc, vc) = head.features(feat, embed[tok][:, None], lengths[:, None], kv=kv)
+                lengths = lengths + 1
+        return jnp.stack(drafted, 1)  # [A, k]
+
+    drafted = np.asarray(run(state, seq, feats, anchors))
+    truth = np.stack(
+        [
+            np.where(anchors + 2 + i < L, seq[np.minimum(anchors + 2 + i, L - 1)], -1)
+            for i in range(k)
+        ],
+        1,
+    )
+    match = np.cumprod(drafted == truth, axis=1)
+    return match.sum(1)
+
+
+def train_eagle(
+    target,
+    seqs,
+    prompt_lengths,
+    feats,
+    tc,
+    *,
+    heldout,
+    draft_vocab: int,
+    feature_weight: float,
+    noise: float,
+    k_eval: int = 5,
+    log=print,
+):
+    """Trains an :class:`EagleHead` on ``seqs`` (token lists), their hidden states ``feats``
+    and prompt lengths; ``tc`` gives steps, batch (sequences per step), lr, warmup, seed,
+    eval_every. ``heldout``: (seqs, prompt_lengths, feats) of the target's greedy answers to
+    prompts not trained on. Returns (head, summary)."""
+    vocab = draft_vocabulary(seqs, prompt_lengths, draft_vocab)
+    head = EagleHead(target.config, vocab=vocab, rngs=nnx.Rngs(tc.seed)).init_from(target)
+    graphdef, params, rest = nnx.split(head, TRAINABLE, ...)
+    tx = optimizer(dataclasses.replace(tc, weight_decay=0.0))
+    opt_state = tx.init(params)
+    w = head_rows(target)[jnp.asarray(vocab)]
+    embed = target.embed.embedding[...]
+    step_fn = make_step(
+        graphdef,
+        rest,
+        tx,
+        feature_weight=feature_weight,
+        noise=noise,
+        softcap=target.config.final_softcap,
+    )
+    rng = np.random.default_rng(tc.seed)
+    key = jax.random.key(tc.seed)
+
+    def evaluate():
+        nnx.update(head, params)
+        acc = [
+            chain_acceptance(head, target, s, f, p, k_eval)
+            for s, p, f in zip(*heldout, strict=True)
+        ]
+        acc = np.concatenate(acc)
+        return dict(
+            first_token=float(np.mean(acc >= 1)),
+            mean_accepted=float(np.mean(acc)),
+            accepted_at_least=[float(np.mean(acc >= i)) for i in range(1, k_eval + 1)],
+        )
+
+    history, start, first_loss, done = [], time.perf_counter(), None, 0
+    try:
+        for i in range(1, tc.steps + 1):
+            idx = rng.integers(0, len(seqs), tc.batch)
+            batch = _batch(seqs, feats, prompt_lengths, idx)
+            key, sub = jax.random.split(key)
+            params, opt_state, loss = step_fn(params, opt_state, w, embed, batch, sub)
+            done = i
+            if first_loss is None:
+                first_loss = float(loss)
+            if i % tc.eval_every == 0 or i == tc.steps:
+                entry = dict(
+                    step=i, train_loss=float(loss), seconds=round(time.perf_counter() - start, 1)
+                )
+                if heldout is not None:
+                    entry["heldout"] = evaluate()
+                history.append(entry)
+                log(
+                    f"step {i}: loss {float(loss):.4f} {entry.get('heldout', '')} "
+                    f"{entry['seconds']:.0f}s"
+                )
+    except KeyboardInterrupt:
+        raise Interrupted(done, tc.steps) from None
+    nnx.update(head, params)
+    summary = dict(
+        vocab_rows=int(vocab.size),
+        feature_weight=feature_weight,
+        noise=noise,
+        first_loss=first_loss,
+        train_sequences=len(seqs),
+        wall_seconds=round(time.perf_counter() - start, 1),
+        heldout=history[-1].get("heldout") if history else None,
+        history=history,
+        train_config=dataclasses.asdict(tc),
+    )
+    return head, summary
+
+
+def _cache_dir(key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "pallas_attn_eagle", digest)
+
+
+def main(argv=None) -> int:
+    """``python -m models.eagle_train``: a self-distilled EAGLE draft head (module docstring).
+    Exit status 2 with a usage error for bad arguments."""
+
+    def pos(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+        return int(text)
+
+    def nonneg(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            x = float("nan")
+        if not math.isfinite(x) or x < 0:
+            raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+        return x
+
+    p = argparse.ArgumentParser(prog="python -m models.eagle_train", description=main.__doc__)
+    p.add_argument("--target", type=model_arg, default="smollm2-135m-instruct")
+    p.add_argument("--out", required=True, type=output_dir)
+    p.add_argument("--prompts", type=pos, default=800, help="distinct training prompts")
+    p.add_argument("--max-new-tokens", type=pos, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--gen-batch", type=pos, default=32, help="capped at --prompts")
+    p.add_argument("--steps", type=pos, default=2000)
+    p.add_argument("--batch", type=pos, default=16, help="sequences per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--draft-vocab", type=pos, default=4096)
+    p.add_argument("--feature-weight", type=nonneg, default=1.0)
+    p.add_argument("--noise", type=nonneg, default=0.05)
+    p.add_argument("--heldout", type=float, default=0.05, help="fraction of prompts held out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-dtype", choices=("float16", "float32"), default="float16")
+    args = p.parse_args(argv)
+    if not all(math.isfinite(t) and t >= 0 for t in args.temperatures):
+        p.error(f"--temperatures must be finite and >= 0, got {args.temperatures}")
+    if not 0 <= args.heldout < 1:
+        p.error(f"--heldout must be in [0, 1), got {args.heldout}")
+    if args.prompts > len(DISTILL_TASKS) * len(DISTILL_SUBJECTS):
+        p.error(f"--prompts must be <= {len(DISTILL_TASKS) * len(DISTILL_SUBJECTS)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
+    try:
+        tc = TrainConfig(
+            steps=args.steps,
+            batch=args.batch,
+            lr=args.lr,
+            warmup=min(100, args.steps),
+            eval_every=max(args.steps // 4, 1),
+            seed=args.seed,
+        )
+    except ValueError as e:
+        p.error(f"--{str(e).replace('_', '-')}")
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    saved = f"nothing saved to {args.out}"
+    try:
+        summary = _distill(p, args, argv, tc, log)
+        saved = f"{args.out} saved"
+    except KeyboardInterrupt as e:
+        return report_interrupt(e, saved)
+    log(f"saved {args.out}: held-out {summary['heldout']}, {summary['total_seconds']:.0f}s")
+    return 0
+
+
+def _distill(p, args, argv, tc, log) -> dict:
+    t0 = time.perf_counter()
+    try:
+        target, tokenizer = pretrained(args.target)
+    except (OSError, ValueError) as e:
+        p.error(f"--target {args.target}: {e}")
+    if tokenizer.chat_template is None:
+        p.error(f"--target {args.target}: the model has no chat template to format prompts with")
+    if args.max_new_tokens >= target.config.max_position:
+        p.error(
+            f"--max-new-tokens {args.max_new_tokens}: the target holds "
+            f"{target.config.max_position} tokens, prompt included"
+        )
+    key = dict(
+        target=args.target,
+        prompts=args.prompts,
+        max_new=args.max_new_tokens,
+        temps=args.temperatures,
+        seed=args.seed,
+    )
+    cache = _cache_dir(key)
+    pairs_file = os.path.join(cache, "pairs.json")
+    if os.path.isfile(pairs_file):
+        log(f"continuations from the cache {cache}")
+        with open(pairs_file) as f:
+            pairs = json.load(f)
+    else:
+        messages = distill_prompts(args.prompts, args.seed)
+        pairs = self_distill_data(
+            target,
+            tokenizer,
+            messages,
+            max_new_tokens=args.max_new_tokens,
+            temperatures=args.temperatures,
+            batch=min(args.gen_batch, args.prompts),
+            seed=args.seed,
+            log=log,
+        )
+        pairs = [[list(map(int, a)), list(map(int, c))] for a, c in pairs]
+        with deferred_interrupts():
+            os.makedirs(cache, exist_ok=True)
+            with open(pairs_file + ".tmp", "w") as f:
+                json.dump(pairs, f)
+            os.replace(pairs_file + ".tmp", pairs_file)
+    seqs = [a + c for a, c in pairs]
+    plens = [len(a) for a, _ in pairs]
+    feat_file = os.path.join(cache, "hidden.npz")
+    if os.path.isfile(feat_file):
+        with np.load(feat_file) as z:
+            flat, offsets = z["h"], z["offsets"]
+        feats = [flat[offsets[i] : offsets[i + 1]] for i in range(len(seqs))]
+    else:
+        feats = sequence_features(target, seqs, log=log)
+        offsets = np.cumsum([0] + [len(s) for s in seqs])
+        with deferred_interrupts():
+            np.savez(feat_file + ".tmp.npz", h=np.concatenate(feats), offsets=offsets)
+            os.replace(feat_file + ".tmp.npz", feat_file)
+    # Held out by prompt: the last prompts, both temperatures; evaluated on the greedy answers.
+    n_held = int(round(args.heldout * args.prompts))
+    held = [(i % args.prompts) >= args.prompts - n_held for i in range(len(pairs))]
+    greedy = [i < args.prompts and args.temperatures[0] == 0 for i in range(len(pairs))]
+    train = [i for i in range(len(pairs)) if not held[i]]
+    test = [i for i in range(len(pairs)) if held[i] and greedy[i]]
+    heldout = ([seqs[i] for i in test], [plens[i] for i in test], [feats[i] for i in test])
+    log(
+        f"{len(train)} training sequences ({sum(len(seqs[i]) for i in train)} tokens), "
+        f"{len(test)} held-out greedy answers"
+    )
+    head, summary = train_eagle(
+        target,
+        [seqs[i] for i in train],
+        [plens[i] for i in train],
+        [feats[i] for i in train],
+        tc,
+        heldout=heldout if test else None,
+        draft_vocab=args.draft_vocab,
+        feature_weight=args.feature_weight,
+        noise=args.noise,
+        log=log,
+    )
+    command = " ".join(["python -m models.eagle_train", *(sys.argv[1:] if argv is None else argv)])
+    summary.update(
+        command=command, base_model=args.target, total_seconds=round(time.perf_counter() - t0, 1)
+    )
+    with deferred_interrupts():
+        save_eagle(head, args.out, extra=dict(base_model=args.target), dtype=args.save_dtype)
+        with open(os.path.join(args.out, "training.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())
