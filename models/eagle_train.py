@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -39,12 +40,13 @@ import optax
 from flax import nnx
 
 from models.cli import Interrupted, output_dir, report_interrupt
-from models.eagle import TRAINABLE, EagleHead, save_eagle
+from models.eagle import TRAINABLE, EagleHead, load_eagle, save_eagle
 from models.interrupts import deferred_interrupts
 from models.medusa import head_rows
 from models.medusa_train import DISTILL_SUBJECTS, DISTILL_TASKS, distill_prompts, self_distill_data
 from models.pretrained import model_arg, pretrained
 from models.train_step import TrainConfig, optimizer
+from models.transformer import apply_rope, rope_tables
 
 PROMPT_WEIGHT = 0.1
 
@@ -87,33 +89,95 @@ def draft_vocabulary(seqs, prompt_lengths, size: int) -> np.ndarray:
     return np.sort(keep).astype(np.int32)
 
 
-def make_step(graphdef, rest, tx, *, feature_weight: float, noise: float, softcap: float):
+def unrolled_features(head: EagleHead, h, tokens, embed, depth: int):
+    """The draft's features over whole sequences as it drafts ``depth`` tokens after every
+    position at once (EAGLE-3's "training-time test"): pass 1 reads the target's pairs
+    (h_j, x_{j+1}); pass p > 1 at index j reads (pass p - 1's feature at j, x_{j+p}) at
+    position j + p - 1 and attends to pass 1's keys at positions <= j (the target's pairs up
+    to the anchor) and to passes 2 .. p's own keys at index j (the drafted pairs after it), as
+    the cached block does when drafting the p-th token after anchor j.
+
+    h [B, T + depth, dim], tokens [B, T + depth + 1] -> features [depth, B, T, dim] (pass p's
+    feature at index j predicts h_{j+p}). Padding is on the right: causal attention keeps it
+    from every real position."""
+    c = head.block.attn.config
+    if c.qk_norm or c.sandwich_norm or c.attn_softcap or c.is_sliding(0):
+        raise ValueError("unrolled training supports plain pre-norm blocks without a window")
+    B = h.shape[0]
+    T = h.shape[1] - depth
+    D, H, Hkv = c.resolved_head_dim, c.num_heads, c.num_kv_heads
+    G = H // Hkv
+    scale = c.softmax_scale or D**-0.5
+    blk = head.block
+    dt = c.jnp_dtype
+
+    def project(x, pos):
+        qkv = blk.attn.qkv_proj(blk.input_norm(x)).reshape(B, T, Hkv, G + 2, D)
+        cos, sin = rope_tables(c, pos)
+        q = apply_rope(qkv[:, :, :, :-2].reshape(B, T, H, D), cos, sin)
+        k = apply_rope(qkv[:, :, :, -2], cos, sin)
+        return q.reshape(B, T, Hkv, G, D), k, qkv[:, :, :, -1]
+
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    k1 = v1 = None
+    extra, feats = [], []  # passes 2 ..'s (k, v), each read only at its own index
+    x_h = h[:, :T]
+    for p in range(1, depth + 1):
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + p - 1, (B, T))
+        e = embed[tokens[:, p : T + p]]
+        x = head.fc(jnp.concatenate([e.astype(dt), x_h.astype(dt)], -1))
+        q, k, v = project(x, pos)
+        if p == 1:
+            k1, v1 = k, v
+        else:
+            extra.append((k, v))
+        s1 = jnp.einsum("bikgd,bjkd->bkgij", q, k1).astype(jnp.float32) * scale
+        s1 = jnp.where(causal, s1, -jnp.inf)
+        own = [
+            jnp.einsum("bikgd,bikd->bkgi", q, kr).astype(jnp.float32)[..., None] * scale
+            for kr, _ in extra
+        ]
+        w = jax.nn.softmax(jnp.concatenate([s1, *own], -1), -1)  # [B, Hkv, G, T, T + p - 1]
+        out = jnp.einsum("bkgij,bjkd->bikgd", w[..., :T].astype(v1.dtype), v1)
+        for r, (_, vr) in enumerate(extra):
+            wr = w[..., T + r].transpose(0, 3, 1, 2)[..., None]  # [B, T, Hkv, G, 1]
+            out = out + wr.astype(vr.dtype) * vr[:, :, :, None, :]
+        x = x + blk.attn.o_proj(out.reshape(B, T, H * D))
+        x = x + blk.mlp(blk.post_attn_norm(x))
+        feats.append(x)
+        x_h = x
+    return jnp.stack(feats)
+
+
+def make_step(graphdef, rest, tx, *, depth: int, feature_weight: float, noise: float, softcap):
     """``step(params, opt_state, w, embed, batch, key) -> (params, opt_state, loss)``, jitted.
     ``w`` [V', dim]: the target's LM-head rows of the draft vocabulary; ``embed`` [V, dim]: its
-    embedding table; ``batch``: (tokens [B, T+1], h [B, T+1, dim], weights [B, T]) with pair j
-    reading (h_j, tokens_{j+1}) and answering h_{j+1}."""
+    embedding table; ``batch`` from :func:`_batch`. The loss is the mean over the ``depth``
+    passes of :func:`unrolled_features` (pass p at index j against h_{j+p}, the target's
+    distribution there and its feature)."""
 
     def cap(x):
         return softcap * jnp.tanh(x / softcap) if softcap > 0 else x
 
     def step(params, opt_state, w, embed, batch, key):
         tokens, h, weights = batch
-        B, T = weights.shape
-        h_in, h_next = h[:, :-1], h[:, 1:]
-        e = embed[tokens[:, 1:]]
-        scale = jnp.sqrt(jnp.mean(jnp.square(h_in), axis=(0, 1), keepdims=True))
-        h_in = h_in + noise * scale * jax.random.normal(key, h_in.shape, h_in.dtype)
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        segments = (weights > 0).astype(jnp.int32)  # padding: its own segment, weight 0
-        p_target = jax.nn.softmax(cap(jnp.einsum("btd,vd->btv", h_next, w)), -1)
+        T = weights.shape[1] - depth + 1
+        scale = jnp.sqrt(jnp.mean(jnp.square(h), axis=(0, 1), keepdims=True))
+        h_in = h + noise * scale * jax.random.normal(key, h.shape, h.dtype)
 
         def f(p):
             head = nnx.merge(graphdef, p, rest)
-            feat, _ = head.features(h_in, e, positions, segment_ids=segments)
-            logits = head.sub_logits(feat)
-            ce = optax.softmax_cross_entropy(logits, p_target)
-            reg = jnp.mean(optax.huber_loss(feat, h_next), -1)
-            return jnp.sum((ce + feature_weight * reg) * weights) / jnp.maximum(jnp.sum(weights), 1)
+            feats = unrolled_features(head, h_in, tokens, embed, depth)
+            total = 0.0
+            for i in range(depth):
+                target = h[:, i + 1 : i + 1 + T]
+                wt = weights[:, i : i + T]
+                p_target = jax.nn.softmax(cap(jnp.einsum("btd,vd->btv", target, w)), -1)
+                ce = optax.softmax_cross_entropy(head.sub_logits(feats[i]), p_target)
+                reg = jnp.mean(optax.huber_loss(feats[i], target), -1)
+                loss = jnp.sum((ce + feature_weight * reg) * wt) / jnp.maximum(jnp.sum(wt), 1)
+                total = total + loss / depth
+            return total
 
         loss, grads = jax.value_and_grad(f)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -122,13 +186,16 @@ def make_step(graphdef, rest, tx, *, feature_weight: float, noise: float, softca
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def _batch(seqs, feats, prompt_lengths, idx, bucket: int = 32):
-    """(tokens [B, T+1], h [B, T+1, dim], weights [B, T]) for the sequences ``idx``."""
-    T1 = -(-max(len(seqs[i]) for i in idx) // bucket) * bucket
+def _batch(seqs, feats, prompt_lengths, idx, depth: int, bucket: int = 32):
+    """(tokens [B, T + depth + 1], h [B, T + depth, dim], weights [B, T + depth - 1]) for the
+    sequences ``idx``, T + 1 their longest length rounded up to ``bucket``: pair j reads (h_j,
+    tokens_{j+1}); ``weights[j]`` is pair j's weight (0 past the sequence), read shifted by
+    p - 1 for pass p."""
+    T = -(-max(len(seqs[i]) for i in idx) // bucket) * bucket - 1
     dim = feats[idx[0]].shape[1]
-    tokens = np.zeros((len(idx), T1), np.int32)
-    h = np.zeros((len(idx), T1, dim), np.float32)
-    weights = np.zeros((len(idx), T1 - 1), np.float32)
+    tokens = np.zeros((len(idx), T + depth + 1), np.int32)
+    h = np.zeros((len(idx), T + depth, dim), np.float32)
+    weights = np.zeros((len(idx), T + depth - 1), np.float32)
     for r, i in enumerate(idx):
         n, p = len(seqs[i]), prompt_lengths[i]
         tokens[r, :n] = seqs[i]
@@ -138,21 +205,13 @@ def _batch(seqs, feats, prompt_lengths, idx, bucket: int = 32):
     return tokens, h, weights
 
 
-def chain_acceptance(head: EagleHead, target, seq, feats, prompt_length: int, k: int):
-    """Greedy chain drafting after every answer position of one sequence, as decoding drafts:
-    the pairs up to (h_t, x_{t+1}) from the target, then k tokens with the draft's own features
-    fed back. Returns the number of leading draft tokens equal to the sequence's, per anchor t
-    (int [A]); ``seq`` must be the target's greedy answer for this to be the acceptance."""
-    seq = np.asarray(seq, np.int32)
-    L, P = len(seq), prompt_length
-    anchors = np.arange(P - 1, L - 2)  # x_{t+2} exists
-    if anchors.size == 0:
-        return np.zeros(0, np.int32)
-    graphdef, state = nnx.split(head)
-    embed = target.embed.embedding[...]
+@functools.lru_cache(maxsize=8)
+def _chain_fn(graphdef, k: int):
+    """The jitted drafting of :func:`chain_acceptance`: (state, embed [V, dim], tokens [n + 1],
+    h [n + 1, dim], anchors [A]) -> drafted [A, k]."""
 
     @jax.jit
-    def run(state, tokens, h, anchors):
+    def run(state, embed, tokens, h, anchors):
         head = nnx.merge(graphdef, state)
         n = tokens.shape[0] - 1
         cache = head.cache(1, n + k + 1)
@@ -172,9 +231,32 @@ def chain_acceptance(head: EagleHead, target, seq, feats, prompt_length: int, k:
                 kv = (kc, vc, lengths, None)
                 feat, (kc, vc) = head.features(feat, embed[tok][:, None], lengths[:, None], kv=kv)
                 lengths = lengths + 1
-        return jnp.stack(drafted, 1)  # [A, k]
+        return jnp.stack(drafted, 1)
 
-    drafted = np.asarray(run(state, seq, feats, anchors))
+    return run
+
+
+def chain_acceptance(head: EagleHead, target, seq, feats, prompt_length: int, k: int):
+    """Greedy chain drafting after every answer position of one sequence, as decoding drafts:
+    the pairs up to (h_t, x_{t+1}) from the target, then k tokens with the draft's own features
+    fed back. Returns the number of leading draft tokens equal to the sequence's, per anchor t
+    (int [A]); ``seq`` must be the target's greedy answer for this to be the acceptance."""
+    seq = np.asarray(seq, np.int32)
+    L, P = len(seq), prompt_length
+    anchors = np.arange(P - 1, L - 2)  # x_{t+2} exists
+    if anchors.size == 0:
+        return np.zeros(0, np.int32)
+    graphdef, state = nnx.split(head)
+    n = -(-L // 32) * 32  # padded (one compile per bucket): the pairs past L - 1 are unread
+    tokens = np.zeros(n + 1, np.int32)
+    tokens[:L] = seq
+    h = np.zeros((n + 1, feats.shape[1]), np.float32)
+    h[:L] = feats
+    A = -(-anchors.size // 32) * 32
+    padded = np.pad(anchors, (0, A - anchors.size), constant_values=anchors[0])
+    run = _chain_fn(graphdef, k)
+    drafted = np.asarray(run(state, target.embed.embedding[...], tokens, h, padded))
+    drafted = drafted[: anchors.size]
     truth = np.stack(
         [
             np.where(anchors + 2 + i < L, seq[np.minimum(anchors + 2 + i, L - 1)], -1)
@@ -197,15 +279,22 @@ def train_eagle(
     draft_vocab: int,
     feature_weight: float,
     noise: float,
+    depth: int = 1,
+    init: EagleHead | None = None,
     k_eval: int = 5,
     log=print,
 ):
     """Trains an :class:`EagleHead` on ``seqs`` (token lists), their hidden states ``feats``
     and prompt lengths; ``tc`` gives steps, batch (sequences per step), lr, warmup, seed,
     eval_every. ``heldout``: (seqs, prompt_lengths, feats) of the target's greedy answers to
-    prompts not trained on. Returns (head, summary)."""
-    vocab = draft_vocabulary(seqs, prompt_lengths, draft_vocab)
-    head = EagleHead(target.config, vocab=vocab, rngs=nnx.Rngs(tc.seed)).init_from(target)
+    prompts not trained on. ``depth``: passes of :func:`unrolled_features` (1 = EAGLE-1's
+    teacher-forced pairs only). ``init``: a head to start from (its draft vocabulary kept).
+    Returns (head, summary)."""
+    if init is None:
+        vocab = draft_vocabulary(seqs, prompt_lengths, draft_vocab)
+        head = EagleHead(target.config, vocab=vocab, rngs=nnx.Rngs(tc.seed)).init_from(target)
+    else:
+        head, vocab = init, np.asarray(init.vocab[...])
     graphdef, params, rest = nnx.split(head, TRAINABLE, ...)
     tx = optimizer(dataclasses.replace(tc, weight_decay=0.0))
     opt_state = tx.init(params)
@@ -215,6 +304,7 @@ def train_eagle(
         graphdef,
         rest,
         tx,
+        depth=depth,
         feature_weight=feature_weight,
         noise=noise,
         softcap=target.config.final_softcap,
@@ -239,7 +329,7 @@ def train_eagle(
     try:
         for i in range(1, tc.steps + 1):
             idx = rng.integers(0, len(seqs), tc.batch)
-            batch = _batch(seqs, feats, prompt_lengths, idx)
+            batch = _batch(seqs, feats, prompt_lengths, idx, depth)
             key, sub = jax.random.split(key)
             params, opt_state, loss = step_fn(params, opt_state, w, embed, batch, sub)
             done = i
@@ -263,6 +353,7 @@ def train_eagle(
         vocab_rows=int(vocab.size),
         feature_weight=feature_weight,
         noise=noise,
+        depth=depth,
         first_loss=first_loss,
         train_sequences=len(seqs),
         wall_seconds=round(time.perf_counter() - start, 1),
@@ -309,6 +400,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft-vocab", type=pos, default=4096)
     p.add_argument("--feature-weight", type=nonneg, default=1.0)
     p.add_argument("--noise", type=nonneg, default=0.05)
+    p.add_argument("--depth", type=pos, default=3, help="unrolled drafting passes per step")
+    p.add_argument("--init", default=None, help="a saved head to start from")
     p.add_argument("--heldout", type=float, default=0.05, help="fraction of prompts held out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-dtype", choices=("float16", "float32"), default="float16")
@@ -421,6 +514,8 @@ def _distill(p, args, argv, tc, log) -> dict:
         draft_vocab=args.draft_vocab,
         feature_weight=args.feature_weight,
         noise=args.noise,
+        depth=args.depth,
+        init=None if args.init is None else load_eagle(args.init, target.config),
         log=log,
     )
     command = " ".join(["python -m models.eagle_train", *(sys.argv[1:] if argv is None else argv)])
