@@ -29,12 +29,16 @@ Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and p
 ``--real [--quick] [--ks K ..]``: SmolLM2-135M-Instruct (:func:`real_model`): prompt lookup at
 the chosen k (and at each ``--ks``) against plain ``generate``, B = 1, answers of up to 160 new
 tokens (96 quick) ending at the chat's end token, greedy and T = 0.7, on input-grounded and
-open-chat prompts; ``benchmarks/results/speculative_real.json``.
+open-chat prompts; ``benchmarks/results/speculative_real.json``. ``--real-kinds K ..`` drafts
+with ``prompt-lookup``, ``medusa`` (the shipped SmolLM2 heads) or ``eagle`` (the shipped
+SmolLM2 EAGLE head) instead, ``--real-workloads W ..`` keeps some workloads; any kind but
+prompt lookup alone writes ``speculative_real_heads.json``.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import pathlib
 import statistics
@@ -529,59 +533,69 @@ def real_model(args) -> None:
     (:func:`copied_fraction`); ``settings.step_ms``: the target's cached forward at Tq = 1 ..
     MAX_K + 1 as the choice of k measured it (``decoding.drafts.measured_costs``)."""
     import models
-    from decoding import PromptLookup, SamplingConfig, generate, speculative_generate
+    from decoding import Eagle, Medusa, PromptLookup, SamplingConfig, generate, speculative_generate
     from decoding.drafts import measured_costs
 
     target, tok = models.pretrained("smollm2-135m-instruct")
+    kinds = args.real_kinds or ["prompt-lookup"]
+    drafts = {}
+    for kind in kinds:
+        if kind == "prompt-lookup":
+            drafts[kind] = PromptLookup()
+        elif kind == "medusa":
+            drafts[kind] = Medusa(models.pretrained("smollm2-135m-instruct-medusa")[0])
+        else:
+            drafts[kind] = Eagle(models.pretrained("smollm2-135m-instruct-eagle")[0])
     new = 96 if args.quick else 160
     n_prompts = 1 if args.quick else 4
     timing = (1 if args.quick else 3, 1)  # (runs, warm-up)
     modes = {"greedy": SamplingConfig(), "T=0.7": SamplingConfig(temperature=0.7)}
     ks = [None] + list(args.ks or [])
     rows = []
-    for workload in REAL_PROMPTS:
-        for mode, sampling in modes.items():
-            for k in ks:
-                plain_s = spec_s = 0.0
-                match, acc, chosen, tpc, copied, lengths = [], [], set(), [], [], []
-                prompts = real_prompt_ids(tok, workload, n_prompts)
-                for ids in tqdm(prompts, desc=f"{workload} {mode} k={k or 'chosen'}"):
-                    kw = dict(max_new_tokens=new, sampling=sampling, seed=0, eos_id=tok.eos_id)
-                    plain = functools.partial(generate, target, [ids], **kw)
-                    spec = functools.partial(
-                        speculative_generate,
-                        target,
-                        PromptLookup(),
-                        [ids],
-                        num_draft_tokens=k,
-                        **kw,
-                    )
-                    a_s, b_s, b = timed_pair(plain, spec, timing)
-                    plain_s, spec_s = plain_s + a_s, spec_s + b_s
-                    ref = plain().tokens
-                    match.append(ref == b.tokens)
-                    copied.append(copied_fraction(ids, ref[0]))
-                    lengths.append(len(ref[0]))
-                    acc.append(b.stats["acceptance_rate"])
-                    tpc.append(b.stats["tokens_per_target_call"])
-                    chosen.add(b.stats["num_draft_tokens"])
-                row = dict(
-                    workload=workload,
-                    mode=mode,
-                    kind="prompt-lookup",
-                    k=sorted(chosen),
-                    k_chosen=k is None,
-                    speedup=plain_s / spec_s,
-                    plain_s=plain_s,
-                    spec_s=spec_s,
-                    acceptance=float(np.mean(acc)),
-                    tokens_per_call=float(np.mean(tpc)),
-                    new_tokens=float(np.mean(lengths)),
-                    copied=float(np.mean(copied)),
-                    match=float(np.mean(match)) if mode == "greedy" else None,
-                )
-                rows.append(row)
-                print(row)
+    for workload, kind, (mode, sampling), k in itertools.product(
+        args.real_workloads or list(REAL_PROMPTS), kinds, modes.items(), ks
+    ):
+        plain_s = spec_s = 0.0
+        match, acc, chosen, tpc, copied, lengths = [], [], set(), [], [], []
+        prompts = real_prompt_ids(tok, workload, n_prompts)
+        desc = f"{workload} {kind} {mode} k={k or 'chosen'}"
+        for ids in tqdm(prompts, desc=desc):
+            kw = dict(max_new_tokens=new, sampling=sampling, seed=0, eos_id=tok.eos_id)
+            plain = functools.partial(generate, target, [ids], **kw)
+            spec = functools.partial(
+                speculative_generate,
+                target,
+                drafts[kind],
+                [ids],
+                num_draft_tokens=k,
+                **kw,
+            )
+            a_s, b_s, b = timed_pair(plain, spec, timing)
+            plain_s, spec_s = plain_s + a_s, spec_s + b_s
+            ref = plain().tokens
+            match.append(ref == b.tokens)
+            copied.append(copied_fraction(ids, ref[0]))
+            lengths.append(len(ref[0]))
+            acc.append(b.stats["acceptance_rate"])
+            tpc.append(b.stats["tokens_per_target_call"])
+            chosen.add(b.stats["num_draft_tokens"])
+        row = dict(
+            workload=workload,
+            mode=mode,
+            kind=kind,
+            k=sorted(chosen),
+            k_chosen=k is None,
+            speedup=plain_s / spec_s,
+            plain_s=plain_s,
+            spec_s=spec_s,
+            acceptance=float(np.mean(acc)),
+            tokens_per_call=float(np.mean(tpc)),
+            new_tokens=float(np.mean(lengths)),
+            copied=float(np.mean(copied)),
+            match=float(np.mean(match)) if mode == "greedy" else None,
+        )
+        rows.append(row)
+        print(row)
     settings = dict(
         model="smollm2-135m-instruct",
         batch=1,
@@ -593,7 +607,8 @@ def real_model(args) -> None:
         step_ms=[1e3 * c for c in measured_costs(target).target],
         loadavg=os.getloadavg(),
     )
-    common.finish(args, "speculative_real", rows, list(rows[0]), settings=settings)
+    name = "speculative_real" if kinds == ["prompt-lookup"] else "speculative_real_heads"
+    common.finish(args, name, rows, list(rows[0]), settings=settings)
 
 
 def main() -> None:
@@ -612,6 +627,14 @@ def main() -> None:
     parser.add_argument(
         "--real", action="store_true", help="only SmolLM2 (:func:`real_model`; speculative_real)"
     )
+    parser.add_argument(
+        "--real-kinds",
+        nargs="+",
+        choices=("prompt-lookup", "medusa", "eagle"),
+        default=None,
+        help="with --real: the drafts (default prompt-lookup; others write speculative_real_heads)",
+    )
+    parser.add_argument("--real-workloads", nargs="+", choices=tuple(REAL_PROMPTS), default=None)
     args = parser.parse_args()
     if args.real:
         return real_model(args)

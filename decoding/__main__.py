@@ -28,6 +28,7 @@ import models
 from decoding import cli
 from decoding.chat import ChatSession, encode_prompt, stream, turn_end_id
 from decoding.drafts import EarlyExit, PromptLookup
+from decoding.eagle import Eagle
 from decoding.engine import Engine
 from decoding.generate import generate
 from decoding.medusa import LOOKUP_NGRAM, Medusa
@@ -35,13 +36,21 @@ from decoding.paging import pages_for
 from decoding.sampling import SamplingConfig
 from decoding.speculative import speculative_generate
 from decoding.tree import TreeSpec
-from models.pretrained import DEFAULT_MODEL, NAMES, SHIPPED_MEDUSA, medusa_heads_for, model_arg
+from models.pretrained import (
+    DEFAULT_MODEL,
+    NAMES,
+    SHIPPED_EAGLE,
+    SHIPPED_MEDUSA,
+    eagle_head_for,
+    medusa_heads_for,
+    model_arg,
+)
 from models.sharding import mesh_shape
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-SPECULATIVE = ("code-draft", "prompt-lookup", "medusa", "medusa+lookup", "medusa-tree")
+SPECULATIVE = ("code-draft", "prompt-lookup", "medusa", "medusa+lookup", "medusa-tree", "eagle")
 
 
 def _speculative(text: str) -> str:
@@ -58,7 +67,10 @@ def _draft(spec: str, model: str):
     """The ``speculative_generate`` draft for a ``--speculative`` value (``medusa``: the
     shipped heads trained on ``model``, ``models.pretrained.medusa_heads_for``, as a chain;
     ``medusa+lookup``: that chain with prompt lookup where the last LOOKUP_NGRAM tokens
-    occurred before; ``medusa-tree``: as ``TreeSpec.default(4)``)."""
+    occurred before; ``medusa-tree``: as ``TreeSpec.default(4)``; ``eagle``: the shipped EAGLE
+    head trained on ``model``)."""
+    if spec == "eagle":
+        return Eagle(models.pretrained(eagle_head_for(model))[0])
     if spec == "code-draft":
         return models.pretrained("code-draft")[0]
     if spec == "prompt-lookup":
@@ -127,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative",
         type=_speculative,
         default=None,
-        metavar="{code-draft,prompt-lookup,early-exit:L,medusa,medusa+lookup,medusa-tree}",
+        metavar="{code-draft,prompt-lookup,early-exit:L,medusa,medusa+lookup,medusa-tree,eagle}",
         help="speculative decoding with this draft (same output distribution, fewer target calls)",
     )
     parser.add_argument(
@@ -189,6 +201,11 @@ def _check_arguments(parser, args) -> SamplingConfig:
         parser.error(
             f"--speculative {args.speculative}: no shipped Medusa heads for --model "
             f"{args.model} (heads ship for {', '.join(sorted(SHIPPED_MEDUSA.values()))})"
+        )
+    if args.speculative == "eagle" and eagle_head_for(args.model) is None:
+        parser.error(
+            f"--speculative eagle: no shipped EAGLE head for --model {args.model} (one ships "
+            f"for {', '.join(sorted(SHIPPED_EAGLE.values()))})"
         )
     if args.system is not None and not (args.chat or args.interactive):
         parser.error("--system needs --chat or --interactive")

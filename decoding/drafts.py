@@ -455,7 +455,7 @@ def autoregressive_proposal(step, cache, logits, k: int, sampling, key):
     ``key``: one PRNG key, or one per row (keys [B]: row b's tokens are drawn from its own, so
     they do not depend on the other rows). Returns (tokens [B, k], q [B, k, V], cache).
     """
-    keys = _split_keys(key, k)
+    keys = split_keys(key, k)
 
     def draw(logits, j):
         return sample(logits, keys[j], sampling), probabilities(logits, sampling)
@@ -473,7 +473,7 @@ def autoregressive_proposal(step, cache, logits, k: int, sampling, key):
     return tokens, q, cache
 
 
-def _split_keys(key, k: int):
+def split_keys(key, k: int):
     """k keys [k] from one key, or [k, B] from per-row keys [B] (each row's split alone)."""
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     if (key.ndim if typed else key.ndim - 1) == 0:

@@ -34,9 +34,9 @@ from decoding.drafts import (
     DraftKind,
     Proposal,
     Verified,
-    _split_keys,
     check_vocab,
     default_k,
+    split_keys,
     verify_chain,
 )
 from decoding.packing import packed_model, packed_weights
@@ -163,7 +163,7 @@ class EagleDraft(DraftKind):
         f, (kc, vc) = head.features(pend[:, : k + 1], embed(nxt), pos, kv=kv)
         feat = jnp.take_along_axis(f, (count - 1)[:, None, None], axis=1)  # [B, 1, dim]
         lengths = D + count  # = the target's length: the pairs all known
-        keys = _split_keys(key, k)
+        keys = split_keys(key, k)
         toks, qs = [], []
         for i in range(k):
             logits = head.logits(feat)[:, 0]

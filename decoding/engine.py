@@ -101,6 +101,7 @@ from decoding.drafts import (
     PromptLookup,
     measured_costs,
 )
+from decoding.eagle import Eagle
 from decoding.medusa import Medusa
 from decoding.paging import pages_for
 from decoding.runner import Runner, RunOutput, draft_bucket
@@ -226,6 +227,11 @@ class Engine:
     ):
         check_model("model", model)
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)
+        if isinstance(draft, Eagle):
+            raise TypeError(
+                "decoding.Eagle drafts in speculative_generate; the engine takes draft=None, a "
+                "decoding.PromptLookup, a decoding.Medusa or a draft models.Transformer"
+            )
         if draft is not None and not isinstance(draft, PromptLookup | Medusa | Transformer):
             raise TypeError(
                 "draft must be None, a decoding.PromptLookup, a decoding.Medusa or a draft "

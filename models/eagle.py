@@ -37,7 +37,7 @@ from flax import nnx
 
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
-from models.medusa import TARGET_FIELDS, DraftVocab, _listing, check_vocab_ids, head_rows
+from models.medusa import TARGET_FIELDS, DraftVocab, check_vocab_ids, head_rows, listing
 from models.transformer import Block, Linear, rope_tables
 
 
@@ -158,8 +158,8 @@ def load_eagle(path: str, config: TransformerConfig) -> EagleHead:
     missing, unexpected = names - set(tensors), set(tensors) - names
     if missing or unexpected:
         raise ValueError(
-            f"the EAGLE head at {path}: missing tensors [{_listing(missing)}], unexpected "
-            f"[{_listing(unexpected)}]"
+            f"the EAGLE head at {path}: missing tensors [{listing(missing)}], unexpected "
+            f"[{listing(unexpected)}]"
         )
     for key, v in flat:
         name = ".".join(str(p) for p in key)

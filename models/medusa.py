@@ -319,7 +319,8 @@ def save_medusa(
         f.write("\n")
 
 
-def _listing(names) -> str:
+def listing(names) -> str:
+    """Up to five sorted names, comma-separated, then how many more (for error messages)."""
     names = sorted(names)
     more = f" and {len(names) - 5} more" if len(names) > 5 else ""
     return ", ".join(names[:5]) + more
@@ -359,8 +360,8 @@ def load_medusa(path: str, config: TransformerConfig) -> MedusaHeads:
     missing, unexpected = names - set(tensors), set(tensors) - names
     if missing or unexpected:
         raise ValueError(
-            f"heads at {path}: missing tensors [{_listing(missing)}], unexpected "
-            f"[{_listing(unexpected)}]"
+            f"heads at {path}: missing tensors [{listing(missing)}], unexpected "
+            f"[{listing(unexpected)}]"
         )
     for key, v in flat:
         name = ".".join(str(p) for p in key)

@@ -17,6 +17,7 @@ import pathlib
 
 import jax.numpy as jnp
 
+from models.eagle import load_eagle
 from models.gguf import load_gguf, read_config
 from models.hf import config_from_hf, load_hf_checkpoint
 from models.medusa import load_medusa
@@ -30,6 +31,8 @@ SHIPPED_MEDUSA = {
     "code-target-medusa": "code-target",
     "smollm2-135m-instruct-medusa": "smollm2-135m-instruct",
 }
+# Shipped EAGLE draft heads (``models.eagle``) -> the model they were trained on.
+SHIPPED_EAGLE = {"smollm2-135m-instruct-eagle": "smollm2-135m-instruct"}
 # Models installed from PyPI: name -> (distribution, package, file inside the package).
 INSTALLED = {
     "smollm2-135m-instruct": (
@@ -44,8 +47,8 @@ NAMES = (*INSTALLED, *SHIPPED)
 
 def shipped_path(name: str) -> pathlib.Path:
     """Directory of a shipped model or heads; ValueError naming the choices for an unknown name."""
-    if name not in SHIPPED and name not in SHIPPED_MEDUSA:
-        choices = SHIPPED + tuple(SHIPPED_MEDUSA)
+    if name not in SHIPPED and name not in SHIPPED_MEDUSA and name not in SHIPPED_EAGLE:
+        choices = SHIPPED + tuple(SHIPPED_MEDUSA) + tuple(SHIPPED_EAGLE)
         raise ValueError(f"unknown shipped model {name!r}; choose from {choices}")
     return SHIPPED_DIR / name
 
@@ -116,6 +119,11 @@ def medusa_heads_for(model) -> str | None:
     return next((h for h, base in SHIPPED_MEDUSA.items() if base == model), None)
 
 
+def eagle_head_for(model) -> str | None:
+    """The name of the shipped EAGLE head trained on the model named ``model``, or None."""
+    return next((h for h, base in SHIPPED_EAGLE.items() if base == model), None)
+
+
 def load_model(name, *, dtype=None, attn_impl: str = "auto", kv_dtype=None) -> Transformer:
     """The model behind ``name`` (see :func:`model_path`), parameters in ``dtype`` (default
     float32; for a GGUF file, :func:`models.load_gguf`'s default), KV caches in ``kv_dtype``
@@ -152,17 +160,20 @@ def pretrained(
     "smollm2-135m-instruct-medusa", shared-head Medusa heads self-distilled on
     SmolLM2-135M-Instruct (``python -m models.medusa_train``; they read the target's LM head:
     pass the target to ``decoding.Medusa``'s generation; they also read the root token,
-    ``heads(h, target=model, tokens=next_tokens)``).
+    ``heads(h, target=model, tokens=next_tokens)``). For "smollm2-135m-instruct-eagle",
+    ``(models.EagleHead, tokenizer)``: an EAGLE draft head self-distilled on it (``python -m
+    models.eagle_train``; draft with ``decoding.Eagle(head)``).
     """
-    if name in SHIPPED_MEDUSA:
+    if name in SHIPPED_MEDUSA or name in SHIPPED_EAGLE:
         dtype = jnp.float32 if dtype is None else dtype
-        base = SHIPPED_MEDUSA[name]
+        base = {**SHIPPED_MEDUSA, **SHIPPED_EAGLE}[name]
         if base in INSTALLED:  # the heads only: the target's config is read, not its weights
             config = read_config(installed_path(base), dtype=dtype)
         else:
             hf = json.loads((shipped_path(base) / "config.json").read_text())
             config = config_from_hf(hf, dtype=dtype)
         config = config.replace(attn_impl=attn_impl)
-        return load_medusa(str(shipped_path(name)), config), tokenizer_for(base)
+        load = load_eagle if name in SHIPPED_EAGLE else load_medusa
+        return load(str(shipped_path(name)), config), tokenizer_for(base)
     model = load_model(name, dtype=dtype, attn_impl=attn_impl, kv_dtype=kv_dtype)
     return model, tokenizer_for(name)

@@ -117,3 +117,36 @@ def test_bad_arguments(tiny_model):
         speculative_generate(
             other, Eagle(random_head(tiny_model)), PROMPTS, num_draft_tokens=2, max_new_tokens=2
         )
+
+
+def test_the_engine_refuses_eagle_by_name(tiny_model):
+    from decoding import Engine
+
+    with pytest.raises(TypeError, match="speculative_generate"):
+        Engine(tiny_model, num_pages=8, draft=Eagle(random_head(tiny_model)))
+
+
+def test_shipped_smollm2_head_loads_and_keeps_greedy_output(smollm2_gguf, capsys):
+    """The shipped self-distilled head fits the real model, is small (one block, float16, and
+    the target's rows of a 4096-token draft vocabulary), its chain's greedy output is the
+    model's own, and the command line drafts with it."""
+    from decoding.__main__ import main
+    from models import load_gguf, pretrained
+    from models.pretrained import shipped_path
+
+    head, tokenizer = pretrained("smollm2-135m-instruct-eagle")
+    target = load_gguf(smollm2_gguf)
+    head.check_target(target.config)
+    assert head.vocab[...].size == 4096
+    size = sum(f.stat().st_size for f in shipped_path("smollm2-135m-instruct-eagle").iterdir())
+    assert size < 14 << 20, size
+    rows = target.embed.embedding[...][head.vocab[...]]
+    np.testing.assert_allclose(head.vocab_head.kernel[...].T, rows, atol=2e-3, rtol=1e-2)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    want = generate(target, [ids], max_new_tokens=12).tokens
+    res = speculative_generate(target, Eagle(head), [ids], num_draft_tokens=3, max_new_tokens=12)
+    assert res.tokens == want, (tokenizer.decode(res.tokens[0]), tokenizer.decode(want[0]))
+    assert res.stats["acceptance_rate"] > 0  # the real head drafts what the model says
+    argv = ["Name three colours.", "--chat", "--max-new-tokens", "8", "--speculative", "eagle"]
+    assert main(argv) == 0
+    assert "eagle, k=" in capsys.readouterr().err
