@@ -39,6 +39,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from decoding.generate import generate
+from decoding.sampling import SamplingConfig
 from models.cli import Interrupted, output_dir, report_interrupt
 from models.eagle import TRAINABLE, EagleHead, load_eagle, save_eagle
 from models.interrupts import deferred_interrupts
@@ -79,6 +81,41 @@ def sequence_features(target, seqs, *, batch: int = 8, bucket: int = 32, log=pri
                 f"{time.perf_counter() - start:.0f}s"
             )
     return out
+
+
+def model_prompts(target, tokenizer, count: int, *, seed: int = 0, batch: int = 32, log=print):
+    """``count`` distinct user messages written by the chat model itself (Magpie, Xu et al.,
+    2024): the chat template up to where a user's message starts, continued at T = 1 until the
+    turn ends. They follow what the model expects users to ask, far wider than a fixed list of
+    tasks and subjects; messages of under 3 words, unfinished ones and repeats are dropped."""
+    a = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "a"}], add_generation_prompt=False
+    )
+    b = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "b"}], add_generation_prompt=False
+    )
+    n = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    prefix = list(a[:n])  # the template before the user's text
+    out, seen, round_ = [], set(), 0
+    while len(out) < count and round_ < 8 * (1 + count // batch):
+        res = generate(
+            target,
+            [prefix] * batch,
+            max_new_tokens=64,
+            sampling=SamplingConfig(temperature=1.0),
+            eos_id=tokenizer.eos_id,
+            seed=seed + 7919 * round_,
+        )
+        round_ += 1
+        for toks in res.tokens:
+            if not toks or toks[-1] != tokenizer.eos_id:
+                continue  # cut at 64 tokens: unfinished
+            text = tokenizer.decode(toks[:-1]).strip()
+            if len(text.split()) >= 3 and text not in seen:
+                seen.add(text)
+                out.append(text)
+        log(f"model-written prompts: {min(len(out), count)}/{count}")
+    return out[:count]
 
 
 def draft_vocabulary(seqs, prompt_lengths, size: int) -> np.ndarray:
@@ -390,7 +427,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.eagle_train", description=main.__doc__)
     p.add_argument("--target", type=model_arg, default="smollm2-135m-instruct")
     p.add_argument("--out", required=True, type=output_dir)
-    p.add_argument("--prompts", type=pos, default=800, help="distinct training prompts")
+    p.add_argument("--prompts", type=pos, default=800, help="distinct task x subject prompts")
+    p.add_argument(
+        "--model-prompts",
+        type=int,
+        default=0,
+        help="also this many user messages the model writes itself (model_prompts)",
+    )
     p.add_argument("--max-new-tokens", type=pos, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--gen-batch", type=pos, default=32, help="capped at --prompts")
@@ -436,6 +479,47 @@ def main(argv=None) -> int:
     return 0
 
 
+def _source_data(target, tokenizer, key: dict, messages, args, log):
+    """(pairs [[prompt ids, answer ids]], hidden states per sequence) of one prompt source,
+    from its cache or made (``messages()`` gives the user messages) and cached."""
+    cache = _cache_dir(key)
+    pairs_file = os.path.join(cache, "pairs.json")
+    if os.path.isfile(pairs_file):
+        log(f"continuations from the cache {cache}")
+        with open(pairs_file) as f:
+            pairs = json.load(f)
+    else:
+        msgs = messages()
+        pairs = self_distill_data(
+            target,
+            tokenizer,
+            msgs,
+            max_new_tokens=args.max_new_tokens,
+            temperatures=args.temperatures,
+            batch=min(args.gen_batch, len(msgs)),
+            seed=args.seed,
+            log=log,
+        )
+        pairs = [[list(map(int, a)), list(map(int, c))] for a, c in pairs]
+        with deferred_interrupts():
+            os.makedirs(cache, exist_ok=True)
+            with open(pairs_file + ".tmp", "w") as f:
+                json.dump(pairs, f)
+            os.replace(pairs_file + ".tmp", pairs_file)
+    seqs = [a + c for a, c in pairs]
+    feat_file = os.path.join(cache, "hidden.npz")
+    if os.path.isfile(feat_file):
+        with np.load(feat_file) as z:
+            flat, offsets = z["h"], z["offsets"]
+        return pairs, [flat[offsets[i] : offsets[i + 1]] for i in range(len(seqs))]
+    feats = sequence_features(target, seqs, log=log)
+    offsets = np.cumsum([0] + [len(x) for x in seqs])
+    with deferred_interrupts():
+        np.savez(feat_file + ".tmp.npz", h=np.concatenate(feats), offsets=offsets)
+        os.replace(feat_file + ".tmp.npz", feat_file)
+    return pairs, feats
+
+
 def _distill(p, args, argv, tc, log) -> dict:
     t0 = time.perf_counter()
     try:
@@ -449,56 +533,35 @@ def _distill(p, args, argv, tc, log) -> dict:
             f"--max-new-tokens {args.max_new_tokens}: the target holds "
             f"{target.config.max_position} tokens, prompt included"
         )
-    key = dict(
-        target=args.target,
-        prompts=args.prompts,
-        max_new=args.max_new_tokens,
-        temps=args.temperatures,
-        seed=args.seed,
+    common = dict(target=args.target, max_new=args.max_new_tokens, temps=args.temperatures)
+    common.update(seed=args.seed)
+    sources = [("tasks", args.prompts)] + (
+        [("model", args.model_prompts)] * (args.model_prompts > 0)
     )
-    cache = _cache_dir(key)
-    pairs_file = os.path.join(cache, "pairs.json")
-    if os.path.isfile(pairs_file):
-        log(f"continuations from the cache {cache}")
-        with open(pairs_file) as f:
-            pairs = json.load(f)
-    else:
-        messages = distill_prompts(args.prompts, args.seed)
-        pairs = self_distill_data(
-            target,
-            tokenizer,
-            messages,
-            max_new_tokens=args.max_new_tokens,
-            temperatures=args.temperatures,
-            batch=min(args.gen_batch, args.prompts),
-            seed=args.seed,
-            log=log,
-        )
-        pairs = [[list(map(int, a)), list(map(int, c))] for a, c in pairs]
-        with deferred_interrupts():
-            os.makedirs(cache, exist_ok=True)
-            with open(pairs_file + ".tmp", "w") as f:
-                json.dump(pairs, f)
-            os.replace(pairs_file + ".tmp", pairs_file)
-    seqs = [a + c for a, c in pairs]
-    plens = [len(a) for a, _ in pairs]
-    feat_file = os.path.join(cache, "hidden.npz")
-    if os.path.isfile(feat_file):
-        with np.load(feat_file) as z:
-            flat, offsets = z["h"], z["offsets"]
-        feats = [flat[offsets[i] : offsets[i + 1]] for i in range(len(seqs))]
-    else:
-        feats = sequence_features(target, seqs, log=log)
-        offsets = np.cumsum([0] + [len(s) for s in seqs])
-        with deferred_interrupts():
-            np.savez(feat_file + ".tmp.npz", h=np.concatenate(feats), offsets=offsets)
-            os.replace(feat_file + ".tmp.npz", feat_file)
-    # Held out by prompt: the last prompts, both temperatures; evaluated on the greedy answers.
-    n_held = int(round(args.heldout * args.prompts))
-    held = [(i % args.prompts) >= args.prompts - n_held for i in range(len(pairs))]
-    greedy = [i < args.prompts and args.temperatures[0] == 0 for i in range(len(pairs))]
-    train = [i for i in range(len(pairs)) if not held[i]]
-    test = [i for i in range(len(pairs)) if held[i] and greedy[i]]
+    seqs, plens, feats, train, test = [], [], [], [], []
+    for source, count in sources:
+        key = dict(common, prompts=count)
+        if source == "model":
+            key["source"] = "model"  # the task prompts' cache keeps its original key
+
+        def messages(source=source, count=count):
+            if source == "tasks":
+                return distill_prompts(count, args.seed)
+            return model_prompts(target, tokenizer, count, seed=args.seed, log=log)
+
+        pairs, fs = _source_data(target, tokenizer, key, messages, args, log)
+        # Held out by message: the last of each source, every temperature; evaluated on the
+        # greedy answers.
+        n_held = int(round(args.heldout * count))
+        for i, (a, c) in enumerate(pairs):
+            j = len(seqs)
+            seqs.append(a + c)
+            plens.append(len(a))
+            feats.append(fs[i])
+            if i % count < count - n_held:
+                train.append(j)
+            elif i < count and args.temperatures[0] == 0:
+                test.append(j)
     heldout = ([seqs[i] for i in test], [plens[i] for i in test], [feats[i] for i in test])
     log(
         f"{len(train)} training sequences ({sum(len(seqs[i]) for i in train)} tokens), "

@@ -142,3 +142,17 @@ def test_cli_usage_errors_exit_2_before_any_work(tmp_path, capsys, flag, value):
         main(["--out", str(tmp_path / "o"), flag, value])
     assert e.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_model_written_prompts_are_distinct_finished_user_messages(smollm2_gguf):
+    """Magpie on the real chat model: the template up to a user's text, continued at T = 1,
+    gives distinct messages of at least 3 words, each ended by the model (none cut), and the
+    same seed gives the same messages."""
+    from models import load_gguf, load_tokenizer
+    from models.eagle_train import model_prompts
+
+    target, tok = load_gguf(smollm2_gguf), load_tokenizer(smollm2_gguf)
+    msgs = model_prompts(target, tok, 4, seed=3, batch=8, log=lambda s: None)
+    assert len(msgs) == 4 and len(set(msgs)) == 4
+    assert all(len(m.split()) >= 3 and "<|im_start|>" not in m for m in msgs)
+    assert model_prompts(target, tok, 4, seed=3, batch=8, log=lambda s: None) == msgs
