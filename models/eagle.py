@@ -37,7 +37,14 @@ from flax import nnx
 
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
-from models.medusa import TARGET_FIELDS, DraftVocab, check_vocab_ids, head_rows, listing
+from models.medusa import (
+    DraftVocab,
+    check_saved_target,
+    check_vocab_ids,
+    fill_params,
+    head_rows,
+    param_tensors,
+)
 from models.transformer import Block, Linear, rope_tables
 
 
@@ -94,13 +101,7 @@ class EagleHead(nnx.Module):
 
     def check_target(self, config: TransformerConfig) -> None:
         """ValueError naming the first shape field where ``config`` differs from the draft's."""
-        for name in TARGET_FIELDS:
-            mine, theirs = getattr(self.config, name), getattr(config, name)
-            if mine != theirs:
-                raise ValueError(
-                    f"the EAGLE head is for a target with {name}={mine}, this target has "
-                    f"{name}={theirs}"
-                )
+        check_saved_target(dataclasses.asdict(self.config), config, "the EAGLE head")
 
     def init_from(self, target) -> EagleHead:
         """Copies ``target``'s LM-head rows for the draft vocabulary into ``vocab_head``."""
@@ -117,11 +118,8 @@ TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("vocab_head")))
 def save_eagle(head: EagleHead, path: str, *, extra: dict | None = None, dtype="float32"):
     """Writes ``config.json`` and ``model.safetensors`` (parameters in ``dtype``, "float32" or
     "float16") under ``path``; ``extra`` adds fields to the config."""
-    if dtype not in ("float32", "float16"):
-        raise ValueError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
+    tensors = param_tensors(head, dtype)
     os.makedirs(path, exist_ok=True)
-    flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
-    tensors = {".".join(str(p) for p in key): np.asarray(v[...], dtype) for key, v in flat}
     tensors["vocab"] = np.asarray(head.vocab[...], np.int32)
     safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
     cfg = {k: v for k, v in dataclasses.asdict(head.config).items() if k != "rope_scaling"}
@@ -138,13 +136,7 @@ def load_eagle(path: str, config: TransformerConfig) -> EagleHead:
         meta = json.load(f)
     if "eagle" not in meta:
         raise ValueError(f"{path} holds no EAGLE head (config.json has no 'eagle' field)")
-    saved = meta["target"]
-    for name in TARGET_FIELDS:
-        if name in saved and saved[name] != getattr(config, name):
-            raise ValueError(
-                f"the EAGLE head at {path} is for a target with {name}={saved[name]}; the "
-                f"target has {name}={getattr(config, name)}"
-            )
+    check_saved_target(meta["target"], config, f"the EAGLE head at {path}")
     tensors = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
     vocab = tensors.pop("vocab", None)
     if vocab is None:
@@ -153,21 +145,4 @@ def load_eagle(path: str, config: TransformerConfig) -> EagleHead:
         head = EagleHead(config, vocab=vocab, rngs=nnx.Rngs(0))
     except (TypeError, ValueError) as e:
         raise ValueError(f"the EAGLE head at {path}: {e}") from None
-    flat = nnx.to_flat_state(nnx.state(head, nnx.Param))
-    names = {".".join(str(p) for p in key) for key, _ in flat}
-    missing, unexpected = names - set(tensors), set(tensors) - names
-    if missing or unexpected:
-        raise ValueError(
-            f"the EAGLE head at {path}: missing tensors [{listing(missing)}], unexpected "
-            f"[{listing(unexpected)}]"
-        )
-    for key, v in flat:
-        name = ".".join(str(p) for p in key)
-        if tensors[name].shape != v[...].shape:
-            raise ValueError(
-                f"the EAGLE head at {path}: tensor {name} has shape {tensors[name].shape}, "
-                f"expected {v[...].shape}"
-            )
-        v.set_value(jnp.asarray(tensors[name], dtype=v.dtype))
-    nnx.update(head, nnx.from_flat_state(flat))
-    return head
+    return fill_params(head, tensors, f"the EAGLE head at {path}")

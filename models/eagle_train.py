@@ -25,12 +25,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 import jax
@@ -41,13 +39,20 @@ from flax import nnx
 
 from decoding.generate import generate
 from decoding.sampling import SamplingConfig
-from models.cli import Interrupted, output_dir, report_interrupt
+from models.cli import Interrupted, output_dir
 from models.eagle import TRAINABLE, EagleHead, load_eagle, save_eagle
 from models.interrupts import deferred_interrupts
 from models.medusa import head_rows
-from models.medusa_train import DISTILL_SUBJECTS, DISTILL_TASKS, distill_prompts, self_distill_data
+from models.medusa_train import (
+    cache_dir,
+    distill_config,
+    distill_prompts,
+    pos,
+    run_distill,
+    self_distill_data,
+)
 from models.pretrained import model_arg, pretrained
-from models.train_step import TrainConfig, optimizer
+from models.train_step import optimizer
 from models.transformer import apply_rope, rope_tables
 
 PROMPT_WEIGHT = 0.1
@@ -401,19 +406,9 @@ def train_eagle(
     return head, summary
 
 
-def _cache_dir(key: dict) -> str:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "pallas_attn_eagle", digest)
-
-
 def main(argv=None) -> int:
     """``python -m models.eagle_train``: a self-distilled EAGLE draft head (module docstring).
     Exit status 2 with a usage error for bad arguments."""
-
-    def pos(text: str) -> int:
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-        return int(text)
 
     def nonneg(text: str) -> float:
         try:
@@ -449,40 +444,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-dtype", choices=("float16", "float32"), default="float16")
     args = p.parse_args(argv)
-    if not all(math.isfinite(t) and t >= 0 for t in args.temperatures):
-        p.error(f"--temperatures must be finite and >= 0, got {args.temperatures}")
-    if not 0 <= args.heldout < 1:
-        p.error(f"--heldout must be in [0, 1), got {args.heldout}")
-    if args.prompts > len(DISTILL_TASKS) * len(DISTILL_SUBJECTS):
-        p.error(f"--prompts must be <= {len(DISTILL_TASKS) * len(DISTILL_SUBJECTS)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         p.error(f"--lr must be a finite number > 0, got {args.lr}")
-    try:
-        tc = TrainConfig(
-            steps=args.steps,
-            batch=args.batch,
-            lr=args.lr,
-            warmup=min(100, args.steps),
-            eval_every=max(args.steps // 4, 1),
-            seed=args.seed,
-        )
-    except ValueError as e:
-        p.error(f"--{str(e).replace('_', '-')}")
-    log = lambda s: print(s, flush=True)  # noqa: E731
-    saved = f"nothing saved to {args.out}"
-    try:
-        summary = _distill(p, args, argv, tc, log)
-        saved = f"{args.out} saved"
-    except KeyboardInterrupt as e:
-        return report_interrupt(e, saved)
-    log(f"saved {args.out}: held-out {summary['heldout']}, {summary['total_seconds']:.0f}s")
-    return 0
+    tc = distill_config(p, args, warmup=100)
+    return run_distill(
+        p, args, lambda log: _distill(p, args, argv, tc, log), lambda s: f"held-out {s['heldout']}"
+    )
 
 
 def _source_data(target, tokenizer, key: dict, messages, args, log):
     """(pairs [[prompt ids, answer ids]], hidden states per sequence) of one prompt source,
     from its cache or made (``messages()`` gives the user messages) and cached."""
-    cache = _cache_dir(key)
+    cache = cache_dir(key, "pallas_attn_eagle")
     pairs_file = os.path.join(cache, "pairs.json")
     if os.path.isfile(pairs_file):
         log(f"continuations from the cache {cache}")

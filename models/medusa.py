@@ -261,13 +261,7 @@ class MedusaHeads(nnx.Module):
 
     def check_target(self, config: TransformerConfig) -> None:
         """ValueError naming the first shape field where ``config`` differs from the heads'."""
-        for name in TARGET_FIELDS:
-            mine, theirs = getattr(self.config, name), getattr(config, name)
-            if mine != theirs:
-                raise ValueError(
-                    f"the Medusa heads are for a target with {name}={mine}, this target has "
-                    f"{name}={theirs}"
-                )
+        check_saved_target(dataclasses.asdict(self.config), config, "the Medusa heads")
 
     def init_from(self, target) -> MedusaHeads:
         """Copies ``target``'s LM head ([dim, V]) into every own head, or its rows for the draft
@@ -298,11 +292,8 @@ def save_medusa(
     """Writes ``config.json`` and ``model.safetensors`` (the heads' own parameters only, in
     ``dtype``: "float32" or "float16", half the size for shipping) under ``path``; ``extra``
     adds fields to the config (e.g. ``base_model``)."""
-    if dtype not in ("float32", "float16"):
-        raise ValueError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
+    tensors = param_tensors(heads, dtype)
     os.makedirs(path, exist_ok=True)
-    flat = nnx.to_flat_state(nnx.state(heads, nnx.Param))
-    tensors = {".".join(str(p) for p in key): np.asarray(v[...], dtype) for key, v in flat}
     if heads.vocab is not None:
         tensors["vocab"] = np.asarray(heads.vocab[...], np.int32)
     safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
@@ -326,6 +317,48 @@ def listing(names) -> str:
     return ", ".join(names[:5]) + more
 
 
+def check_saved_target(saved: dict, config: TransformerConfig, what: str) -> None:
+    """ValueError naming the first :data:`TARGET_FIELDS` field where the target something was
+    made for (``saved``, its config fields as a dict) differs from ``config``."""
+    for name in TARGET_FIELDS:
+        if name in saved and saved[name] != getattr(config, name):
+            raise ValueError(
+                f"{what}: saved for a target with {name}={saved[name]}; the target has "
+                f"{name}={getattr(config, name)}"
+            )
+
+
+def fill_params(module: nnx.Module, tensors: dict, what: str) -> nnx.Module:
+    """Sets ``module``'s parameters from ``tensors`` (names: their dotted paths, cast to each
+    parameter's dtype); ValueError naming ``what`` and the tensors that are missing,
+    unexpected or misshapen. Returns ``module``."""
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    names = {".".join(str(p) for p in key) for key, _ in flat}
+    missing, unexpected = names - set(tensors), set(tensors) - names
+    if missing or unexpected:
+        raise ValueError(
+            f"{what}: missing tensors [{listing(missing)}], unexpected [{listing(unexpected)}]"
+        )
+    for key, v in flat:
+        name = ".".join(str(p) for p in key)
+        if tensors[name].shape != v[...].shape:
+            raise ValueError(
+                f"{what}: tensor {name} has shape {tensors[name].shape}, expected {v[...].shape}"
+            )
+        v.set_value(jnp.asarray(tensors[name], dtype=v.dtype))
+    nnx.update(module, nnx.from_flat_state(flat))
+    return module
+
+
+def param_tensors(module: nnx.Module, dtype: str) -> dict:
+    """``module``'s parameters by dotted path as numpy arrays in ``dtype`` ("float32" or
+    "float16"), what :func:`fill_params` reads back."""
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    return {".".join(str(p) for p in key): np.asarray(v[...], dtype) for key, v in flat}
+
+
 def load_medusa(path: str, config: TransformerConfig) -> MedusaHeads:
     """Heads saved by :func:`save_medusa` for a target with ``config`` (its dtype is used).
 
@@ -334,13 +367,7 @@ def load_medusa(path: str, config: TransformerConfig) -> MedusaHeads:
     Checkpoints written before ``shared_head`` existed have own LM heads."""
     with open(os.path.join(path, "config.json")) as f:
         meta = json.load(f)
-    saved = meta["target"]
-    for name in TARGET_FIELDS:
-        if name in saved and saved[name] != getattr(config, name):
-            raise ValueError(
-                f"heads at {path} are for a target with {name}={saved[name]}; the target has "
-                f"{name}={getattr(config, name)}"
-            )
+    check_saved_target(meta["target"], config, f"heads at {path}")
     shared = bool(meta.get("shared_head", False))
     tensors = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
     vocab = tensors.pop("vocab", None)
@@ -355,21 +382,4 @@ def load_medusa(path: str, config: TransformerConfig) -> MedusaHeads:
         )
     except (TypeError, ValueError) as e:  # a vocab tensor that lies
         raise ValueError(f"heads at {path}: {e}") from None
-    flat = nnx.to_flat_state(nnx.state(heads, nnx.Param))
-    names = {".".join(str(p) for p in key) for key, _ in flat}
-    missing, unexpected = names - set(tensors), set(tensors) - names
-    if missing or unexpected:
-        raise ValueError(
-            f"heads at {path}: missing tensors [{listing(missing)}], unexpected "
-            f"[{listing(unexpected)}]"
-        )
-    for key, v in flat:
-        name = ".".join(str(p) for p in key)
-        if tensors[name].shape != v[...].shape:
-            raise ValueError(
-                f"heads at {path}: tensor {name} has shape {tensors[name].shape}, expected "
-                f"{v[...].shape}"
-            )
-        v.set_value(jnp.asarray(tensors[name], dtype=v.dtype))
-    nnx.update(heads, nnx.from_flat_state(flat))
-    return heads
+    return fill_params(heads, tensors, f"heads at {path}")

@@ -567,20 +567,15 @@ def train_shared_heads(
     return heads, summary
 
 
-def _cache_dir(key: dict) -> str:
-
+def cache_dir(key: dict, name: str = "pallas_attn_medusa") -> str:
+    """``$TMPDIR/<name>/<hash of key>``: where a trainer caches the data its arguments made."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "pallas_attn_medusa", digest)
+    return os.path.join(tempfile.gettempdir(), name, digest)
 
 
 def main(argv=None) -> int:
     """``python -m models.medusa_train``: self-distilled shared-head Medusa heads (see the
     section comment above). Exit status 2 with a usage error for bad arguments."""
-
-    def pos(text: str) -> int:
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-        return int(text)
 
     p = argparse.ArgumentParser(prog="python -m models.medusa_train", description=main.__doc__)
     p.add_argument("--target", type=model_arg, default="smollm2-135m-instruct")
@@ -614,7 +609,26 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-dtype", choices=("float16", "float32"), default="float16")
     args = p.parse_args(argv)
-    # Every flag is checked before the target loads: generating the data takes minutes.
+    tc = distill_config(p, args, warmup=50)
+    return run_distill(
+        p,
+        args,
+        lambda log: _distill(p, args, argv, tc, log),
+        lambda s: f"held-out top-1 per head {s['heldout_head_top1']}",
+    )
+
+
+def pos(text: str) -> int:
+    """An ``argparse`` type: an int >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return int(text)
+
+
+def distill_config(p: argparse.ArgumentParser, args, *, warmup: int) -> TrainConfig:
+    """The self-distillation trainers' shared flag checks (every flag is checked before the
+    target loads: generating the data takes minutes) -> their ``TrainConfig``; usage errors
+    (exit 2) naming the flag."""
     if not all(math.isfinite(t) and t >= 0 for t in args.temperatures):
         p.error(f"--temperatures must be finite and >= 0, got {args.temperatures}")
     if not 0 <= args.heldout < 1:
@@ -622,27 +636,29 @@ def main(argv=None) -> int:
     if args.prompts > len(DISTILL_TASKS) * len(DISTILL_SUBJECTS):
         p.error(f"--prompts must be <= {len(DISTILL_TASKS) * len(DISTILL_SUBJECTS)}")
     try:
-        tc = TrainConfig(
+        return TrainConfig(
             steps=args.steps,
             batch=args.batch,
             lr=args.lr,
-            warmup=min(50, args.steps),
+            warmup=min(warmup, args.steps),
             eval_every=max(args.steps // 4, 1),
             seed=args.seed,
         )
     except ValueError as e:
         p.error(f"--{str(e).replace('_', '-')}")
+
+
+def run_distill(p, args, distill, describe) -> int:
+    """Runs ``distill(log) -> summary`` with the trainers' Ctrl-C handling (exit 130, one line
+    saying nothing was saved) and final line (``describe(summary)``) -> exit status."""
     log = lambda s: print(s, flush=True)  # noqa: E731
     saved = f"nothing saved to {args.out}"
     try:
-        summary = _distill(p, args, argv, tc, log)
+        summary = distill(log)
         saved = f"{args.out} saved"
     except KeyboardInterrupt as e:
         return report_interrupt(e, saved)
-    log(
-        f"saved {args.out}: held-out top-1 per head {summary['heldout_head_top1']}, "
-        f"{summary['total_seconds']:.0f}s in all"
-    )
+    log(f"saved {args.out}: {describe(summary)}, {summary['total_seconds']:.0f}s in all")
     return 0
 
 
@@ -670,7 +686,7 @@ def _distill(p: argparse.ArgumentParser, args, argv, tc: TrainConfig, log) -> di
         seed=args.seed,
         heads=args.num_heads,
     )
-    cache = _cache_dir(key)
+    cache = cache_dir(key)
     cached = os.path.isfile(os.path.join(cache, "data.json"))  # written last
     if cached and args.root_token and not os.path.isfile(os.path.join(cache, "pairs.json")):
         cached = False  # a cache from before the pairs were kept: no root tokens

@@ -191,7 +191,7 @@ def test_cli_root_token_heads_from_generated_then_cached_data(tmp_path, monkeypa
     tokens = _ChatTokens()
     tokens.chat_template = "stand-in"
     monkeypatch.setattr(medusa_train, "pretrained", lambda name: (target, tokens))
-    monkeypatch.setattr(medusa_train, "_cache_dir", lambda key: str(tmp_path / "cache"))
+    monkeypatch.setattr(medusa_train, "cache_dir", lambda key: str(tmp_path / "cache"))
     argv = ["--target", "code-target", "--prompts", "10", "--gen-batch", "10"]  # 1 held out
     argv += ["--max-new-tokens", "8", "--steps", "4", "--batch", "16", "--root-token"]
     logs = []
