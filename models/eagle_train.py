@@ -1,11 +1,14 @@
 """Training an EAGLE draft head (``models.eagle``) by self-distillation on a frozen target
 (``python -m models.eagle_train --target smollm2-135m-instruct --out DIR``).
 
-Data: the same chat prompts and the target's own greedy and sampled continuations as the Medusa
-trainer (``models.medusa_train.distill_prompts`` / ``self_distill_data``), then the target's
-hidden states over each whole sequence (one uncached forward per batch of similar lengths).
-Both are cached under ``$TMPDIR/pallas_attn_eagle/`` (a rerun with the same data arguments skips
-them).
+Data: the Medusa trainer's task x subject chat prompts (``models.medusa_train.distill_prompts``)
+and, with ``--model-prompts N``, N user messages the model writes itself (:func:`model_prompts`);
+the target's own greedy and sampled answers to them (``self_distill_data``), then its hidden
+states over each whole sequence (one uncached forward per batch of similar lengths). Each source
+is cached under ``$TMPDIR/pallas_attn_eagle/`` (a rerun with the same data arguments skips it).
+
+``--depth D`` trains D drafting passes at once (:func:`unrolled_features`, the cached drafting's
+view of its own earlier guesses), each weighed equally; ``--init DIR`` starts from a saved head.
 
 Loss at pair j (the draft reads (h_j, x_{j+1})): cross entropy of the draft's logits over the
 draft vocabulary against the target's own distribution at j + 1 (soft labels, from h_{j+1}),
@@ -432,7 +435,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=pos, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--gen-batch", type=pos, default=32, help="capped at --prompts")
-    p.add_argument("--steps", type=pos, default=2000)
+    p.add_argument("--steps", type=pos, default=500)
     p.add_argument("--batch", type=pos, default=16, help="sequences per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=pos, default=4096)
