@@ -91,11 +91,15 @@ def sequence_features(target, seqs, *, batch: int = 8, bucket: int = 32, log=pri
     return out
 
 
-def model_prompts(target, tokenizer, count: int, *, seed: int = 0, batch: int = 32, log=print):
+def model_prompts(
+    target, tokenizer, count: int, *, seed: int = 0, batch: int = 32, exclude=frozenset(), log=print
+):
     """``count`` distinct user messages written by the chat model itself (Magpie, Xu et al.,
     2024): the chat template up to where a user's message starts, continued at T = 1 until the
     turn ends. They follow what the model expects users to ask, far wider than a fixed list of
-    tasks and subjects; messages of under 3 words, unfinished ones and repeats are dropped."""
+    tasks and subjects; messages of under 3 words, unfinished ones and repeats are dropped, and
+    so are those whose chat-formatted ids (``tokenizer.apply_chat_template``) are in ``exclude``
+    (another source's prompts: a message held out there must not be trained on here)."""
     a = tokenizer.apply_chat_template(
         [{"role": "user", "content": "a"}], add_generation_prompt=False
     )
@@ -119,8 +123,11 @@ def model_prompts(target, tokenizer, count: int, *, seed: int = 0, batch: int = 
             if not toks or toks[-1] != tokenizer.eos_id:
                 continue  # cut at 64 tokens: unfinished
             text = tokenizer.decode(toks[:-1]).strip()
-            if len(text.split()) >= 3 and text not in seen:
-                seen.add(text)
+            if len(text.split()) < 3 or text in seen:
+                continue
+            seen.add(text)
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            if tuple(chat) not in exclude:
                 out.append(text)
         log(f"model-written prompts: {min(len(out), count)}/{count}")
     return out[:count]
@@ -430,7 +437,15 @@ def main(argv=None) -> int:
         "--model-prompts",
         type=int,
         default=0,
-        help="also this many user messages the model writes itself (model_prompts)",
+        help="also this many user messages the model writes itself (model_prompts), per seed",
+    )
+    p.add_argument(
+        "--model-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one source of --model-prompts messages per seed (default: --seed), each cached "
+        "apart, none repeating an earlier source's",
     )
     p.add_argument("--max-new-tokens", type=pos, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
@@ -449,6 +464,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not (math.isfinite(args.lr) and args.lr > 0):
         p.error(f"--lr must be a finite number > 0, got {args.lr}")
+    seeds = args.model_seeds
+    if seeds is not None and len(set(seeds)) != len(seeds):
+        p.error(f"--model-seeds {' '.join(map(str, seeds))}: each seed once")
     tc = distill_config(p, args, warmup=100)
     return run_distill(
         p, args, lambda log: _distill(p, args, argv, tc, log), lambda s: f"held-out {s['heldout']}"
@@ -511,19 +529,24 @@ def _distill(p, args, argv, tc, log) -> dict:
         )
     common = dict(target=args.target, max_new=args.max_new_tokens, temps=args.temperatures)
     common.update(seed=args.seed)
-    sources = [("tasks", args.prompts)] + (
-        [("model", args.model_prompts)] * (args.model_prompts > 0)
-    )
+    model_seeds = [args.seed] if args.model_seeds is None else args.model_seeds
+    sources = [("tasks", args.prompts, args.seed)] + [
+        ("model", args.model_prompts, s) for s in model_seeds if args.model_prompts > 0
+    ]
     seqs, plens, feats, train, test = [], [], [], [], []
-    for source, count in sources:
+    for source, count, seed in sources:
         key = dict(common, prompts=count)
         if source == "model":
             key["source"] = "model"  # the task prompts' cache keeps its original key
+            if seed != args.seed:
+                key["model_seed"] = seed
 
-        def messages(source=source, count=count):
+        earlier = frozenset(tuple(s[:n]) for s, n in zip(seqs, plens, strict=True))
+
+        def messages(source=source, count=count, seed=seed, earlier=earlier):
             if source == "tasks":
                 return distill_prompts(count, args.seed)
-            return model_prompts(target, tokenizer, count, seed=args.seed, log=log)
+            return model_prompts(target, tokenizer, count, seed=seed, exclude=earlier, log=log)
 
         pairs, fs = _source_data(target, tokenizer, key, messages, args, log)
         # Held out by message: the last of each source, every temperature; evaluated on the

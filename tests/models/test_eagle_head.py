@@ -144,6 +144,13 @@ def test_cli_usage_errors_exit_2_before_any_work(tmp_path, capsys, flag, value):
     assert flag in capsys.readouterr().err
 
 
+def test_cli_repeated_model_seed_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "o"), "--model-seeds", "1", "2", "1"])
+    assert e.value.code == 2
+    assert "--model-seeds 1 2 1" in capsys.readouterr().err
+
+
 def test_model_written_prompts_are_distinct_finished_user_messages(smollm2_gguf):
     """Magpie on the real chat model: the template up to a user's text, continued at T = 1,
     gives distinct messages of at least 3 words, each ended by the model (none cut), and the
@@ -156,3 +163,7 @@ def test_model_written_prompts_are_distinct_finished_user_messages(smollm2_gguf)
     assert len(msgs) == 4 and len(set(msgs)) == 4
     assert all(len(m.split()) >= 3 and "<|im_start|>" not in m for m in msgs)
     assert model_prompts(target, tok, 4, seed=3, batch=8, log=lambda s: None) == msgs
+    # Another source's prompts (chat-formatted ids) are skipped, the rest come in order.
+    seen = {tuple(tok.apply_chat_template([{"role": "user", "content": msgs[0]}]))}
+    again = model_prompts(target, tok, 3, seed=3, batch=8, exclude=seen, log=lambda s: None)
+    assert again == msgs[1:]
