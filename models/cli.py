@@ -5,9 +5,12 @@ stops them quietly, exit 130, never a traceback and never a half-written checkpo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import TYPE_CHECKING
+
+from models.interrupts import deferred_interrupts
 
 if TYPE_CHECKING:  # annotations only
     from models.data import Corpus
@@ -39,6 +42,18 @@ def output_dir(text: str) -> str:
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r} is not writable ({parent!r} is not)")
     return text
+
+
+def write_summary(out: str, summary: dict, save=None) -> None:
+    """``save()`` (the checkpoint into ``out``; None: already saved) and then
+    ``out/training.json`` holding ``summary``, Ctrl-C deferred across both: never half a
+    checkpoint, nor one without its summary."""
+    with deferred_interrupts():
+        if save is not None:
+            save()
+        with open(os.path.join(out, "training.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
 
 
 def windows_problem(corpus: Corpus, tc: TrainConfig) -> str | None:

@@ -42,7 +42,7 @@ from flax import nnx
 
 from decoding.generate import generate
 from decoding.sampling import SamplingConfig
-from models.cli import Interrupted, output_dir
+from models.cli import Interrupted, output_dir, write_summary
 from models.eagle import TRAINABLE, EagleHead, load_eagle, save_eagle
 from models.interrupts import deferred_interrupts
 from models.medusa import head_rows
@@ -584,11 +584,10 @@ def _distill(p, args, argv, tc, log) -> dict:
     summary.update(
         command=command, base_model=args.target, total_seconds=round(time.perf_counter() - t0, 1)
     )
-    with deferred_interrupts():
-        save_eagle(head, args.out, extra=dict(base_model=args.target), dtype=args.save_dtype)
-        with open(os.path.join(args.out, "training.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-            f.write("\n")
+    extra = dict(base_model=args.target)
+    write_summary(
+        args.out, summary, lambda: save_eagle(head, args.out, extra=extra, dtype=args.save_dtype)
+    )
     return summary
 
 

@@ -33,6 +33,7 @@ from models.cli import (
     output_dir,
     report_interrupt,
     windows_problem,
+    write_summary,
 )
 from models.hf import load_hf_checkpoint
 from models.interrupts import deferred_interrupts
@@ -188,11 +189,11 @@ def main_medusa(args, tc, argv=None, error=None) -> int:
         )
         command = " ".join(["python -m models.train", *(sys.argv[1:] if argv is None else argv)])
         summary.update(command=command, init=args.init)
-        with deferred_interrupts():  # never half the heads, nor heads without their summary
-            save_medusa(heads, args.out, extra=dict(base_model=args.init))
-            with open(os.path.join(args.out, "training.json"), "w") as f:
-                json.dump(summary, f, indent=2)
-                f.write("\n")
+        write_summary(
+            args.out,
+            summary,
+            lambda: save_medusa(heads, args.out, extra=dict(base_model=args.init)),
+        )
         saved = f"{args.out} saved"
     except KeyboardInterrupt as e:
         return report_interrupt(e, saved)
@@ -761,11 +762,10 @@ def _distill(p: argparse.ArgumentParser, args, argv, tc: TrainConfig, log) -> di
         data=data_meta,
         total_seconds=round(time.perf_counter() - t0, 1),
     )
-    with deferred_interrupts():  # never half the heads, nor heads without their summary
-        save_medusa(heads, args.out, extra=dict(base_model=args.target), dtype=args.save_dtype)
-        with open(os.path.join(args.out, "training.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-            f.write("\n")
+    extra = dict(base_model=args.target)
+    write_summary(
+        args.out, summary, lambda: save_medusa(heads, args.out, extra=extra, dtype=args.save_dtype)
+    )
     return summary
 
 

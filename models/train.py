@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 import sys
 import time
 
@@ -31,6 +29,7 @@ from models.cli import (
     output_dir,
     report_interrupt,
     windows_problem,
+    write_summary,
 )
 from models.config import TransformerConfig
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
@@ -317,9 +316,7 @@ def _write_summary(args, argv, corpus: data.Corpus, tc: TrainConfig, summary: di
         save_dtype=args.save_dtype,
         tokenizer=repr(ByteTokenizer()),
     )
-    with deferred_interrupts(), open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    write_summary(args.out, summary)
 
 
 if __name__ == "__main__":
