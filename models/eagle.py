@@ -38,12 +38,11 @@ from flax import nnx
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
 from models.medusa import (
-    DraftVocab,
     check_saved_target,
-    check_vocab_ids,
+    copy_vocab_rows,
     fill_params,
-    head_rows,
     param_tensors,
+    vocab_head,
 )
 from models.transformer import Block, Linear, rope_tables
 
@@ -63,21 +62,11 @@ class EagleHead(nnx.Module):
     """
 
     def __init__(self, config: TransformerConfig, *, vocab, rngs: nnx.Rngs):
-        ids = check_vocab_ids(vocab, config.vocab_size)
+        self.vocab, self.vocab_head = vocab_head(config, vocab, rngs)  # checks vocab first
         self.config = config
         dt, D = config.jnp_dtype, config.dim
         self.fc = Linear(2 * D, D, use_bias=True, dtype=dt, param_dtype=dt, rngs=rngs)
         self.block = Block(block_config(config), rngs=rngs)
-        self.vocab = DraftVocab(jnp.asarray(ids))
-        self.vocab_head = Linear(
-            D,
-            int(ids.size),
-            use_bias=False,
-            kernel_init=nnx.initializers.zeros,
-            dtype=dt,
-            param_dtype=dt,
-            rngs=rngs,
-        )
 
     def features(self, h, e, positions, *, kv=None, segment_ids=None):
         dt = self.config.jnp_dtype
@@ -106,8 +95,7 @@ class EagleHead(nnx.Module):
     def init_from(self, target) -> EagleHead:
         """Copies ``target``'s LM-head rows for the draft vocabulary into ``vocab_head``."""
         self.check_target(target.config)
-        rows = head_rows(target)[self.vocab[...]]  # [V', dim]
-        self.vocab_head.kernel.set_value(jnp.array(rows.T, self.vocab_head.kernel.dtype))
+        copy_vocab_rows(target, self.vocab, self.vocab_head)
         return self
 
 

@@ -87,6 +87,29 @@ def check_vocab_ids(vocab, vocab_size: int) -> np.ndarray:
     return out
 
 
+def vocab_head(config: TransformerConfig, vocab, rngs: nnx.Rngs) -> tuple[DraftVocab, Linear]:
+    """A draft vocabulary's state and projection: (the checked ids, :func:`check_vocab_ids`, as
+    a ``DraftVocab``; a zero [dim, V'] ``Linear`` that :func:`copy_vocab_rows` fills)."""
+    ids = check_vocab_ids(vocab, config.vocab_size)
+    dt = config.jnp_dtype
+    proj = Linear(
+        config.dim,
+        int(ids.size),
+        use_bias=False,
+        kernel_init=nnx.initializers.zeros,
+        dtype=dt,
+        param_dtype=dt,
+        rngs=rngs,
+    )
+    return DraftVocab(jnp.asarray(ids)), proj
+
+
+def copy_vocab_rows(target, vocab: DraftVocab, proj: Linear) -> None:
+    """Sets ``proj`` (:func:`vocab_head`) to ``target``'s LM-head rows for the ids ``vocab``."""
+    rows = head_rows(target)[vocab[...]]  # [V', dim]
+    proj.kernel.set_value(jnp.array(rows.T, proj.kernel.dtype))
+
+
 def head_rows(target) -> jax.Array:
     """``target``'s LM head as [V, dim] in its dtype: the tied embedding, or the LM head's
     kernel transposed (dequantized for a quantized head)."""
@@ -202,18 +225,7 @@ class MedusaHeads(nnx.Module):
                 "vocab needs shared_head=True: a draft vocabulary restricts the target's shared "
                 "LM head (own LM heads are [dim, V] each)"
             )
-        ids = check_vocab_ids(vocab, config.vocab_size)
-        dt = config.jnp_dtype
-        self.vocab = DraftVocab(jnp.asarray(ids))
-        self.vocab_head = Linear(
-            config.dim,
-            int(ids.size),
-            use_bias=False,
-            kernel_init=nnx.initializers.zeros,
-            dtype=dt,
-            param_dtype=dt,
-            rngs=rngs,
-        )
+        self.vocab, self.vocab_head = vocab_head(config, vocab, rngs)
 
     def residuals(self, h, num: int | None = None, e=None):
         """h [B, T, dim] (and the root tokens' embeddings e [B, T, dim] with ``root_token``) ->
@@ -275,8 +287,7 @@ class MedusaHeads(nnx.Module):
                 f"match the heads' (dim {self.config.dim}, vocab {self.config.vocab_size})"
             )
         if self.vocab is not None:
-            rows = head_rows(target)[self.vocab[...]]  # [V', dim]
-            self.vocab_head.kernel.set_value(jnp.array(rows.T, self.vocab_head.kernel.dtype))
+            copy_vocab_rows(target, self.vocab, self.vocab_head)
             return self
         if self.shared_head:
             return self
