@@ -322,13 +322,16 @@ class Proposal(NamedTuple):
 class Context(NamedTuple):
     """What ``propose`` may read: the target model and its cache (``cache.lengths`` [B] = tokens
     the target has cached), ``seq`` [B, L] (prompt then new tokens; ``seq[b, lengths[b]]`` is the
-    last token, not yet fed), the draft's params and state."""
+    last token, not yet fed), the draft's params and state; in a prefill of a kind with
+    ``prompt_hidden``, ``hidden`` [B, Tp, dim], the target's last hidden states over the prompts
+    from its own prefill."""
 
     target: nnx.Module
     cache: KVCache
     seq: jax.Array
     params: Any
     state: Any
+    hidden: Any = None
 
 
 class Verified(NamedTuple):
@@ -380,11 +383,14 @@ class DraftKind(Protocol):
     forward calls its prefill makes. ``deterministic``: every proposed token is a function of
     the context, not a draw (q is one-hot on it), so a verifier may build q from the tokens
     (``jax.nn.one_hot``) instead of carrying ``Proposal.q``; every kind states it.
+    ``prompt_hidden``: its prefill reads the target's hidden states over the prompts
+    (``Context.hidden``), which the target's prefill then returns: no second pass for them.
     """
 
     verify_width: int = 0
     prefill_calls: int = 0
     deterministic: bool = False
+    prompt_hidden: bool = False
 
     @property
     def default_num_draft_tokens(self) -> int:

@@ -12,8 +12,8 @@ target's (k - 1 more calls of one row). Greedy drafts the argmax; sampling draws
 draft's distribution q (shaped by the target's ``SamplingConfig``), which the verification rule
 uses, so the output stays exactly the target's either way.
 
-After the target's prefill the draft's prefill runs the target over the prompts once more for
-their hidden states (its logits unused) and feeds all pairs but the last, which stays pending.
+The target's prefill also returns its hidden states over the prompts (``prompt_hidden``); the
+draft's prefill feeds all their pairs but the last, which stays pending.
 
 Chains only, in ``speculative_generate`` (a batch of rows, each at its own length).
 """
@@ -93,6 +93,7 @@ class EagleDraft(DraftKind):
     vocab_size: int
     share: float
     prefill_calls = 1
+    prompt_hidden = True
 
     @property
     def default_num_draft_tokens(self) -> int:
@@ -135,11 +136,11 @@ class EagleDraft(DraftKind):
         return cache, pend, jnp.zeros((rows,), jnp.int32)
 
     def prefill(self, ctx: Context, tokens, prompt_lengths):
-        """The target's hidden states over the prompts (an uncached forward, logits unused),
-        the pairs of positions 0 .. P - 2 fed, position P - 1's pending."""
+        """From the target's hidden states over the prompts (``ctx.hidden``, its prefill's), the
+        pairs of positions 0 .. P - 2 fed, position P - 1's pending."""
         cache, pend, _ = ctx.state
         B, T = tokens.shape
-        _, h = ctx.target(tokens, return_hidden=True)  # [B, T, dim]
+        h = ctx.hidden  # [B, T, dim]
         head = self.head(ctx.params)
         nxt = ctx.seq[:, 1 : T + 1]  # the token after each position (the first new one at P)
         e = ctx.target.embed(nxt)

@@ -109,15 +109,19 @@ def prefill(
     eos_id,
     num_new_max,
     sampling,
-) -> DecodeState:
-    """Prompt pass: tokens [B, Tp] right-padded, prompt_lengths [B] >= 1, an empty cache.
+    hidden: bool = False,
+):
+    """Prompt pass: tokens [B, Tp] right-padded, prompt_lengths [B] >= 1, an empty cache
+    -> ``DecodeState`` (and, with ``hidden``, the model's last hidden states over the prompts,
+    [B, Tp, dim], for a draft that reads them: ``(state, hidden)``).
 
     Traceable (``generate`` jits it). ``done`` [B] bool marks rows to skip (batch padding);
     ``num_new_max`` (static) is the width N of the token buffer; ``sampling`` a
     ``SamplingConfig`` or ``SamplingParams`` (scalar or per row), as in ``sampling.sample``.
     """
     B = tokens.shape[0]
-    logits, cache = model(tokens, cache=cache, logits_at=prompt_lengths - 1)  # [B, 1, V]
+    out = model(tokens, cache=cache, logits_at=prompt_lengths - 1, return_hidden=hidden)
+    logits, cache = out[:2]  # [B, 1, V]
     cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
     state = DecodeState(
         tokens=jnp.zeros((B, num_new_max), jnp.int32),
@@ -128,7 +132,8 @@ def prefill(
         key=key,
         step=jnp.zeros((), jnp.int32),
     )
-    return _append(state, logits[:, 0], eos_id, sampling)
+    state = _append(state, logits[:, 0], eos_id, sampling)
+    return (state, out[2]) if hidden else state
 
 
 def decode_step(model, state: DecodeState, *, eos_id, sampling) -> DecodeState:

@@ -110,6 +110,7 @@ class MedusaDraft(DraftKind):
     vocab_size: int
     tree: TreeSpec | None = None
     lookup_ngram: int | None = None
+    prompt_hidden = True  # the state starts at the prompt's last hidden state
 
     @property
     def default_num_draft_tokens(self) -> int:
@@ -166,13 +167,10 @@ class MedusaDraft(DraftKind):
         return DraftCosts(PRIOR_ACCEPTANCE["medusa"], max_k=most, fixed_k=fixed)
 
     def prefill(self, ctx: Context, tokens, prompt_lengths):
-        """h [B, dim] at the last prompt token, from a Tq = 1 forward of the target after its
-        prefill (cache writes dropped)."""
-        cache = ctx.cache
-        pos = jnp.maximum(cache.lengths - 1, 0)
-        tok = jnp.take_along_axis(ctx.seq, pos[:, None], axis=1)
-        _, _, h = ctx.target(tok, cache=cache.replace(lengths=pos), return_hidden=True)
-        return h[:, 0]
+        """h [B, dim] at the last prompt token, read from the target's prefill (``ctx.hidden``,
+        ``prompt_hidden``)."""
+        pos = jnp.maximum(prompt_lengths - 1, 0).astype(jnp.int32)
+        return jnp.take_along_axis(ctx.hidden, pos[:, None, None], axis=1)[:, 0]
 
     def head_logits(self, params, h, k: int, target=None, root=None):
         """h [B, dim] (and ``root`` [B], the token each h gave, for heads that read it) -> the

@@ -211,12 +211,14 @@ def speculative_prefill(
         eos_id=eos_id,
         num_new_max=1,
         sampling=sampling,
+        hidden=draft.prompt_hidden,
     )
+    st, hidden = st if draft.prompt_hidden else (st, None)
     B, Tp = tokens.shape
     seq = jnp.zeros((B, seq_len), jnp.int32).at[:, :Tp].set(tokens)
     seq = seq.at[jnp.arange(B), prompt_lengths].set(st.tokens[:, 0])
     zeros = jnp.zeros((B,), jnp.int32)
-    ctx = Context(target, st.cache, seq, params, draft_state)
+    ctx = Context(target, st.cache, seq, params, draft_state, hidden)
     draft_state = draft.prefill(ctx, tokens, prompt_lengths)
     return SpecState(
         seq=seq,

@@ -455,8 +455,9 @@ class Transformer(nnx.Module):
             tokens j with ``tree_mask[b, i, j]`` (a speculative token tree: itself and its
             ancestors; pass their depths in ``positions``).
           logits_at: [B] int, compute the LM head only at position ``logits_at[b]`` of each row
-            (e.g. a prompt's last token): logits (and the hidden state) are then [B, 1, ...], and
-            a prefill does no vocabulary-sized work for the other T - 1 positions.
+            (e.g. a prompt's last token): logits are then [B, 1, V], and a prefill does no
+            vocabulary-sized work for the other T - 1 positions (``return_hidden`` still gives
+            every position's hidden state, [B, T, dim]).
         """
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -500,10 +501,14 @@ class Transformer(nnx.Module):
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
-        if logits_at is not None:
-            x = _rows_at(x, logits_at)
-        hidden = self.norm(x)
-        out = (self.logits(hidden),)
+        if logits_at is not None and return_hidden:
+            hidden = self.norm(x)  # every position's: a draft's prefill reads them all
+            out = (self.logits(_rows_at(hidden, logits_at)),)
+        else:
+            if logits_at is not None:
+                x = _rows_at(x, logits_at)
+            hidden = self.norm(x)
+            out = (self.logits(hidden),)
         if cache is not None:
             out += (cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T),)
         if return_hidden:

@@ -21,17 +21,27 @@ TINY_TRAINING_ARGS = (
 
 def jit_model(model):
     """``model``'s forward as one jitted function of (tokens, positions, segment_ids, cache,
-    logits_at):
+    logits_at, return_hidden):
     eager calls re-trace the XLA attention loops on every call, which is slow on CPU."""
     graphdef, state = nnx.split(model)
 
-    @jax.jit
-    def run(state, tokens, positions=None, segment_ids=None, cache=None, logits_at=None):
+    def run(state, tokens, positions, segment_ids, cache, logits_at, return_hidden):
         model = nnx.merge(graphdef, state)
-        return model(tokens, positions, segment_ids=segment_ids, cache=cache, logits_at=logits_at)
+        return model(
+            tokens,
+            positions,
+            segment_ids=segment_ids,
+            cache=cache,
+            logits_at=logits_at,
+            return_hidden=return_hidden,
+        )
 
-    def call(tokens, positions=None, *, segment_ids=None, cache=None, logits_at=None):
-        return run(state, tokens, positions, segment_ids, cache, logits_at)
+    run = jax.jit(run, static_argnums=6)
+
+    def call(
+        tokens, positions=None, *, segment_ids=None, cache=None, logits_at=None, return_hidden=False
+    ):
+        return run(state, tokens, positions, segment_ids, cache, logits_at, return_hidden)
 
     call.config = model.config
     return call

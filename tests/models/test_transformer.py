@@ -121,6 +121,16 @@ def test_logits_at_is_the_full_logits_at_one_position_per_row(cached):
         logits = model(tokens, logits_at=at)
     assert logits.shape == (3, 1, model.config.vocab_size)
     np.testing.assert_allclose(logits[:, 0], full[jnp.arange(3), at], atol=1e-5, rtol=1e-5)
+    # With return_hidden the hidden states are every position's, the logits still one row's.
+    _, h_full = model(tokens, return_hidden=True)
+    if cached:
+        cache = KVCache.contiguous(model.config, 3, 8)
+        logits2, _, h = model(tokens, cache=cache, logits_at=at, return_hidden=True)
+    else:
+        logits2, h = model(tokens, logits_at=at, return_hidden=True)
+    np.testing.assert_allclose(logits2, logits, atol=1e-6, rtol=1e-6)
+    assert h.shape == (3, 7, model.config.dim)
+    np.testing.assert_allclose(h, h_full, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_forward_is_close_to_float32():
