@@ -385,6 +385,64 @@ def acceptance_of(checkpoints: list[str], n_prompts: int) -> None:
     common.write_results("speculative_acceptance", rows, loadavg=os.getloadavg(), prompts=len(ids))
 
 
+def eagle_acceptance(heads: list[str], k: int = 5, results_dir=None) -> None:
+    """Offline acceptance of EAGLE heads (directories, or the shipped name) for SmolLM2 on the
+    open-chat prompts: the target's greedy answers (160 new tokens), and after every answer
+    position a chain of k drafted as decoding drafts them (``models.eagle_train
+    .chain_acceptance``); per head, how often at least 1 .. k were kept, the mean kept, and
+    the head's training data and held-out figures from its ``training.json``
+    (``eagle_acceptance.json``). Independent of the machine's load."""
+    import json
+
+    import models
+    from decoding import generate
+    from models.eagle import load_eagle
+    from models.eagle_train import chain_acceptance, sequence_features
+    from models.pretrained import shipped_path
+
+    target, tok = models.pretrained("smollm2-135m-instruct")
+    seqs, plens = [], []
+    for ids in real_prompt_ids(tok, "open-chat"):
+        out = generate(target, [ids], max_new_tokens=160, eos_id=tok.eos_id).tokens[0]
+        seqs.append(list(ids) + out)
+        plens.append(len(ids))
+    feats = sequence_features(target, seqs, log=lambda s: None)
+    rows = []
+    for name in tqdm(heads, desc="heads"):
+        path = str(shipped_path(name)) if not os.path.isdir(name) else name
+        head = load_eagle(path, target.config)
+        kept = np.concatenate(
+            [
+                chain_acceptance(head, target, s, f, n, k)
+                for s, f, n in zip(seqs, feats, plens, strict=True)
+            ]
+        )
+        meta = {}
+        if os.path.isfile(os.path.join(path, "training.json")):
+            with open(os.path.join(path, "training.json")) as f:
+                meta = json.load(f)
+        held = meta.get("heldout") or {}
+        rows.append(
+            dict(
+                head=name,
+                train_sequences=meta.get("train_sequences"),
+                steps=meta.get("train_config", {}).get("steps"),
+                depth=meta.get("depth"),
+                heldout_first=held.get("first_token"),
+                heldout_mean=held.get("mean_accepted"),
+                first=float(np.mean(kept >= 1)),
+                at_least=[float(np.mean(kept >= i)) for i in range(1, k + 1)],
+                mean_kept=float(kept.mean()),
+                positions=int(kept.size),
+            )
+        )
+    cols = ["head", "train_sequences", "heldout_first", "heldout_mean", "first", "mean_kept"]
+    common.print_table(rows, cols)
+    common.write_results(
+        "eagle_acceptance", rows, results_dir=results_dir, k=k, prompts=len(seqs), new_tokens=160
+    )
+
+
 def _calls(props: dict, s, start: int, k: int) -> int:
     """Target calls to generate ``s[start:]`` greedily when step j (``s[j]`` the last known
     token) verifies the k tokens ``props[j]``: the ones ``s`` agrees with, plus the target's."""
@@ -625,6 +683,12 @@ def main() -> None:
     )
     parser.add_argument("--sources", action="store_true", help="only :func:`sources`")
     parser.add_argument(
+        "--eagle-heads",
+        nargs="+",
+        metavar="HEAD",
+        help="only these EAGLE heads' offline acceptance on open chat (eagle_acceptance)",
+    )
+    parser.add_argument(
         "--real", action="store_true", help="only SmolLM2 (:func:`real_model`; speculative_real)"
     )
     parser.add_argument(
@@ -640,6 +704,8 @@ def main() -> None:
         return real_model(args)
     if args.sources:
         return sources()
+    if args.eagle_heads:
+        return eagle_acceptance(args.eagle_heads, results_dir=args.results_dir)
     if args.acceptance_of:
         return acceptance_of(args.acceptance_of, args.prompts or 4)
     quick = args.quick
