@@ -30,9 +30,12 @@ Writes ``benchmarks/results/speculative_cpu.json`` (load average recorded) and p
 the chosen k (and at each ``--ks``) against plain ``generate``, B = 1, answers of up to 160 new
 tokens (96 quick) ending at the chat's end token, greedy and T = 0.7, on input-grounded and
 open-chat prompts; ``benchmarks/results/speculative_real.json``. ``--real-kinds K ..`` drafts
-with ``prompt-lookup``, ``medusa`` (the shipped SmolLM2 heads) or ``eagle`` (the shipped
-SmolLM2 EAGLE head) instead, ``--real-workloads W ..`` keeps some workloads; any kind but
-prompt lookup alone writes ``speculative_real_heads.json``.
+with ``prompt-lookup``, ``medusa`` (the shipped SmolLM2 heads), ``eagle`` (the shipped
+SmolLM2 EAGLE head) or ``eagle+lookup`` (it with prompt lookup's continuation where the last
+``LOOKUP_NGRAM`` tokens occurred before) instead, ``--real-workloads W ..`` keeps some
+workloads; any kind but prompt lookup alone writes ``speculative_real_heads.json``.
+``--eagle-heads HEAD ..``: only those EAGLE heads' offline acceptance on the open-chat prompts
+(:func:`eagle_acceptance`; ``eagle_acceptance.json``).
 """
 
 from __future__ import annotations
@@ -593,6 +596,7 @@ def real_model(args) -> None:
     import models
     from decoding import Eagle, Medusa, PromptLookup, SamplingConfig, generate, speculative_generate
     from decoding.drafts import measured_costs
+    from decoding.medusa import LOOKUP_NGRAM
 
     target, tok = models.pretrained("smollm2-135m-instruct")
     kinds = args.real_kinds or ["prompt-lookup"]
@@ -603,7 +607,8 @@ def real_model(args) -> None:
         elif kind == "medusa":
             drafts[kind] = Medusa(models.pretrained("smollm2-135m-instruct-medusa")[0])
         else:
-            drafts[kind] = Eagle(models.pretrained("smollm2-135m-instruct-eagle")[0])
+            head = models.pretrained("smollm2-135m-instruct-eagle")[0]
+            drafts[kind] = Eagle(head, lookup_ngram=LOOKUP_NGRAM if "lookup" in kind else None)
     new = 96 if args.quick else 160
     n_prompts = 1 if args.quick else 4
     timing = (1 if args.quick else 3, 1)  # (runs, warm-up)
@@ -694,7 +699,7 @@ def main() -> None:
     parser.add_argument(
         "--real-kinds",
         nargs="+",
-        choices=("prompt-lookup", "medusa", "eagle"),
+        choices=("prompt-lookup", "medusa", "eagle", "eagle+lookup"),
         default=None,
         help="with --real: the drafts (default prompt-lookup; others write speculative_real_heads)",
     )

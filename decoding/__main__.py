@@ -50,7 +50,15 @@ from models.sharding import mesh_shape
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-SPECULATIVE = ("code-draft", "prompt-lookup", "medusa", "medusa+lookup", "medusa-tree", "eagle")
+SPECULATIVE = (
+    "code-draft",
+    "prompt-lookup",
+    "medusa",
+    "medusa+lookup",
+    "medusa-tree",
+    "eagle",
+    "eagle+lookup",
+)
 
 
 def _speculative(text: str) -> str:
@@ -68,9 +76,10 @@ def _draft(spec: str, model: str):
     shipped heads trained on ``model``, ``models.pretrained.medusa_heads_for``, as a chain;
     ``medusa+lookup``: that chain with prompt lookup where the last LOOKUP_NGRAM tokens
     occurred before; ``medusa-tree``: as ``TreeSpec.default(4)``; ``eagle``: the shipped EAGLE
-    head trained on ``model``)."""
-    if spec == "eagle":
-        return Eagle(models.pretrained(eagle_head_for(model))[0])
+    head trained on ``model``; ``eagle+lookup``: it with prompt lookup, as ``medusa+lookup``)."""
+    if spec.startswith("eagle"):
+        head = models.pretrained(eagle_head_for(model))[0]
+        return Eagle(head, lookup_ngram=LOOKUP_NGRAM if spec == "eagle+lookup" else None)
     if spec == "code-draft":
         return models.pretrained("code-draft")[0]
     if spec == "prompt-lookup":
@@ -139,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative",
         type=_speculative,
         default=None,
-        metavar="{code-draft,prompt-lookup,early-exit:L,medusa,medusa+lookup,medusa-tree,eagle}",
+        metavar="{" + ",".join((*SPECULATIVE[:2], "early-exit:L", *SPECULATIVE[2:])) + "}",
         help="speculative decoding with this draft (same output distribution, fewer target calls)",
     )
     parser.add_argument(
@@ -202,9 +211,10 @@ def _check_arguments(parser, args) -> SamplingConfig:
             f"--speculative {args.speculative}: no shipped Medusa heads for --model "
             f"{args.model} (heads ship for {', '.join(sorted(SHIPPED_MEDUSA.values()))})"
         )
-    if args.speculative == "eagle" and eagle_head_for(args.model) is None:
+    if (args.speculative or "").startswith("eagle") and eagle_head_for(args.model) is None:
         parser.error(
-            f"--speculative eagle: no shipped EAGLE head for --model {args.model} (one ships "
+            f"--speculative {args.speculative}: no shipped EAGLE head for --model {args.model} "
+            "(one ships "
             f"for {', '.join(sorted(SHIPPED_EAGLE.values()))})"
         )
     if args.system is not None and not (args.chat or args.interactive):

@@ -15,6 +15,16 @@ uses, so the output stays exactly the target's either way.
 The target's prefill also returns its hidden states over the prompts (``prompt_hidden``); the
 draft's prefill feeds all their pairs but the last, which stays pending.
 
+With ``lookup_ngram=n`` a row whose last n known tokens occurred earlier in its prompt + output
+proposes what followed them (``drafts.lookup``, prompt lookup's rule; q one-hot on it), the
+other rows the head's tokens: open chat repeats its own phrases where the head is unsure, and a
+copied run is kept far more often than a guessed one. A step where every row matched skips the
+head's drafting calls (``lax.cond``; the pending pairs are still fed). The head drafts at most
+``head_tokens`` (default ``drafts.default_k("eagle")``) of a longer k; the positions past them
+repeat its last token with a one-hot q (exact; rarely kept), so a long lookup draft does not
+make every unmatched step pay k drafting calls. Which source a row uses depends only on its
+tokens so far, so the verification rule stays exact.
+
 Chains only, in ``speculative_generate`` (a batch of rows, each at its own length).
 """
 
@@ -23,9 +33,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from decoding.checks import check_optional_int
 from decoding.drafts import (
     MAX_K,
     PRIOR_ACCEPTANCE,
@@ -36,6 +48,7 @@ from decoding.drafts import (
     Verified,
     check_vocab,
     default_k,
+    lookup,
     split_keys,
     verify_chain,
 )
@@ -49,12 +62,23 @@ class Eagle:
     """A draft kind for ``speculative_generate``: ``Eagle(head)`` with ``head`` a
     ``models.EagleHead`` trained for the target (``python -m models.eagle_train``); k up to
     ``drafts.MAX_K``, chosen from the measured step costs unless ``num_draft_tokens`` fixes
-    it."""
+    it. ``Eagle(head, lookup_ngram=3)`` takes prompt lookup's continuation where a row's last 3
+    tokens occurred before (module docstring); ``head_tokens``: the most tokens the head drafts
+    of a step's k (default: all of them alone, ``drafts.default_k("eagle")`` with lookup)."""
 
-    def __init__(self, head: EagleHead):
+    def __init__(
+        self, head: EagleHead, lookup_ngram: int | None = None, head_tokens: int | None = None
+    ):
         if not isinstance(head, EagleHead):
             raise TypeError(f"head must be a models.EagleHead, got {type(head).__name__}")
-        self.head = head
+        lookup_ngram = check_optional_int("lookup_ngram", lookup_ngram, 1)
+        head_tokens = check_optional_int("head_tokens", head_tokens, 1)
+        if head_tokens is not None and head_tokens > MAX_K:
+            raise ValueError(f"head_tokens={head_tokens} exceeds drafts.MAX_K={MAX_K}")
+        self.head, self.lookup_ngram = head, lookup_ngram
+        if head_tokens is None:  # a cap only where lookup drafts the long runs
+            head_tokens = MAX_K if lookup_ngram is None else default_k("eagle")
+        self.head_tokens = head_tokens
 
     def split(self) -> tuple[EagleDraft, Any]:
         """(the static draft kind, params: the head's and their packed copies for few-row
@@ -62,7 +86,8 @@ class Eagle:
         graphdef, params = nnx.split(self.head)
         c = self.head.config
         share = draft_share(self.head)
-        return EagleDraft(graphdef, c.dim, c.vocab_size, share), (
+        kind = EagleDraft(graphdef, c.dim, c.vocab_size, share, self.lookup_ngram, self.head_tokens)
+        return kind, (
             params,
             packed_weights(self.head, params),
         )
@@ -80,6 +105,11 @@ def draft_share(head: EagleHead) -> float:
     return mine / target
 
 
+def one_hot(tokens, V: int):
+    """The q of a deterministic draft token: one-hot float32 [..., V]."""
+    return jax.nn.one_hot(tokens, V, dtype=jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDraft(DraftKind):
     """The static side of :class:`Eagle` (``graphdef`` of the head; params passed apart).
@@ -92,6 +122,8 @@ class EagleDraft(DraftKind):
     dim: int
     vocab_size: int
     share: float
+    lookup_ngram: int | None = None
+    head_tokens: int = MAX_K
     prefill_calls = 1
     prompt_hidden = True
 
@@ -118,8 +150,11 @@ class EagleDraft(DraftKind):
         return params
 
     def costs(self, target, params) -> DraftCosts:
-        share = self.share
-        return DraftCosts(PRIOR_ACCEPTANCE["eagle"], target, lambda k: k * share, max_k=MAX_K)
+        share, most = self.share, self.head_tokens
+        # With lookup_ngram: an unmatched step's calls (a matched one makes only the first).
+        return DraftCosts(
+            PRIOR_ACCEPTANCE["eagle"], target, lambda k: min(k, most) * share, max_k=MAX_K
+        )
 
     def head(self, params) -> EagleHead:
         return packed_model(self.graphdef, *params)
@@ -164,21 +199,46 @@ class EagleDraft(DraftKind):
         f, (kc, vc) = head.features(pend[:, : k + 1], embed(nxt), pos, kv=kv)
         feat = jnp.take_along_axis(f, (count - 1)[:, None, None], axis=1)  # [B, 1, dim]
         lengths = D + count  # = the target's length: the pairs all known
-        keys = split_keys(key, k)
-        toks, qs = [], []
-        for i in range(k):
-            logits = head.logits(feat)[:, 0]
-            toks.append(sample(logits, keys[i], sampling))
-            qs.append(probabilities(logits, sampling))
-            if i + 1 < k:  # the drafted token fed with the draft's own feature
-                kv = (kc, vc, lengths + i, None)
-                feat, (kc, vc) = head.features(
-                    feat, embed(toks[-1][:, None]), (lengths + i)[:, None], kv=kv
-                )
-        tokens = jnp.stack(toks, 1)
-        q = jnp.stack(qs, 1)
+        m = min(k, self.head_tokens)
+
+        def drafted(kc, vc):  # the head's m tokens, then its last repeated (one-hot q)
+            keys = split_keys(key, m)
+            toks, qs, x = [], [], feat
+            for i in range(m):
+                logits = head.logits(x)[:, 0]
+                toks.append(sample(logits, keys[i], sampling))
+                qs.append(probabilities(logits, sampling))
+                if i + 1 < m:  # the drafted token fed with the draft's own feature
+                    kv = (kc, vc, lengths + i, None)
+                    x, (kc, vc) = head.features(
+                        x, embed(toks[-1][:, None]), (lengths + i)[:, None], kv=kv
+                    )
+            tokens = jnp.stack(toks + [toks[-1]] * (k - m), 1)
+            q = jnp.stack(qs, 1)
+            if k > m:
+                q = jnp.concatenate([q, one_hot(tokens[:, m:], self.vocab_size)], 1)
+            return tokens, q, kc, vc
+
+        calls = m  # the feed call and m - 1 drafted ones
+        if self.lookup_ngram is None:
+            tokens, q, kc, vc = drafted(kc, vc)
+        else:
+            n = self.lookup_ngram
+            found, seen = lookup(ctx.seq, ctx.cache.lengths + 1, k, n, n, return_found=True)
+
+            def mixed():
+                tokens, q, k2, v2 = drafted(kc, vc)
+                tokens = jnp.where(found[:, None], seen, tokens)
+                q = jnp.where(found[:, None, None], one_hot(seen, self.vocab_size), q)
+                return tokens, q, k2, v2
+
+            def copied():  # every row matched: no drafting calls
+                return seen, one_hot(seen, self.vocab_size), kc, vc
+
+            tokens, q, kc, vc = jax.lax.cond(jnp.all(found), copied, mixed)
+            calls = jnp.where(jnp.all(found), 1, m).astype(jnp.int32)
         state = (cache.replace(k=(kc,), v=(vc,), lengths=lengths), pend, count)
-        return Proposal(tokens, q, state, ctx.cache, k)
+        return Proposal(tokens, q, state, ctx.cache, calls)
 
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
         n, nxt, cache, hidden = verify_chain(target, last, prop, sampling, key, hidden=True)

@@ -23,18 +23,20 @@ def random_head(target, seed=0, vocab=None):
 
 
 @pytest.mark.parametrize(
-    "k, cache, vocab",
+    "k, cache, vocab, lookup",
     [
-        (1, "paged", None),
-        (3, "paged", range(0, 264, 3)),  # a draft vocabulary: a third of the tokens
-        pytest.param(8, "contiguous", None, marks=pytest.mark.slow),
+        (1, "paged", None, None),
+        (3, "paged", range(0, 264, 3), None),  # a draft vocabulary: a third of the tokens
+        (5, "paged", None, (2, 2)),  # with prompt lookup; the head drafts 2 of 5
+        pytest.param(8, "contiguous", None, None, marks=pytest.mark.slow),
     ],
 )
-def test_greedy_equals_generate(tiny_model, reference, k, cache, vocab):  # noqa: F811
+def test_greedy_equals_generate(tiny_model, reference, k, cache, vocab, lookup):  # noqa: F811
     eos, want = reference
+    ngram, most = lookup or (None, None)
     res = speculative_generate(
         tiny_model,
-        Eagle(random_head(tiny_model, vocab=vocab)),
+        Eagle(random_head(tiny_model, vocab=vocab), lookup_ngram=ngram, head_tokens=most),
         PROMPTS,
         num_draft_tokens=k,
         max_new_tokens=NEW,
@@ -43,11 +45,40 @@ def test_greedy_equals_generate(tiny_model, reference, k, cache, vocab):  # noqa
     )
     assert res.tokens == want
     assert res.stats["num_draft_tokens"] == k
+    if lookup is not None:  # the head drafts at most `most` of the k
+        assert res.stats["draft_calls"] <= 1 + res.stats["target_calls"] * most
 
 
-def test_sampling_is_exact_t1():
+def test_lookup_copies_where_the_answer_repeats_itself():
+    """The shipped code model on code that repeats its own identifiers: lookup's copied runs
+    are kept (more tokens per call than the untrained head alone) and the output stays the
+    target's."""
+    import models
+
+    target, tok = models.pretrained("code-target")
+    text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul("
+    prompt = [tok.bos_id] + tok.encode(text)
+    want = generate(target, [prompt], max_new_tokens=32).tokens
+    head = random_head(target)
+    run = lambda d: speculative_generate(  # noqa: E731
+        target, d, [prompt], num_draft_tokens=4, max_new_tokens=32
+    )
+    alone, both = run(Eagle(head)), run(Eagle(head, lookup_ngram=2))
+    assert alone.tokens == both.tokens == want
+    assert both.stats["tokens_per_target_call"] > alone.stats["tokens_per_target_call"]
+    # A step where the row matched made only the feed call, not the head's 3 (the default cap).
+    assert both.stats["draft_calls"] < 1 + 3 * both.stats["target_calls"]
+
+
+@pytest.mark.parametrize("lookup", [None, (1, 1)])
+def test_sampling_is_exact_t1(lookup):
+    """With lookup (n = 1 on 16 tokens: most steps match) and the head drafting 1 of 3: the
+    copied tokens' and the fillers' one-hot q keep the output exact."""
     target = random_transformer(10, num_layers=2, **SMALL)
-    check_exact(target, Eagle(random_head(target, seed=5)), 3, T1)
+    ngram, most = lookup or (None, None)
+    check_exact(
+        target, Eagle(random_head(target, seed=5), lookup_ngram=ngram, head_tokens=most), 3, T1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +135,13 @@ def test_acceptance_replays_the_offline_chain(tiny_model, trained, k):
 def test_bad_arguments(tiny_model):
     with pytest.raises(TypeError, match="head"):
         Eagle(tiny_model)
+    head = random_head(tiny_model)
+    with pytest.raises(ValueError, match="lookup_ngram"):
+        Eagle(head, lookup_ngram=0)
+    with pytest.raises(ValueError, match="head_tokens"):
+        Eagle(head, head_tokens=9)
+    with pytest.raises(TypeError, match="head_tokens"):
+        Eagle(head, head_tokens=2.5)
     with pytest.raises(ValueError, match="MAX_K"):
         speculative_generate(
             tiny_model,
@@ -147,6 +185,7 @@ def test_shipped_smollm2_head_loads_and_keeps_greedy_output(smollm2_gguf, capsys
     res = speculative_generate(target, Eagle(head), [ids], num_draft_tokens=3, max_new_tokens=12)
     assert res.tokens == want, (tokenizer.decode(res.tokens[0]), tokenizer.decode(want[0]))
     assert res.stats["acceptance_rate"] > 0  # the real head drafts what the model says
-    argv = ["Name three colours.", "--chat", "--max-new-tokens", "8", "--speculative", "eagle"]
-    assert main(argv) == 0
-    assert "eagle, k=" in capsys.readouterr().err
+    for spec in ("eagle", "eagle+lookup"):
+        argv = ["Name three colours.", "--chat", "--max-new-tokens", "8", "--speculative", spec]
+        assert main(argv) == 0
+        assert f"{spec}, k=" in capsys.readouterr().err

@@ -17,6 +17,10 @@ from models.hf import save_hf_checkpoint
         (["hi", "--speculative", "prompt-lookup", "--num-draft-tokens", "0"], "num-draft-tokens"),
         (["hi", "--num-draft-tokens", "3"], "needs --speculative"),
         (["hi", "--model", "code-target", "--speculative", "eagle"], "no shipped EAGLE head"),
+        (
+            ["hi", "--model", "code-target", "--speculative", "eagle+lookup"],
+            "--speculative eagle+lookup: no shipped EAGLE head",
+        ),
     ],
 )
 def test_bad_speculative_arguments_are_usage_errors(argv, match, capsys):
