@@ -777,3 +777,25 @@ def lookup(seq, length, k: int, min_ngram: int, max_ngram: int, *, return_found:
     idx = jnp.minimum(idx, last)
     tokens = jnp.take_along_axis(seq, idx, axis=1).astype(jnp.int32)
     return (found, tokens) if return_found else tokens
+
+
+def one_hot(tokens, V: int):
+    """A deterministic draft's q: probability 1 on each proposed token ([..., V] float32)."""
+    return jax.nn.one_hot(tokens, V, dtype=jnp.float32)
+
+
+def lookup_match(ctx, k: int, n: int):
+    """Prompt lookup's n-gram match for a model draft mixed with it (``Medusa`` / ``Eagle`` with
+    ``lookup_ngram=n``): ``(found [B] bool, proposals [B, k])`` over each row's known tokens
+    (``ctx.seq`` up to ``ctx.cache.lengths + 1``)."""
+    return lookup(ctx.seq, ctx.cache.lengths + 1, k, n, n, return_found=True)
+
+
+def with_lookup(found, seen, tokens, q=None):
+    """A model's draft ``tokens`` [B, k] (and its q [B, k, V]) with prompt lookup's proposals
+    ``seen`` put in the rows where an n-gram ``found`` one (q one-hot there, so the verification
+    rule stays exact) -> tokens, or (tokens, q) when q is given."""
+    tokens = jnp.where(found[:, None], seen, tokens)
+    if q is None:
+        return tokens
+    return tokens, jnp.where(found[:, None, None], one_hot(seen, q.shape[-1]), q)

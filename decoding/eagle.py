@@ -48,9 +48,11 @@ from decoding.drafts import (
     Verified,
     check_vocab,
     default_k,
-    lookup,
+    lookup_match,
+    one_hot,
     split_keys,
     verify_chain,
+    with_lookup,
 )
 from decoding.packing import packed_model, packed_weights
 from decoding.sampling import probabilities, sample
@@ -103,11 +105,6 @@ def draft_share(head: EagleHead) -> float:
     layer = D * (H + 2 * Hkv) * hd + H * hd * D + 3 * D * M
     target = c.num_layers * layer + c.vocab_size * D * (1 if c.tie_embeddings else 2)
     return mine / target
-
-
-def one_hot(tokens, V: int):
-    """The q of a deterministic draft token: one-hot float32 [..., V]."""
-    return jax.nn.one_hot(tokens, V, dtype=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,14 +220,11 @@ class EagleDraft(DraftKind):
         if self.lookup_ngram is None:
             tokens, q, kc, vc = drafted(kc, vc)
         else:
-            n = self.lookup_ngram
-            found, seen = lookup(ctx.seq, ctx.cache.lengths + 1, k, n, n, return_found=True)
+            found, seen = lookup_match(ctx, k, self.lookup_ngram)
 
             def mixed():
                 tokens, q, k2, v2 = drafted(kc, vc)
-                tokens = jnp.where(found[:, None], seen, tokens)
-                q = jnp.where(found[:, None, None], one_hot(seen, self.vocab_size), q)
-                return tokens, q, k2, v2
+                return (*with_lookup(found, seen, tokens, q), k2, v2)
 
             def copied():  # every row matched: no drafting calls
                 return seen, one_hot(seen, self.vocab_size), kc, vc

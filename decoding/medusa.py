@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -47,8 +46,9 @@ from decoding.drafts import (
     Verified,
     check_vocab,
     default_k,
-    lookup,
+    lookup_match,
     verify_chain,
+    with_lookup,
 )
 from decoding.generate import generate
 from decoding.packing import packed_model, packed_weights
@@ -203,10 +203,7 @@ class MedusaDraft(DraftKind):
         tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
         q = probabilities(logits, sampling)
         if self.lookup_ngram is not None:
-            n = self.lookup_ngram
-            found, seen = lookup(ctx.seq, ctx.cache.lengths + 1, k, n, n, return_found=True)
-            tokens = jnp.where(found[:, None], seen, tokens)
-            q = jnp.where(found[:, None, None], jax.nn.one_hot(seen, V, dtype=q.dtype), q)
+            tokens, q = with_lookup(*lookup_match(ctx, k, self.lookup_ngram), tokens, q)
         return Proposal(tokens, q, ctx.state, ctx.cache, 1)
 
     def greedy_chain(self, ctx: Context, k: int):
@@ -219,9 +216,7 @@ class MedusaDraft(DraftKind):
         key shared with the batch."""
         tokens = argmax(self._logits(ctx, k))
         if self.lookup_ngram is not None:
-            n = self.lookup_ngram
-            found, seen = lookup(ctx.seq, ctx.cache.lengths + 1, k, n, n, return_found=True)
-            tokens = jnp.where(found[:, None], seen, tokens)
+            tokens = with_lookup(*lookup_match(ctx, k, self.lookup_ngram), tokens)
         return tokens
 
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
