@@ -176,10 +176,15 @@ def spec_pass(model, requests, batch: int, draft, eos_id=None):
     return [done[r][0] for r in ids], wall, latency, stats
 
 
+SPEC_DRAFTS = ("prompt-lookup", "medusa", "medusa+lookup", "eagle", "eagle+lookup")
+
+
 def speculation(args) -> None:
     """SmolLM2-135M-Instruct in the engine, greedy, without a draft and with each of prompt
     lookup, the shipped Medusa heads (``smollm2-135m-instruct-medusa``) and the two combined
-    (``Medusa(heads, lookup_ngram=3)``), k chosen from measured costs, at batch 1, 8 and 32
+    (``Medusa(heads, lookup_ngram=3)``), the shipped EAGLE head
+    (``smollm2-135m-instruct-eagle``) alone and with lookup (``Eagle(head, lookup_ngram=3)``)
+    (``--drafts``: a subset), k chosen from measured costs, at batch 1, 8 and 32
     (1 and 8 quick): the same chat request mix
     (``benchmarks.speculative.REAL_PROMPTS``, both workloads alternating; each answer ends at
     the chat's end token or after ``new`` tokens), each engine compiled by ``Engine.warmup``
@@ -191,16 +196,20 @@ def speculation(args) -> None:
 
     import models
     from benchmarks.speculative import REAL_PROMPTS, real_prompt_ids
-    from decoding import Medusa, PromptLookup
+    from decoding import Eagle, Medusa, PromptLookup
     from decoding.medusa import LOOKUP_NGRAM
 
     model, tok = models.pretrained("smollm2-135m-instruct", dtype=getattr(jnp, args.dtype))
     heads, _ = models.pretrained("smollm2-135m-instruct-medusa")
+    head, _ = models.pretrained("smollm2-135m-instruct-eagle", dtype=getattr(jnp, args.dtype))
     drafts = {
         "prompt-lookup": PromptLookup(),
         "medusa": Medusa(heads),
         "medusa+lookup": Medusa(heads, lookup_ngram=LOOKUP_NGRAM),
+        "eagle": Eagle(head),
+        "eagle+lookup": Eagle(head, lookup_ngram=LOOKUP_NGRAM),
     }
+    drafts = {name: drafts[name] for name in args.drafts or drafts}
     new = 64 if args.quick else 128
     mix = [ids for w in REAL_PROMPTS for ids in real_prompt_ids(tok, w)]
     mix = [mix[i // 2 + (i % 2) * (len(mix) // 2)] for i in range(len(mix))]  # alternate
@@ -279,6 +288,12 @@ def main() -> None:
         "memory mappings of its JIT code; all three batches with every draft in one process "
         "passed Linux's default vm.max_map_count (65530) and LLVM failed ('Cannot allocate "
         "memory'): split a full run over processes",
+    )
+    parser.add_argument(
+        "--drafts",
+        nargs="+",
+        choices=SPEC_DRAFTS,
+        help="--speculation's drafts (default all)",
     )
     args = parser.parse_args()
     if args.speculation:

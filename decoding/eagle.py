@@ -55,8 +55,9 @@ from decoding.drafts import (
     with_lookup,
 )
 from decoding.packing import packed_model, packed_weights
-from decoding.sampling import probabilities, sample
-from models.eagle import EagleHead
+from decoding.sampling import argmax, probabilities, sample
+from models import KVCache
+from models.eagle import EagleHead, block_config
 from models.sharding import mesh_of
 
 
@@ -233,6 +234,53 @@ class EagleDraft(DraftKind):
             calls = jnp.where(jnp.all(found), 1, m).astype(jnp.int32)
         state = (cache.replace(k=(kc,), v=(vc,), lengths=lengths), pend, count)
         return Proposal(tokens, q, state, ctx.cache, calls)
+
+    # --------------------------------------------------------------- the engine's (paged)
+    # ``decoding.Engine(draft=Eagle(head))`` keeps the head's one-layer pool at the target's
+    # page ids and, per slot, the head's feature at the row's last cached position: position t
+    # of the pool holds the pair (h_t, x_{t+1}), so it is complete up to the target's length
+    # and a step drafts from the slot's feature alone (no pending pairs, unlike the loop's).
+
+    def engine_pool(self, params, num_pages: int, page_size: int):
+        """The head's zeroed paged K and V pools (tuples of one layer) of ``num_pages`` pages."""
+        head = nnx.merge(self.graphdef, params[0])
+        rows = jnp.zeros((1, 1), jnp.int32)
+        pool = KVCache.paged(block_config(head.config), num_pages, page_size, rows)
+        return pool.k, pool.v
+
+    def feed(self, target, params, k, v, h, nexts, start, table):
+        """The pairs (h [B, T, dim] of positions ``start`` [B] ..., the tokens after them
+        ``nexts`` [B, T]) into the pool k, v through ``table`` [B, W] -> (the head's features
+        f [B, T, dim], k, v)."""
+        pos = start[:, None] + jnp.arange(nexts.shape[1], dtype=jnp.int32)
+        kv = (k[0], v[0], start, table)
+        f, (kc, vc) = self.head(params).features(h, target.embed(nexts), pos, kv=kv)
+        return f, (kc,), (vc,)
+
+    def greedy_chain(self, ctx: Context, k: int, feat, pool, table):
+        """The engine's chain draft: from each row's feature ``feat`` [B, dim] (the head's at
+        its last cached position ``ctx.cache.lengths - 1``), the head's argmax for
+        ``min(k, head_tokens)`` tokens, each fed with its own feature at the next position of
+        the pool (k, v; rewritten by the step's :meth:`feed`), then its last token repeated;
+        with ``lookup_ngram``, prompt lookup's continuation where the n-gram matched
+        -> (tokens [B, k] int32, k, v).
+
+        Deterministic, so verified against a one-hot q (exact for greedy and sampled rows
+        alike), and a row's draft depends only on its own tokens and state."""
+        head, (kc, vc) = self.head(ctx.params), pool
+        L = ctx.cache.lengths
+        m = min(k, self.head_tokens)
+        toks, x = [], feat[:, None].astype(head.config.jnp_dtype)
+        for i in range(m):
+            toks.append(argmax(head.logits(x)[:, 0]))
+            if i + 1 < m:
+                e = ctx.target.embed(toks[-1][:, None])
+                x, (k0, v0) = head.features(x, e, (L + i)[:, None], kv=(kc[0], vc[0], L + i, table))
+                kc, vc = (k0,), (v0,)
+        tokens = jnp.stack(toks + [toks[-1]] * (k - m), 1)
+        if self.lookup_ngram is not None:
+            tokens = with_lookup(*lookup_match(ctx, k, self.lookup_ngram), tokens)
+        return tokens, (kc, vc)
 
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
         n, nxt, cache, hidden = verify_chain(target, last, prop, sampling, key, hidden=True)

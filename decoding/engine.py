@@ -165,7 +165,16 @@ class Engine:
         first after a preemption moved it) drafts from zeros instead; heads with a root token
         (``MedusaHeads(root_token=True)``) also read the row's last token. The heads' drafts are
         their argmax tokens (deterministic, verified against a one-hot q: exact for sampled
-        rows too, and independent of the batch). Or a draft ``models.Transformer`` (same
+        rows too, and independent of the batch). ``decoding.Eagle(head[, lookup_ngram=n,
+        head_tokens=m])``: the head's one-layer pool at the target's page ids (pairs of the
+        target's hidden state at each position and the token after it: every prefill chunk
+        and every verification's kept positions feed it in the same call, so it is complete
+        up to the row's length) and each slot's head feature at its row's last position; a
+        step drafts the head's argmax chain from that feature (at most m tokens, then its
+        last repeated; with n, prompt lookup's continuation where the n-gram matched), verified
+        against a one-hot q like Medusa's. Its prefix-cache pages are shared only where the
+        token after the page agrees too (the pair at a page's last position reads it). Or a
+        draft ``models.Transformer`` (same
         vocabulary, smaller): its own page pool at the target's page ids (the same pages,
         copies and prefix hits; ``page_bytes`` counts both), prefilled with the target's chunks;
         each step it re-feeds the row's last two tokens and draws k tokens under the row's own
@@ -227,15 +236,10 @@ class Engine:
     ):
         check_model("model", model)
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)
-        if isinstance(draft, Eagle):
+        if draft is not None and not isinstance(draft, PromptLookup | Medusa | Eagle | Transformer):
             raise TypeError(
-                "decoding.Eagle drafts in speculative_generate; the engine takes draft=None, a "
-                "decoding.PromptLookup, a decoding.Medusa or a draft models.Transformer"
-            )
-        if draft is not None and not isinstance(draft, PromptLookup | Medusa | Transformer):
-            raise TypeError(
-                "draft must be None, a decoding.PromptLookup, a decoding.Medusa or a draft "
-                f"models.Transformer, got {type(draft).__name__}"
+                "draft must be None, a decoding.PromptLookup, a decoding.Medusa, a decoding.Eagle "
+                f"or a draft models.Transformer, got {type(draft).__name__}"
             )
         k = check_optional_int("num_draft_tokens", num_draft_tokens, 1, MAX_K + 1)
         if k is not None and draft is None:
@@ -246,11 +250,9 @@ class Engine:
                     "the engine verifies chains: draft=Medusa(heads) or Medusa(heads, "
                     "lookup_ngram=n), not a token tree"
                 )
-        if isinstance(draft, Medusa | Transformer) and mesh_of(model) is not None:
-            raise ValueError(
-                f"a {'Medusa' if isinstance(draft, Medusa) else 'model'} draft needs an unsharded "
-                "model (models.shard) here"
-            )
+        if isinstance(draft, Medusa | Eagle | Transformer) and mesh_of(model) is not None:
+            name = "model" if isinstance(draft, Transformer) else type(draft).__name__
+            raise ValueError(f"a {name} draft needs an unsharded model (models.shard) here")
         if isinstance(draft, Transformer) and mesh_of(draft) is not None:
             raise ValueError("the draft model must not be sharded (models.shard) here")
         self.config = model.config
@@ -293,6 +295,9 @@ class Engine:
             max_prefill_tokens=self.max_prefill_tokens,
             counts=self._counts,
             replay_tokens=self.runner.replay_tokens,
+            # An EAGLE head's pair at a page's last position reads the token after the page:
+            # a page is shared only where that token agrees too.
+            hash_lookahead=1 if isinstance(draft, Eagle) else 0,
         )
         # Medusa with lookup_ngram: a step where no row's n-gram matched verifies the heads'
         # drafts alone, at their own k (heads_draft_tokens) from their own acceptance.

@@ -9,7 +9,8 @@
   serves every setting) and PRNG key.
 * ``verify_rows``: speculation: each row's draft of k tokens (``drafts.PromptLookup`` over the
   row's known tokens ``seq``, ``decoding.Medusa``'s heads on the row's hidden state from the
-  step before, or a draft model over its own page pool) and the target's verification of
+  step before, ``decoding.Eagle``'s head from its feature and one-layer pool, or a draft model
+  over its own page pool) and the target's verification of
   ``[last, d_1 .. d_k]`` (Tq = k + 1 for every row) in one step; each row accepts its own number (the acceptance rule of
   ``decoding.speculative``, drawn with the row's own key), so rows are ragged only in what the
   host keeps.
@@ -45,6 +46,8 @@ from flax import struct
 
 from decoding.acceptance import accept, accept_greedy
 from decoding.drafts import Context, ModelDraft
+from decoding.eagle import EagleDraft
+from decoding.medusa import MedusaDraft
 from decoding.packing import packed_model
 from decoding.sampling import (
     SamplingParams,
@@ -112,6 +115,40 @@ def prefill_chunk(graphdef, params, kernels, k, v, tokens, start, table):
     model = packed_model(graphdef, params, kernels)
     _, cache = model(tokens, cache=step_cache(k, v, start, table))
     return cache.k, cache.v
+
+
+def eagle_prefill_chunk(
+    graphdef,
+    draft,
+    params,
+    kernels,
+    k,
+    v,
+    draft_params,
+    hk,
+    hv,
+    tokens,
+    nexts,
+    start,
+    table,
+    last,
+    hidden,
+    slots,
+):
+    """:func:`prefill_chunk` with an EAGLE head (``decoding.eagle.EagleDraft``): the target's
+    hidden states over the chunks and the tokens after them (``nexts`` [n, C]: known, the
+    decode step feeds a prompt's last token) fed into the head's pool hk, hv (at the target's
+    pages, the block table of ``table``), and each chunk's feature at its last token (index
+    ``last`` [n]) put in ``hidden`` [S, dim] at slot ``slots`` [n] (S or more: a padding row,
+    dropped) -> (k, v, hk, hv, hidden)."""
+    TRACES["prefill"] += 1
+    model = packed_model(graphdef, params, kernels)
+    _, cache, h = model(tokens, cache=step_cache(k, v, start, table), return_hidden=True)
+    block = table.block if isinstance(table, RingTables) else table
+    f, hk, hv = draft.feed(model, draft_params, hk, hv, h, nexts, start, block)
+    feat = jnp.take_along_axis(f, last[:, None, None], axis=1)[:, 0]
+    hidden = hidden.at[slots].set(feat.astype(hidden.dtype), mode="drop")
+    return cache.k, cache.v, hk, hv, hidden
 
 
 def decode_rows(
@@ -242,6 +279,12 @@ def verify_rows(
       (else zeros: a row's first step drafts from nothing but still verifies exactly); it
       drafts each head's argmax (``MedusaDraft.greedy_chain``) and returns the new h at each
       row's last accepted input;
+    * an EAGLE head (``decoding.eagle.EagleDraft``) reads ``draft_params`` and ``state`` =
+      (k, v, f [B, dim], ok [B] bool): its one-layer pool at the target's page ids, complete
+      up to ``lengths``, and each row's head feature at position ``lengths - 1`` (where
+      ``ok``, else zeros); it drafts the head's argmax chain (``EagleDraft.greedy_chain``),
+      then feeds the verification's pairs (the target's hidden state at each position, the
+      token emitted after it) and returns (k, v, the feature at the last kept position);
     * a model draft (``drafts.ModelDraft``) reads ``draft_params`` (its weights and packed
       copies) and ``state`` = (k, v), its own page pool, at the target's page ids (the block
       table's pages; the scratch page likewise): it re-feeds each row's last two known tokens
@@ -253,9 +296,19 @@ def verify_rows(
     cache = step_cache(k, v, lengths, table)
     keys = row_keys(seeds, index)
     last = jnp.take_along_axis(seq, lengths[:, None], axis=1)
-    medusa = state is not None and not isinstance(draft, ModelDraft)
-    if isinstance(draft, ModelDraft):
-        block = table.block if isinstance(table, RingTables) else table
+    medusa = isinstance(draft, MedusaDraft)
+    eagle = isinstance(draft, EagleDraft)
+    block = table.block if isinstance(table, RingTables) else table
+    if eagle:
+        hk, hv, feat, ok = state
+        feat = jnp.where(ok[:, None], feat, jnp.zeros_like(feat))
+        ctx = Context(model, cache, seq, draft_params, None)
+        drafts, (hk, hv) = draft.greedy_chain(ctx, num_draft, feat, (hk, hv), block)
+        deterministic, q, found = True, None, None
+        logits, cache, states = model(
+            jnp.concatenate([last, drafts], 1), cache=cache, return_hidden=True
+        )
+    elif isinstance(draft, ModelDraft):
         own = KVCache(k=state[0], v=state[1], lengths=lengths, block_table=block)
         draft_keys = jax.vmap(lambda x: jax.random.fold_in(x, DRAFT_SALT))(keys)
         ctx = Context(model, cache, seq, draft_params, own)
@@ -294,6 +347,10 @@ def verify_rows(
     lp = token_logprobs(logits, emitted, rows, logprobs_mode, wanted)
     if medusa:  # h at the last accepted input: what produced nxt
         state = jnp.take_along_axis(states, n[:, None, None], axis=1)[:, 0]
+    if eagle:  # the pairs (h, the token after it) of every position; those past n + 1 are
+        # rewritten before they are read (the pool's length is the target's)
+        f, hk, hv = draft.feed(model, draft_params, hk, hv, states, emitted, lengths, block)
+        state = (hk, hv, jnp.take_along_axis(f, n[:, None, None], axis=1)[:, 0])
     return drafts, n, nxt, lp, state, cache.k, cache.v
 
 
@@ -382,7 +439,16 @@ def jitted_verify(graphdef, draft, num_draft: int, logprobs_mode: str = "raw"):
     """``verify_rows`` jitted for one model structure, draft kind, k and logprobs mode, the
     pool donated (and a model draft's pool, its state)."""
     fn = functools.partial(verify_rows, graphdef, draft, num_draft, logprobs_mode)
-    return jax.jit(fn, donate_argnums=(2, 3, 12) if isinstance(draft, ModelDraft) else (2, 3))
+    own_pool = isinstance(draft, ModelDraft | EagleDraft)  # the state is a pool: donated
+    return jax.jit(fn, donate_argnums=(2, 3, 12) if own_pool else (2, 3))
+
+
+@functools.lru_cache(maxsize=16)
+def jitted_eagle_prefill(graphdef, draft):
+    """``eagle_prefill_chunk`` jitted for one model structure and head, the pools and the
+    slots' features donated."""
+    fn = functools.partial(eagle_prefill_chunk, graphdef, draft)
+    return jax.jit(fn, donate_argnums=(2, 3, 5, 6, 12))
 
 
 @functools.lru_cache(maxsize=16)

@@ -35,18 +35,19 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-int(num_tokens) // int(page_size))
 
 
-def block_hashes(tokens, page_size: int, parent: bytes = b"") -> list[bytes]:
+def block_hashes(tokens, page_size: int, parent: bytes = b"", lookahead: int = 0) -> list[bytes]:
     """Chained hashes of the full ``page_size`` blocks of ``tokens`` (a trailing partial block has
-    none): ``h_i = sha256(h_{i-1} || tokens[i*P:(i+1)*P])`` with ``h_{-1} = parent``.
+    none): ``h_i = sha256(h_{i-1} || tokens[i*P:(i+1)*P + lookahead])`` with ``h_{-1} = parent``;
+    with ``lookahead``, a block has a hash only where that many tokens follow it.
 
     Page ``i``'s keys and values depend on every token before it, so its hash covers the whole
     chain, not only its own block. SHA-256 rather than Python's ``hash`` so that crafted prompts
     cannot collide with another request's prefix.
     """
     out, h = [], parent
-    full = len(tokens) // page_size * page_size
+    full = (len(tokens) - lookahead) // page_size * page_size
     for i in range(0, full, page_size):
-        block = np.asarray(tokens[i : i + page_size], np.int64).tobytes()
+        block = np.asarray(tokens[i : i + page_size + lookahead], np.int64).tobytes()
         h = hashlib.sha256(h + block).digest()
         out.append(h)
     return out

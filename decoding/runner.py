@@ -36,6 +36,7 @@ from flax import nnx
 
 from decoding import engine_steps
 from decoding.drafts import MAX_K, ModelDraft, NgramIndex, PromptLookup
+from decoding.eagle import EagleDraft
 from decoding.medusa import MedusaDraft
 from decoding.packing import packed_weights
 from decoding.paging import pages_for
@@ -200,6 +201,9 @@ class Runner:
         self.draft_k = self.draft_v = ()
         if isinstance(self.draft, ModelDraft):
             self.draft_prefill = engine_steps.jitted(self.draft.graphdef)[0]
+        if isinstance(self.draft, EagleDraft):
+            self.eagle_prefill = engine_steps.jitted_eagle_prefill(self.graphdef, self.draft)
+        if isinstance(self.draft, ModelDraft | EagleDraft):
             self.draft_k, self.draft_v = self.new_draft_pool()
         self.compile_s = 0.0
 
@@ -232,14 +236,16 @@ class Runner:
 
     def new_draft_pool(self):
         """A draft model's zeroed K and V pools: ``num_pages + 1`` pages of every layer of it
-        (no rings: its sliding layers, if any, mask)."""
+        (no rings: its sliding layers, if any, mask); an EAGLE head's, of its one layer."""
+        if isinstance(self.draft, EagleDraft):
+            return self.draft.engine_pool(self.draft_params, self.scratch + 1, self.page_size)
         rows = np.zeros((self.max_batch, 1), np.int32)
         pool = KVCache.paged(self.draft.config, self.scratch + 1, self.page_size, rows)
         return pool.k, pool.v
 
     def _reset_hidden(self) -> None:
         self.hidden = None
-        if isinstance(self.draft, MedusaDraft):
+        if isinstance(self.draft, MedusaDraft | EagleDraft):
             self.hidden = jnp.zeros((self.max_batch, self.config.dim), self.config.jnp_dtype)
         self._hidden_of: list = [None] * self.max_batch
 
@@ -506,6 +512,9 @@ class Runner:
             table[i, : len(chunk.pages)] = chunk.pages
             start[i] = chunk.start
         slots = [c.req.row for c in chunks] + [0] * (n - len(chunks))
+        if isinstance(self.draft, EagleDraft) and not replay:
+            self._eagle_prefill(chunks, tokens, start, self._tables(table, slots, replay))
+            return
         self.k, self.v = self._call(
             self.prefill_fn,
             self.params,
@@ -526,6 +535,38 @@ class Runner:
                 start,
                 table,
             )
+
+    def _eagle_prefill(self, chunks, tokens, start, tables) -> None:
+        """:meth:`prefill` with an EAGLE head: each chunk's pairs (its target hidden states, the
+        tokens after them, all known: a prefill ends before the prompt's last token) into the
+        head's pool, and its feature at its last token kept in the request's slot."""
+        n, C = tokens.shape
+        nexts, last = np.zeros((n, C), np.int32), np.zeros(n, np.int32)
+        slots = np.full(n, self.max_batch, np.int32)  # padding rows: dropped
+        for i, chunk in enumerate(chunks):
+            nexts[i, : chunk.stop - chunk.start] = chunk.req.tokens[
+                chunk.start + 1 : chunk.stop + 1
+            ]
+            last[i], slots[i] = chunk.stop - chunk.start - 1, chunk.req.row
+        self.k, self.v, self.draft_k, self.draft_v, self.hidden = self._call(
+            self.eagle_prefill,
+            self.params,
+            self.kernels,
+            self.k,
+            self.v,
+            self.draft_params,
+            self.draft_k,
+            self.draft_v,
+            tokens,
+            nexts,
+            start,
+            tables,
+            last,
+            self.hidden,
+            slots,
+        )
+        for chunk in chunks:  # valid while the request has chunk.stop + 1 tokens
+            self._hidden_of[chunk.req.row] = (chunk.req.rid, chunk.stop + 1)
 
     def decode_batch(self, n: int) -> int:
         """The batch a decode step of n rows runs at: the smallest power of two >= n (at most
@@ -572,7 +613,10 @@ class Runner:
             last[b], lengths[b] = row.req.tokens[-1], row.req.computed
         inputs = self._row_inputs(rows, self.max_pages, logprobs, B if self.compact else None)
         states = None
-        if self.hidden is not None:  # Medusa: each row's state kept in its slot, as after a
+        if isinstance(self.draft, EagleDraft):  # a plain step feeds no pair: the rows' features
+            for row in rows:  # are stale (an EAGLE engine always drafts: not reached)
+                self._hidden_of[row.req.row] = None
+        elif self.hidden is not None:  # Medusa: each row's state kept in its slot, as after a
             slots = np.full(B, self.max_batch, np.int32)  # verification (padding: dropped)
             for b, row in zip(pos, rows, strict=True):
                 slots[b] = row.req.row
@@ -619,6 +663,8 @@ class Runner:
             for row in rows:
                 ok[row.req.row] = self._hidden_of[row.req.row] == (row.req.rid, len(row.req.tokens))
             state = (self.draft_params, (self.hidden, ok))
+            if self.draft_k:  # EAGLE: the head's pool too
+                state = (self.draft_params, (self.draft_k, self.draft_v, self.hidden, ok))
         elif self.draft_k:
             state = (self.draft_params, (self.draft_k, self.draft_v))
         fn = engine_steps.jitted_verify(self.graphdef, self.draft, k, self.logprobs_mode)
@@ -628,6 +674,8 @@ class Runner:
         )
         if isinstance(self.draft, ModelDraft):
             self.draft_k, self.draft_v = new_state
+        elif isinstance(self.draft, EagleDraft):
+            self.draft_k, self.draft_v, new_state = new_state
         wanted = inputs[-1]
         drafted, n, nxt = to_host((drafted, n, nxt))  # whole on every process
         seconds = time.perf_counter() - t0 if self.compile_s == compiled else None

@@ -133,7 +133,9 @@ class Scheduler:
     ``counts`` is the engine's counter (prefix_cache_hits, preemptions, prefill_tokens,
     replay_tokens, generated_tokens, finished, aborted); ``max_prefill_tokens`` bounds the
     prefill tokens of one plan and each chunk; ``replay_tokens``: positions before a prefix hit
-    whose ring keys are recomputed (0: no rings; module doc).
+    whose ring keys are recomputed (0: no rings; module doc); ``hash_lookahead``: tokens after
+    a page that its prefix-cache hash covers too (1 for an EAGLE head, whose pool pairs each
+    position with the token after it: ``decoding.eagle``), so a hit also agrees on them.
     """
 
     def __init__(
@@ -147,12 +149,13 @@ class Scheduler:
         max_prefill_tokens: int,
         counts: collections.Counter | None = None,
         replay_tokens: int = 0,
+        hash_lookahead: int = 0,
     ):
         self.max_batch, self.num_pages, self.page_size = max_batch, num_pages, page_size
         self.max_pages, self.prefix_caching = max_pages, prefix_caching
         self.max_prefill_tokens = max_prefill_tokens
         self.counts = collections.Counter() if counts is None else counts
-        self.replay_tokens = replay_tokens
+        self.replay_tokens, self.hash_lookahead = replay_tokens, hash_lookahead
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order
         self.live: dict[int, Request] = {}  # submitted, neither finished nor aborted
@@ -240,8 +243,9 @@ class Scheduler:
         row = min(set(range(self.max_batch)) - {r.row for r in self.running})
         hits = []
         if self.prefix_caching:
-            self._extend_hashes(req, n // P)
-            hits = self.allocator.lookup(req.hashes[: n // P])
+            hashable = (n - self.hash_lookahead) // P
+            self._extend_hashes(req, hashable)
+            hits = self.allocator.lookup(req.hashes[:hashable])
             if req.hashes[len(hits) : len(hits) + 1] and req.hashes[len(hits)] in self._pending():
                 return False  # a running request is computing our next page: wait and share it
         # A fully cached sequence still feeds its last token: that write copies the last page
@@ -273,7 +277,8 @@ class Scheduler:
         P, have = self.page_size, len(req.hashes)
         if num_pages > have:
             parent = req.hashes[-1] if req.hashes else b""
-            req.hashes += block_hashes(req.tokens[have * P : num_pages * P], P, parent)
+            tokens = req.tokens[have * P : num_pages * P + self.hash_lookahead]
+            req.hashes += block_hashes(tokens, P, parent, self.hash_lookahead)
 
     def register(self, req: Request) -> None:
         """Registers the request's newly completed pages in the prefix cache."""

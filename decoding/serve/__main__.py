@@ -2,7 +2,8 @@
 
     python -m decoding.serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000 \\
         [--max-batch 32 --num-pages N --page-size 16 --max-queue 256 --max-seq-len 2048]
-        [--draft prompt-lookup|medusa|medusa+lookup | --draft-model NAME] [--num-draft-tokens K]
+        [--draft prompt-lookup|medusa|medusa+lookup|eagle|eagle+lookup | --draft-model NAME]
+        [--num-draft-tokens K]
         [--logprobs-mode raw|processed]
 
 ``--draft prompt-lookup`` runs speculation inside the engine (``Engine(draft=PromptLookup())``):
@@ -10,7 +11,9 @@ every step drafts k tokens per row from its own prompt and output and verifies t
 step; outputs are unchanged (greedy identical, sampled exactly distributed); k is chosen from
 the model's measured step costs unless ``--num-draft-tokens`` fixes it. ``--draft medusa`` drafts
 with the shipped Medusa heads trained on ``--model`` (``Engine(draft=Medusa(heads))``), and
-``medusa+lookup`` takes prompt lookup's continuation where the last 3 tokens occurred before.
+``medusa+lookup`` takes prompt lookup's continuation where the last 3 tokens occurred before;
+``--draft eagle`` / ``eagle+lookup`` likewise with the shipped EAGLE head
+(``Engine(draft=Eagle(head[, lookup_ngram=3]))``, the fastest draft on open chat).
 ``--draft-model NAME`` (a name, directory or .gguf, as ``--model``; e.g. ``--model code-target
 --draft-model code-draft``) drafts with a smaller model of the same vocabulary
 (``Engine(draft=model)``), its KV pages kept beside the target's.
@@ -63,6 +66,7 @@ from decoding.cli import (
 )
 from decoding.distributed import DistributedEngine
 from decoding.drafts import MAX_K, PromptLookup
+from decoding.eagle import Eagle
 from decoding.engine import Engine
 from decoding.medusa import LOOKUP_NGRAM, Medusa
 from decoding.paging import pages_for
@@ -71,7 +75,9 @@ from decoding.serve.app import create_app
 from decoding.serve.defaults import generation_defaults
 from models.pretrained import (
     DEFAULT_MODEL,
+    SHIPPED_EAGLE,
     SHIPPED_MEDUSA,
+    eagle_head_for,
     medusa_heads_for,
     model_arg,
     model_path,
@@ -84,12 +90,18 @@ def _medusa(model: str, lookup_ngram=None) -> Medusa:
     return Medusa(heads, lookup_ngram=lookup_ngram)
 
 
+def _eagle(model: str, lookup_ngram=None) -> Eagle:
+    return Eagle(models.pretrained(eagle_head_for(model))[0], lookup_ngram=lookup_ngram)
+
+
 # The draft kinds the engine runs (``Engine(draft=...)``), by command-line name: each builds the
-# draft for the --model name (Medusa: the shipped heads trained on it, as a chain).
+# draft for the --model name (Medusa, EAGLE: the shipped heads trained on it, as a chain).
 DRAFTS = {
     "prompt-lookup": lambda model: PromptLookup(),
     "medusa": _medusa,
     "medusa+lookup": lambda model: _medusa(model, LOOKUP_NGRAM),
+    "eagle": _eagle,
+    "eagle+lookup": lambda model: _eagle(model, LOOKUP_NGRAM),
 }
 
 
@@ -182,11 +194,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--num-draft-tokens needs --draft or --draft-model")
     if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_K:
         parser.error(f"--num-draft-tokens must be at most {MAX_K}, got {args.num_draft_tokens}")
-    if (args.draft or "").startswith("medusa"):
-        if medusa_heads_for(args.model) is None:
+    if (args.draft or "").startswith(("medusa", "eagle")):
+        medusa = args.draft.startswith("medusa")
+        shipped = SHIPPED_MEDUSA if medusa else SHIPPED_EAGLE
+        if (medusa_heads_for if medusa else eagle_head_for)(args.model) is None:
             parser.error(
-                f"--draft {args.draft}: no shipped Medusa heads for --model {args.model} (heads "
-                f"ship for {', '.join(sorted(SHIPPED_MEDUSA.values()))})"
+                f"--draft {args.draft}: no shipped {'Medusa heads' if medusa else 'EAGLE head'} "
+                f"for --model {args.model} (they ship for {', '.join(sorted(shipped.values()))})"
             )
         if args.mesh is not None:
             parser.error(f"--draft {args.draft} runs on one process: drop --mesh")

@@ -11,7 +11,7 @@ from flax import nnx
 from test_speculative import NEW, PROMPTS, reference  # noqa: F401 (a fixture)
 from test_speculative_exact import SMALL, T1, check_exact
 
-from decoding import Eagle, generate, speculative_generate
+from decoding import Eagle, Engine, generate, speculative_generate
 from models import EagleHead
 from models.eagle_train import chain_acceptance, sequence_features, train_eagle
 from models.train_step import TrainConfig
@@ -157,17 +157,10 @@ def test_bad_arguments(tiny_model):
         )
 
 
-def test_the_engine_refuses_eagle_by_name(tiny_model):
-    from decoding import Engine
-
-    with pytest.raises(TypeError, match="speculative_generate"):
-        Engine(tiny_model, num_pages=8, draft=Eagle(random_head(tiny_model)))
-
-
 def test_shipped_smollm2_head_loads_and_keeps_greedy_output(smollm2_gguf, capsys):
     """The shipped self-distilled head fits the real model, is small (one block, float16, and
     the target's rows of a 4096-token draft vocabulary), its chain's greedy output is the
-    model's own, and the command line drafts with it."""
+    model's own (in the engine too), and the command line drafts with it."""
     from decoding.__main__ import main
     from models import load_gguf, pretrained
     from models.pretrained import shipped_path
@@ -185,6 +178,11 @@ def test_shipped_smollm2_head_loads_and_keeps_greedy_output(smollm2_gguf, capsys
     res = speculative_generate(target, Eagle(head), [ids], num_draft_tokens=3, max_new_tokens=12)
     assert res.tokens == want, (tokenizer.decode(res.tokens[0]), tokenizer.decode(want[0]))
     assert res.stats["acceptance_rate"] > 0  # the real head drafts what the model says
+    eng = Engine(target, max_batch=2, num_pages=16, page_size=16, max_seq_len=128,
+                 draft=Eagle(head, lookup_ngram=3), num_draft_tokens=3)  # fmt: skip
+    rid = eng.submit(ids, 12)
+    assert eng.run_until_done()[rid] == want[0]  # and in the engine
+    assert eng.stats()["draft_accepted"] > 0
     for spec in ("eagle", "eagle+lookup"):
         argv = ["Name three colours.", "--chat", "--max-new-tokens", "8", "--speculative", spec]
         assert main(argv) == 0

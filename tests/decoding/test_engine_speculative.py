@@ -1,5 +1,5 @@
 """Speculation inside the engine (``Engine(model, draft=PromptLookup() | Medusa(heads) |
-draft_model, ...)``):
+Eagle(head) | draft_model, ...)``):
 greedy output of every request identical to ``generate`` alone, with shared prefixes, preemption and arrivals;
 sampled output distributed exactly as the target's (chi-square against the enumerated joint) and
 independent of the batch; no recompiles as requests come and go; the draft length chosen from
@@ -8,14 +8,16 @@ measured costs when not given.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import random_transformer
 from flax import nnx
+from test_eagle import random_head
 from test_medusa import random_heads
 from test_speculative_exact import PROMPT, SMALL, V, assert_matches, exact_joints
 
-from decoding import Medusa, PromptLookup, TreeSpec, drafts, engine_steps
+from decoding import Eagle, Medusa, PromptLookup, TreeSpec, drafts, engine_steps
 from decoding.drafts import StepCosts
 from decoding.engine import Engine
 from decoding.generate import generate
@@ -48,6 +50,22 @@ def medusa_draft(model, lookup_ngram=None) -> Medusa:
     return Medusa(random_heads(model, 4, seed=3, scale=0.05), lookup_ngram=lookup_ngram)
 
 
+def echo_head(model, seed: int = 0):
+    """An EAGLE head whose feature is about the target's hidden state it reads (``fc`` passes h
+    on, the token's embedding and the block's weights small): it drafts the target's last guess again, so on this model's
+    runs of one token its drafts are accepted, and rejected where the run changes. The block
+    still reads its pool, so the pool's contents reach the drafts."""
+    head = random_head(model, seed)
+    D = model.config.dim
+    e_part = head.fc.kernel[...][:D]  # the token after h counts too
+    head.fc.kernel[...] = jnp.concatenate([e_part, jnp.eye(D, dtype=e_part.dtype)])
+    head.fc.bias[...] = jnp.zeros(D)
+    for path, x in nnx.to_flat_state(nnx.state(head.block, nnx.Param)):
+        if "norm" not in "/".join(map(str, path)):
+            x[...] = 0.05 * x[...]
+    return head
+
+
 def shallow(model, num_layers: int) -> Transformer:
     """A draft model: ``model``'s embedding, first ``num_layers`` layers, norm and head."""
     small = Transformer(model.config.replace(num_layers=num_layers), rngs=nnx.Rngs(0))
@@ -58,7 +76,7 @@ def shallow(model, num_layers: int) -> Transformer:
     return small
 
 
-DRAFTS = ["lookup", "medusa", "medusa+lookup", "model"]
+DRAFTS = ["lookup", "medusa", "medusa+lookup", "eagle", "eagle+lookup", "model"]
 
 
 def draft_of(model, name):
@@ -68,6 +86,8 @@ def draft_of(model, name):
         "medusa+lookup": lambda: medusa_draft(model, lookup_ngram=2),
         # heads that also read each row's root token (its last known token)
         "medusa-root": lambda: Medusa(random_heads(model, 4, seed=3, scale=0.05, root_token=True)),
+        "eagle": lambda: Eagle(echo_head(model)),
+        "eagle+lookup": lambda: Eagle(echo_head(model), lookup_ngram=2, head_tokens=2),
         "model": lambda: shallow(model, 1),
     }[name]()
 
@@ -130,7 +150,7 @@ def test_greedy_equals_generate_alone(model, prompts, refs, draft):
     assert_clean(eng)
 
 
-@pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
+@pytest.mark.parametrize("draft", ["lookup", "medusa", "eagle", "model"])
 def test_preemption_prefix_caching_and_arrivals(model, prompts, refs, draft):
     """A pool too small for every row's k + 1 positions: rows are preempted and recomputed;
     repeated prompts hit the prefix cache; requests arrive while others run (Medusa: rows move
@@ -142,7 +162,7 @@ def test_preemption_prefix_caching_and_arrivals(model, prompts, refs, draft):
     assert_clean(eng)
 
 
-@pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
+@pytest.mark.parametrize("draft", ["lookup", "medusa", "eagle", "model"])
 def test_no_recompiles_as_requests_come_and_go(model, prompts, draft):
     eng = make_engine(model, draft=draft_of(model, draft))
     eng.warmup()  # every shape: chunks, plain decode batches, the verification
@@ -154,7 +174,7 @@ def test_no_recompiles_as_requests_come_and_go(model, prompts, draft):
     assert dict(engine_steps.TRACES) == before
 
 
-@pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
+@pytest.mark.parametrize("draft", ["lookup", "medusa", "eagle", "model"])
 def test_sampled_tokens_do_not_depend_on_the_batch(model, prompts, draft):
     top_p = SamplingConfig(temperature=1.0, top_p=0.9)
     alone = make_engine(model, draft=draft_of(model, draft))
@@ -169,7 +189,7 @@ def test_sampled_tokens_do_not_depend_on_the_batch(model, prompts, draft):
     assert all(len(out[r]) == MAX_NEW for r in others)
 
 
-@pytest.mark.parametrize("draft", ["lookup", "medusa", "model"])
+@pytest.mark.parametrize("draft", ["lookup", "medusa", "eagle", "model"])
 def test_sampled_distribution_exact(draft):
     """N requests of one prompt, 3 new tokens each, from k = 2 drafts: the first step's
     accepted drafts, residual samples and bonus tokens; joints of (t1, t2) and (t2, t3).
@@ -188,6 +208,7 @@ def test_sampled_distribution_exact(draft):
         draft={
             "lookup": PromptLookup,
             "medusa": lambda: Medusa(random_heads(target, 2, seed=6)),
+            "eagle": lambda: Eagle(echo_head(target, 6)),
             "model": lambda: shallow(target, 1),
         }[draft](),
         num_draft_tokens=2,
@@ -512,3 +533,62 @@ def test_model_draft_pool_follows_the_target(tiny_model):
     assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
     assert s["draft_proposed"] > 0 and s["draft_accepted"] == s["draft_proposed"]
     assert_clean(eng)
+
+
+def test_eagle_pool_follows_the_target(model, prompts, refs):
+    """The EAGLE head's pool (the target's page ids; pairs of each chunk's hidden states and
+    the tokens after them at prefill, of each verification's kept positions after it; copied
+    with its pages; shared on prefix hits only where the token after the page agrees too) and
+    each slot's feature are, after every step, the head's uncached run over the row's whole
+    sequence: through preemptions, prefix hits and arrivals; greedy output is ``generate``'s."""
+    head = echo_head(model)
+    eng = make_engine(model, num_pages=12, draft=Eagle(head))
+    P = eng.page_size
+    ids, order, checked, step = {}, [0, 1, 2, 0, 3, 1, 4, 2], 0, 0
+    while order or eng.busy:
+        if order and step % 2 == 0:
+            i = order.pop(0)
+            ids[eng.submit(prompts[i], MAX_NEW)] = i
+        eng.step()
+        step += 1
+        runner = eng.runner
+        for req in eng.scheduler.running:
+            L = req.computed
+            if runner._hidden_of[req.row] != (req.rid, len(req.tokens)) or L < 2:
+                continue
+            x = jnp.asarray(req.tokens[: L + 1])[None]
+            _, h = model(x[:, :L], return_hidden=True)
+            cache = head.cache(1, L + 8)
+            kv = (cache.k[0], cache.v[0], jnp.zeros(1, jnp.int32), None)
+            f, (kc, _) = head.features(h, model.embed(x[:, 1:]), jnp.arange(L)[None], kv=kv)
+            pages = eng.scheduler.tables.rows[req.row][: -(-L // P)]
+            pool = np.asarray(runner.draft_k[0])[np.asarray(pages)].reshape(-1, *kc.shape[2:])
+            np.testing.assert_allclose(pool[:L], np.asarray(kc[0, :L]), atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(runner.hidden[req.row], f[0, L - 1], atol=2e-5, rtol=2e-5)
+            checked += 1
+    out = eng.pop_finished()
+    assert {r: out[r] for r in ids} == {r: refs[i] for r, i in ids.items()}
+    s = eng.stats()
+    assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
+    assert checked > 20 and s["draft_accepted"] > 0
+    assert_clean(eng)
+
+
+def test_eagle_prefix_pages_agree_on_the_next_token(model):
+    """With an EAGLE head a page is shared only by sequences that agree on the token after it
+    too (the head's pair at the page's last position reads it): a prompt that differs from a
+    cached one only at that token gets no hit on that page; one that agrees does."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 256, 3 * PAGE + 3).tolist()
+    other = base[:PAGE] + [(base[PAGE] + 1) % 256] + base[PAGE + 1 :]
+    for draft, want in ((Eagle(echo_head(model)), 0), (PromptLookup(), 1)):
+        eng = make_engine(model, draft=draft)
+        eng.submit(base, 2)
+        eng.run_until_done()
+        hits = eng.stats()["prefix_cache_hits"]
+        eng.submit(other, 2)  # page 0 agrees; the token after it does not
+        eng.run_until_done()
+        assert eng.stats()["prefix_cache_hits"] - hits == want
+        eng.submit(base, 2)
+        eng.run_until_done()
+        assert eng.stats()["prefix_cache_hits"] - hits >= want + 2

@@ -1,5 +1,5 @@
-"""The server over an engine that speculates (``--draft prompt-lookup``, ``medusa`` or
-``--draft-model``): the official client's
+"""The server over an engine that speculates (``--draft prompt-lookup``, ``medusa``, ``eagle``
+or ``--draft-model``): the official client's
 completions, streamed and not, equal plain ``generate`` at temperature 0; the command line's
 draft options and their usage errors."""
 
@@ -62,8 +62,8 @@ def test_completions_equal_generate(drafted):
 def test_command_line_draft_options(capsys):
     args = build_parser().parse_args(["--draft", "prompt-lookup", "--num-draft-tokens", "4"])
     assert (args.draft, args.num_draft_tokens) == ("prompt-lookup", 4)
-    args = build_parser().parse_args(["--draft", "medusa+lookup"])
-    assert args.draft == "medusa+lookup"
+    for name in ("medusa+lookup", "eagle", "eagle+lookup"):
+        assert build_parser().parse_args(["--draft", name]).draft == name
     args = build_parser().parse_args(["--draft-model", "code-draft", "--num-draft-tokens", "2"])
     assert (args.draft_model, args.num_draft_tokens) == ("code-draft", 2)
     for argv in (
@@ -71,6 +71,7 @@ def test_command_line_draft_options(capsys):
         ["--draft-model", "/nonexistent/draft.gguf"],
         ["--draft", "medusa-x"],
         ["--draft", "medusa", "--model", "code-draft"],  # no heads ship for it
+        ["--draft", "eagle+lookup", "--model", "code-target"],  # no EAGLE head ships for it
         ["--num-draft-tokens", "2"],
         ["--draft", "prompt-lookup", "--num-draft-tokens", "99"],
     ):
