@@ -262,7 +262,7 @@ def verify_rows(
     ``draft`` (static) proposes ``num_draft`` = k tokens per row; the target runs on
     ``[last, d_1 .. d_k]`` at positions ``lengths .. lengths + k``. Returns ``(drafted [B, k],
     n [B] the leading draft tokens kept, nxt [B] the target's token after them, logprobs,
-    state, k, v)``: the row emits ``drafted[b, :n[b]]`` then ``nxt[b]``, distributed exactly
+    k, v, state)``: the row emits ``drafted[b, :n[b]]`` then ``nxt[b]``, distributed exactly
     as that many tokens sampled one by one (greedy: the target's argmax chain). Its key is
     ``row_keys``' (seed, tokens generated so far), so a row's draws do not depend on the batch.
 
@@ -351,7 +351,11 @@ def verify_rows(
         # rewritten before they are read (the pool's length is the target's)
         f, hk, hv = draft.feed(model, draft_params, hk, hv, states, emitted, lengths, block)
         state = (hk, hv, jnp.take_along_axis(f, n[:, None, None], axis=1)[:, 0])
-    return drafts, n, nxt, lp, state, cache.k, cache.v
+    # The pools in the donated inputs' order (the target's, then the draft's): JAX pairs each
+    # donated input with the next output of its shape, and an EAGLE head's layer has a target
+    # layer's shape, so the other order paired layer i's input with layer i - 1's output and
+    # XLA copied the whole pool every step (twice a plain step's time at batch 8).
+    return drafts, n, nxt, lp, cache.k, cache.v, state
 
 
 def verify_ragged_rows(

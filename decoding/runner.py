@@ -669,7 +669,7 @@ class Runner:
             state = (self.draft_params, (self.draft_k, self.draft_v))
         fn = engine_steps.jitted_verify(self.graphdef, self.draft, k, self.logprobs_mode)
         t0, compiled = time.perf_counter(), self.compile_s
-        drafted, n, nxt, lp, new_state, self.k, self.v = self._call(
+        drafted, n, nxt, lp, self.k, self.v, new_state = self._call(
             fn, self.params, self.kernels, self.k, self.v, seq, lengths, *inputs, *state
         )
         if isinstance(self.draft, ModelDraft):
