@@ -108,6 +108,21 @@ def draft_share(head: EagleHead) -> float:
     return mine / target
 
 
+def chain(head: EagleHead, embed, x, kc, vc, lengths, table, k: int, m: int, pick):
+    """The head's drafting chain from its feature x [B, 1, dim]: m tokens, token i =
+    ``pick(logits [B, V], i)``, each fed with the head's own feature at position
+    ``lengths + i`` of its one-layer cache kc, vc (contiguous with ``table`` None, else paged),
+    then the m-th repeated up to k -> (tokens [B, k] int32, the m logits, kc, vc)."""
+    toks, logits = [], []
+    for i in range(m):
+        logits.append(head.logits(x)[:, 0])
+        toks.append(pick(logits[-1], i))
+        if i + 1 < m:
+            kv = (kc, vc, lengths + i, table)
+            x, (kc, vc) = head.features(x, embed(toks[-1][:, None]), (lengths + i)[:, None], kv=kv)
+    return jnp.stack(toks + [toks[-1]] * (k - m), 1), logits, kc, vc
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDraft(DraftKind):
     """The static side of :class:`Eagle` (``graphdef`` of the head; params passed apart).
@@ -201,18 +216,9 @@ class EagleDraft(DraftKind):
 
         def drafted(kc, vc):  # the head's m tokens, then its last repeated (one-hot q)
             keys = split_keys(key, m)
-            toks, qs, x = [], [], feat
-            for i in range(m):
-                logits = head.logits(x)[:, 0]
-                toks.append(sample(logits, keys[i], sampling))
-                qs.append(probabilities(logits, sampling))
-                if i + 1 < m:  # the drafted token fed with the draft's own feature
-                    kv = (kc, vc, lengths + i, None)
-                    x, (kc, vc) = head.features(
-                        x, embed(toks[-1][:, None]), (lengths + i)[:, None], kv=kv
-                    )
-            tokens = jnp.stack(toks + [toks[-1]] * (k - m), 1)
-            q = jnp.stack(qs, 1)
+            pick = lambda logits, i: sample(logits, keys[i], sampling)  # noqa: E731
+            tokens, logits, kc, vc = chain(head, embed, feat, kc, vc, lengths, None, k, m, pick)
+            q = jnp.stack([probabilities(x, sampling) for x in logits], 1)
             if k > m:
                 q = jnp.concatenate([q, one_hot(tokens[:, m:], self.vocab_size)], 1)
             return tokens, q, kc, vc
@@ -267,20 +273,14 @@ class EagleDraft(DraftKind):
 
         Deterministic, so verified against a one-hot q (exact for greedy and sampled rows
         alike), and a row's draft depends only on its own tokens and state."""
-        head, (kc, vc) = self.head(ctx.params), pool
-        L = ctx.cache.lengths
-        m = min(k, self.head_tokens)
-        toks, x = [], feat[:, None].astype(head.config.jnp_dtype)
-        for i in range(m):
-            toks.append(argmax(head.logits(x)[:, 0]))
-            if i + 1 < m:
-                e = ctx.target.embed(toks[-1][:, None])
-                x, (k0, v0) = head.features(x, e, (L + i)[:, None], kv=(kc[0], vc[0], L + i, table))
-                kc, vc = (k0,), (v0,)
-        tokens = jnp.stack(toks + [toks[-1]] * (k - m), 1)
+        head, ((kc,), (vc,)) = self.head(ctx.params), pool
+        x = feat[:, None].astype(head.config.jnp_dtype)
+        m, L = min(k, self.head_tokens), ctx.cache.lengths
+        pick = lambda logits, i: argmax(logits)  # noqa: E731
+        tokens, _, kc, vc = chain(head, ctx.target.embed, x, kc, vc, L, table, k, m, pick)
         if self.lookup_ngram is not None:
             tokens = with_lookup(*lookup_match(ctx, k, self.lookup_ngram), tokens)
-        return tokens, (kc, vc)
+        return tokens, ((kc,), (vc,))
 
     def verify(self, target, params, last, prop: Proposal, sampling, key) -> Verified:
         n, nxt, cache, hidden = verify_chain(target, last, prop, sampling, key, hidden=True)

@@ -613,10 +613,9 @@ class Runner:
             last[b], lengths[b] = row.req.tokens[-1], row.req.computed
         inputs = self._row_inputs(rows, self.max_pages, logprobs, B if self.compact else None)
         states = None
-        if isinstance(self.draft, EagleDraft):  # a plain step feeds no pair: the rows' features
-            for row in rows:  # are stale (an EAGLE engine always drafts: not reached)
-                self._hidden_of[row.req.row] = None
-        elif self.hidden is not None:  # Medusa: each row's state kept in its slot, as after a
+        # (An EAGLE engine always verifies; were a row decoded plainly, its slot's token count
+        # would no longer match and its feature would not be used.)
+        if isinstance(self.draft, MedusaDraft):  # each row's state kept in its slot, as after a
             slots = np.full(B, self.max_batch, np.int32)  # verification (padding: dropped)
             for b, row in zip(pos, rows, strict=True):
                 slots[b] = row.req.row
