@@ -308,7 +308,10 @@ class Proposal(NamedTuple):
     state: the draft's new state; cache: the target's cache (changed only by a draft that shares
     it); calls: int, draft forward calls made; found: [B] bool or None, whether the row has a
     real draft (prompt lookup: an n-gram matched). When no live row has one the loop runs a
-    plain Tq = 1 step instead of verifying tokens that are only filler.
+    plain Tq = 1 step instead of verifying tokens that are only filler. cut: None, or (m, short)
+    with m a static int < k and short a traced bool: when short, only the first m tokens of
+    every row are a real draft (a head's, where no row's n-gram matched a long lookup draft) and
+    :func:`verify_chain` verifies those alone (Tq = m + 1).
     """
 
     tokens: jax.Array
@@ -317,6 +320,7 @@ class Proposal(NamedTuple):
     cache: KVCache
     calls: int
     found: Any = None
+    cut: Any = None
 
 
 class Context(NamedTuple):
@@ -347,15 +351,31 @@ class Verified(NamedTuple):
 
 
 def verify_chain(target, last, prop: Proposal, sampling, key, hidden=False):
-    """The target's forward on ``[last, d_1 .. d_k]`` (last [B, 1]) and the acceptance rule.
+    """The target's forward on ``[last, d_1 .. d_k]`` (last [B, 1]) and the acceptance rule;
+    with ``prop.cut = (m, short)``, on ``[last, d_1 .. d_m]`` alone when ``short`` (a second
+    branch of one ``lax.cond``: on SmolLM2 in float32 on CPU, Tq = 8 costs about 1.3x Tq = 1 and
+    Tq = 4 1.1x).
 
-    Returns (n [B], nxt [B], cache, hidden states [B, k+1, dim] or None).
+    Returns (n [B], nxt [B], cache, hidden states [B, k+1, dim] or None; rows past m + 1 zero
+    after a short verification).
     """
-    tokens = jnp.concatenate([last, prop.tokens], 1)
-    out = target(tokens, cache=prop.cache, return_hidden=hidden)
-    logits, cache = out[:2]
-    n, nxt = verify(logits, prop.q, prop.tokens, sampling, key)
-    return n, nxt, cache, out[2] if hidden else None
+
+    def first(w: int):
+        def run():
+            draft = prop.tokens[:, :w]
+            out = target(jnp.concatenate([last, draft], 1), cache=prop.cache, return_hidden=hidden)
+            q = None if prop.q is None else prop.q[:, :w]
+            n, nxt = verify(out[0], q, draft, sampling, key)
+            pad = ((0, 0), (0, prop.tokens.shape[1] - w), (0, 0))
+            return n, nxt, out[1], jnp.pad(out[2], pad) if hidden else None
+
+        return run
+
+    k = prop.tokens.shape[1]
+    if prop.cut is None:
+        return first(k)()
+    m, short = prop.cut
+    return jax.lax.cond(short, first(m), first(k))
 
 
 class DraftCosts(NamedTuple):

@@ -239,7 +239,9 @@ class EagleDraft(DraftKind):
             tokens, q, kc, vc = jax.lax.cond(jnp.all(found), copied, mixed)
             calls = jnp.where(jnp.all(found), 1, m).astype(jnp.int32)
         state = (cache.replace(k=(kc,), v=(vc,), lengths=lengths), pend, count)
-        return Proposal(tokens, q, state, ctx.cache, calls)
+        # Where no row matched, the tokens past the head's m are filler: verify the m alone.
+        cut = None if self.lookup_ngram is None or m == k else (m, ~jnp.any(found))
+        return Proposal(tokens, q, state, ctx.cache, calls, cut=cut)
 
     # --------------------------------------------------------------- the engine's (paged)
     # ``decoding.Engine(draft=Eagle(head))`` keeps the head's one-layer pool at the target's

@@ -202,9 +202,13 @@ class MedusaDraft(DraftKind):
         B, _, V = logits.shape
         tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
         q = probabilities(logits, sampling)
+        cut = None
         if self.lookup_ngram is not None:
-            tokens, q = with_lookup(*lookup_match(ctx, k, self.lookup_ngram), tokens, q)
-        return Proposal(tokens, q, ctx.state, ctx.cache, 1)
+            found, seen = lookup_match(ctx, k, self.lookup_ngram)
+            tokens, q = with_lookup(found, seen, tokens, q)
+            if k > self.num_heads:  # where no row matched, the heads' tokens alone
+                cut = (self.num_heads, ~jnp.any(found))
+        return Proposal(tokens, q, ctx.state, ctx.cache, 1, cut=cut)
 
     def greedy_chain(self, ctx: Context, k: int):
         """The engine's chain draft (``decoding.Engine(draft=Medusa(heads))``): each of the

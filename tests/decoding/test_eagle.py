@@ -64,10 +64,39 @@ def test_lookup_copies_where_the_answer_repeats_itself():
         target, d, [prompt], num_draft_tokens=4, max_new_tokens=32
     )
     alone, both = run(Eagle(head)), run(Eagle(head, lookup_ngram=2))
-    assert alone.tokens == both.tokens == want
+    one = run(Eagle(head, lookup_ngram=2, head_tokens=1))  # a step without a match: Tq = 2
+    assert alone.tokens == both.tokens == one.tokens == want
     assert both.stats["tokens_per_target_call"] > alone.stats["tokens_per_target_call"]
     # A step where the row matched made only the feed call, not the head's 3 (the default cap).
     assert both.stats["draft_calls"] < 1 + 3 * both.stats["target_calls"]
+
+
+def test_a_step_without_a_match_verifies_the_head_tokens_alone(tiny_model):
+    """k past ``head_tokens``: the proposal's cut is short (Tq = m + 1) exactly where no row's
+    n-gram matched; a row's long lookup draft is verified whole."""
+    import jax
+    import jax.numpy as jnp
+
+    from decoding import SamplingConfig
+    from decoding.drafts import Context
+    from models import KVCache
+
+    kind, params = Eagle(random_head(tiny_model), lookup_ngram=2, head_tokens=2).split()
+    cache = KVCache.contiguous(tiny_model.config, 2, 16).replace(
+        lengths=jnp.asarray([6, 6], jnp.int32)
+    )
+    cache0, pend, _ = kind.empty_state(tiny_model, params, 2, 16)
+    state = (cache0.replace(lengths=jnp.asarray([5, 5], jnp.int32)), pend, jnp.ones(2, jnp.int32))
+    seq = jnp.asarray([[5, 6, 7, 8, 9, 5, 6, 0], [1, 2, 3, 4, 5, 6, 7, 0]], jnp.int32)
+
+    def cut(seq, k=5):
+        prop = kind.propose(Context(tiny_model, cache, seq, params, state), k, SamplingConfig(),
+                            jax.random.key(0))  # fmt: skip
+        return prop.cut if prop.cut is None else (prop.cut[0], bool(prop.cut[1]))
+
+    assert cut(seq) == (2, False)  # row 0's last 2 tokens occurred before
+    assert cut(seq.at[0, 5].set(1)) == (2, True)
+    assert cut(seq, k=2) is None
 
 
 @pytest.mark.parametrize("lookup", [None, (1, 1)])

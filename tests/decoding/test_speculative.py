@@ -249,3 +249,43 @@ def test_lookup_without_a_match_takes_plain_steps(tiny_model, sampling):
     repeats = p + cont + p + cont[:2]  # its greedy continuation is cont[2:] again
     both = speculative_generate(tiny_model, draft, [distinct, repeats], num_draft_tokens=4, **kw)
     assert both.stats["draft_proposed"] > 0 and both.tokens[0] == res.tokens[0]
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)])
+def test_a_cut_verifies_the_first_m_tokens_alone(tiny_model, sampling):
+    """``Proposal.cut = (m, short)``: when short, the verification of ``[last, d_1 .. d_m]``
+    (n <= m, the hidden states of its m + 1 positions, zero past them); otherwise the whole k."""
+    from decoding.drafts import Proposal, verify_chain
+    from models import KVCache
+
+    B, k, m, V = 2, 5, 2, tiny_model.config.vocab_size
+    rng = np.random.default_rng(0)
+    prefix = jnp.asarray(rng.integers(1, V, (B, 6)), jnp.int32)
+    _, cache = tiny_model(prefix, cache=KVCache.contiguous(tiny_model.config, B, 16))
+    last = jnp.asarray(rng.integers(1, V, (B, 1)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(1, V, (B, k)), jnp.int32)
+    q = jax.nn.softmax(jnp.asarray(rng.normal(size=(B, k, V)), jnp.float32))
+    key = jax.random.key(3)
+
+    def run(prop):  # jitted as the loop runs it (the cut's m static, its flag traced)
+        cut = prop.cut
+
+        def step(p, short):
+            p = p if cut is None else p._replace(cut=(cut[0], short))
+            return verify_chain(tiny_model, last, p, sampling, key, hidden=True)
+
+        short = None if cut is None else cut[1]
+        return jax.jit(step)(prop._replace(cut=None), short)
+
+    whole = Proposal(tokens, q, None, cache, 0)
+    head = Proposal(tokens[:, :m], q[:, :m], None, cache, 0)
+    n, nxt, _, h = run(whole._replace(cut=(m, jnp.asarray(True))))
+    n_m, nxt_m, _, h_m = run(head)
+    np.testing.assert_array_equal(n, n_m)
+    np.testing.assert_array_equal(nxt, nxt_m)
+    assert h.shape == (B, k + 1, tiny_model.config.dim) and np.all(np.asarray(n) <= m)
+    np.testing.assert_allclose(h[:, : m + 1], h_m, rtol=1e-6, atol=1e-6)
+    assert not np.any(np.asarray(h[:, m + 1 :]))
+    got, want = run(whole._replace(cut=(m, jnp.asarray(False)))), run(whole)
+    for a, b in zip((got[0], got[1], got[3]), (want[0], want[1], want[3]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
