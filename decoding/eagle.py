@@ -109,14 +109,17 @@ def draft_share(head: EagleHead) -> float:
 
 
 def chain(head: EagleHead, embed, x, kc, vc, lengths, table, k: int, m: int, pick):
-    """The head's drafting chain from its feature x [B, 1, dim]: m tokens, token i =
-    ``pick(logits [B, V], i)``, each fed with the head's own feature at position
-    ``lengths + i`` of its one-layer cache kc, vc (contiguous with ``table`` None, else paged),
-    then the m-th repeated up to k -> (tokens [B, k] int32, the m logits, kc, vc)."""
+    """The head's drafting chain from its feature x [B, 1, dim]: m tokens, token i the draft
+    vocabulary's id at ``pick(sub_logits [B, V'], i)`` (an index into the draft vocabulary:
+    its ids are sorted, so an argmax there is the whole vocabulary's, ties included, without
+    building or scanning the V - V' -inf entries), each fed with the head's own feature at
+    position ``lengths + i`` of its one-layer cache kc, vc (contiguous with ``table`` None, else
+    paged), then the m-th repeated up to k -> (tokens [B, k] int32, the m sub-logits, kc, vc)."""
     toks, logits = [], []
+    vocab = head.vocab[...]
     for i in range(m):
-        logits.append(head.logits(x)[:, 0])
-        toks.append(pick(logits[-1], i))
+        logits.append(head.sub_logits(x)[:, 0])
+        toks.append(vocab[pick(logits[-1], i)])
         if i + 1 < m:
             kv = (kc, vc, lengths + i, table)
             x, (kc, vc) = head.features(x, embed(toks[-1][:, None]), (lengths + i)[:, None], kv=kv)
@@ -218,7 +221,7 @@ class EagleDraft(DraftKind):
             keys = split_keys(key, m)
             pick = lambda logits, i: sample(logits, keys[i], sampling)  # noqa: E731
             tokens, logits, kc, vc = chain(head, embed, feat, kc, vc, lengths, None, k, m, pick)
-            q = jnp.stack([probabilities(x, sampling) for x in logits], 1)
+            q = jnp.stack([probabilities(head.full_logits(x), sampling) for x in logits], 1)
             if k > m:
                 q = jnp.concatenate([q, one_hot(tokens[:, m:], self.vocab_size)], 1)
             return tokens, q, kc, vc

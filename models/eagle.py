@@ -80,7 +80,11 @@ class EagleHead(nnx.Module):
         return c * jnp.tanh(sub / c) if c > 0 else sub
 
     def logits(self, f):
-        sub = self.sub_logits(f)
+        return self.full_logits(self.sub_logits(f))
+
+    def full_logits(self, sub):
+        """:meth:`sub_logits`' [..., V'] placed at their ids of the whole vocabulary, -inf
+        elsewhere -> [..., V]."""
         full = jnp.full((*sub.shape[:-1], self.config.vocab_size), -jnp.inf, jnp.float32)
         return full.at[..., self.vocab[...]].set(sub)
 

@@ -99,6 +99,30 @@ def test_a_step_without_a_match_verifies_the_head_tokens_alone(tiny_model):
     assert cut(seq, k=2) is None
 
 
+def test_the_chain_picks_over_the_draft_vocabulary_as_over_the_whole(tiny_model):
+    """``eagle.chain`` takes the argmax over the head's sub-vocabulary logits: the same token
+    as over the whole -inf-padded row, ties included (all-equal logits: the smallest id)."""
+    import jax
+    import jax.numpy as jnp
+
+    from decoding.eagle import chain
+    from decoding.sampling import argmax
+
+    head = random_head(tiny_model, vocab=range(3, 264, 5))
+    x = jax.random.normal(jax.random.key(0), (3, 1, tiny_model.config.dim))
+    kc, vc = head.cache(3, 8).k[0], head.cache(3, 8).v[0]
+    lengths = jnp.zeros((3,), jnp.int32)
+
+    def first(h):
+        pick = lambda logits, i: argmax(logits)  # noqa: E731
+        return chain(h, tiny_model.embed, x, kc, vc, lengths, None, 2, 1, pick)[0][:, 0]
+
+    np.testing.assert_array_equal(first(head), argmax(head.logits(x)[:, 0]))
+    head.vocab_head.kernel.set_value(jnp.zeros_like(head.vocab_head.kernel[...]))
+    np.testing.assert_array_equal(first(head), [3, 3, 3])
+    np.testing.assert_array_equal(argmax(head.logits(x)[:, 0]), [3, 3, 3])
+
+
 @pytest.mark.parametrize("lookup", [None, (1, 1)])
 def test_sampling_is_exact_t1(lookup):
     """With lookup (n = 1 on 16 tokens: most steps match) and the head drafting 1 of 3: the
