@@ -353,8 +353,8 @@ class Verified(NamedTuple):
 def verify_chain(target, last, prop: Proposal, sampling, key, hidden=False):
     """The target's forward on ``[last, d_1 .. d_k]`` (last [B, 1]) and the acceptance rule;
     with ``prop.cut = (m, short)``, on ``[last, d_1 .. d_m]`` alone when ``short`` (a second
-    branch of one ``lax.cond``: on SmolLM2 in float32 on CPU, Tq = 8 costs about 1.3x Tq = 1 and
-    Tq = 4 1.1x).
+    branch of one ``lax.cond``: on SmolLM2 in float32 on a 2-core CPU, Tq = 8 costs 1.2-1.3x
+    Tq = 1 and Tq = 4 about 1.1x).
 
     Returns (n [B], nxt [B], cache, hidden states [B, k+1, dim] or None; rows past m + 1 zero
     after a short verification).
