@@ -308,10 +308,11 @@ class Proposal(NamedTuple):
     state: the draft's new state; cache: the target's cache (changed only by a draft that shares
     it); calls: int, draft forward calls made; found: [B] bool or None, whether the row has a
     real draft (prompt lookup: an n-gram matched). When no live row has one the loop runs a
-    plain Tq = 1 step instead of verifying tokens that are only filler. cut: None, or (m, short)
-    with m a static int < k and short a traced bool: when short, only the first m tokens of
-    every row are a real draft (a head's, where no row's n-gram matched a long lookup draft) and
-    :func:`verify_chain` verifies those alone (Tq = m + 1).
+    plain Tq = 1 step instead of verifying tokens that are only filler. cut: None, or (m, long)
+    with m a static int < k and long [B] bool, the rows whose real draft runs past m tokens (a
+    long lookup draft where the row's n-gram matched; the others' tokens past a head's m are
+    filler): where no live row's does (the loop masks done rows), :func:`verify_chain`
+    verifies the first m alone (Tq = m + 1).
     """
 
     tokens: jax.Array
@@ -352,7 +353,7 @@ class Verified(NamedTuple):
 
 def verify_chain(target, last, prop: Proposal, sampling, key, hidden=False):
     """The target's forward on ``[last, d_1 .. d_k]`` (last [B, 1]) and the acceptance rule;
-    with ``prop.cut = (m, short)``, on ``[last, d_1 .. d_m]`` alone when ``short`` (a second
+    with ``prop.cut = (m, long)``, on ``[last, d_1 .. d_m]`` alone where no row is ``long`` (a second
     branch of one ``lax.cond``: on SmolLM2 in float32 on a 2-core CPU, Tq = 8 costs 1.2-1.3x
     Tq = 1 and Tq = 4 about 1.1x).
 
@@ -374,8 +375,8 @@ def verify_chain(target, last, prop: Proposal, sampling, key, hidden=False):
     k = prop.tokens.shape[1]
     if prop.cut is None:
         return first(k)()
-    m, short = prop.cut
-    return jax.lax.cond(short, first(m), first(k))
+    m, long = prop.cut
+    return jax.lax.cond(jnp.any(long), first(k), first(m))
 
 
 class DraftCosts(NamedTuple):

@@ -243,7 +243,7 @@ class EagleDraft(DraftKind):
             calls = jnp.where(jnp.all(found), 1, m).astype(jnp.int32)
         state = (cache.replace(k=(kc,), v=(vc,), lengths=lengths), pend, count)
         # Where no row matched, the tokens past the head's m are filler: verify the m alone.
-        cut = None if self.lookup_ngram is None or m == k else (m, ~jnp.any(found))
+        cut = None if self.lookup_ngram is None or m == k else (m, found)
         return Proposal(tokens, q, state, ctx.cache, calls, cut=cut)
 
     # --------------------------------------------------------------- the engine's (paged)

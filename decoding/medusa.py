@@ -207,7 +207,7 @@ class MedusaDraft(DraftKind):
             found, seen = lookup_match(ctx, k, self.lookup_ngram)
             tokens, q = with_lookup(found, seen, tokens, q)
             if k > self.num_heads:  # where no row matched, the heads' tokens alone
-                cut = (self.num_heads, ~jnp.any(found))
+                cut = (self.num_heads, found)
         return Proposal(tokens, q, ctx.state, ctx.cache, 1, cut=cut)
 
     def greedy_chain(self, ctx: Context, k: int):

@@ -120,6 +120,8 @@ def speculative_step(
     prop = draft.propose(ctx, k, sampling, key_draft)
     last = jnp.take_along_axis(state.seq, start[:, None], axis=1)
     live = ~state.done
+    if prop.cut is not None:  # a done row's long draft does not make the live rows' step long
+        prop = prop._replace(cut=(prop.cut[0], prop.cut[1] & live))
 
     def verified():
         return draft.verify(target, params, last, prop, sampling, key_accept)

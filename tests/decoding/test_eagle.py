@@ -92,10 +92,10 @@ def test_a_step_without_a_match_verifies_the_head_tokens_alone(tiny_model):
     def cut(seq, k=5):
         prop = kind.propose(Context(tiny_model, cache, seq, params, state), k, SamplingConfig(),
                             jax.random.key(0))  # fmt: skip
-        return prop.cut if prop.cut is None else (prop.cut[0], bool(prop.cut[1]))
+        return prop.cut if prop.cut is None else (prop.cut[0], np.asarray(prop.cut[1]).tolist())
 
-    assert cut(seq) == (2, False)  # row 0's last 2 tokens occurred before
-    assert cut(seq.at[0, 5].set(1)) == (2, True)
+    assert cut(seq) == (2, [True, False])  # row 0's last 2 tokens occurred before
+    assert cut(seq.at[0, 5].set(1)) == (2, [False, False])
     assert cut(seq, k=2) is None
 
 

@@ -335,10 +335,10 @@ def test_chain_with_lookup_proposes_the_continuation_where_the_ngram_matched(tin
     q = kind.propose(ctx, 5, T1, key).q
     np.testing.assert_array_equal(q[1, 3], q[1, 2])
     # k past the heads: a short verification (the heads' 3 alone) only where no row matched
-    m, short = kind.propose(ctx, 5, SamplingConfig(), key).cut
-    assert (m, bool(short)) == (3, False)
+    m, long = kind.propose(ctx, 5, SamplingConfig(), key).cut
+    assert m == 3 and np.asarray(long).tolist() == [True, False]
     alone = Context(tiny_model, cache, seq.at[0, 5].set(1), params, h)  # row 0: no match now
-    assert bool(kind.propose(alone, 5, SamplingConfig(), key).cut[1])
+    assert not np.any(kind.propose(alone, 5, SamplingConfig(), key).cut[1])
     assert kind.propose(ctx, 3, SamplingConfig(), key).cut is None
     with pytest.raises(ValueError, match="num_heads=3"):
         plain_kind.check(tiny_model, 4)

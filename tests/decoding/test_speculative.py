@@ -253,8 +253,9 @@ def test_lookup_without_a_match_takes_plain_steps(tiny_model, sampling):
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)])
 def test_a_cut_verifies_the_first_m_tokens_alone(tiny_model, sampling):
-    """``Proposal.cut = (m, short)``: when short, the verification of ``[last, d_1 .. d_m]``
-    (n <= m, the hidden states of its m + 1 positions, zero past them); otherwise the whole k."""
+    """``Proposal.cut = (m, long)``: where no row is long, the verification of ``[last, d_1 ..
+    d_m]`` (n <= m, the hidden states of its m + 1 positions, zero past them); otherwise the
+    whole k."""
     from decoding.drafts import Proposal, verify_chain
     from models import KVCache
 
@@ -267,7 +268,7 @@ def test_a_cut_verifies_the_first_m_tokens_alone(tiny_model, sampling):
     q = jax.nn.softmax(jnp.asarray(rng.normal(size=(B, k, V)), jnp.float32))
     key = jax.random.key(3)
 
-    def run(prop):  # jitted as the loop runs it (the cut's m static, its flag traced)
+    def run(prop):  # jitted as the loop runs it (the cut's m static, its rows traced)
         cut = prop.cut
 
         def step(p, short):
@@ -279,13 +280,13 @@ def test_a_cut_verifies_the_first_m_tokens_alone(tiny_model, sampling):
 
     whole = Proposal(tokens, q, None, cache, 0)
     head = Proposal(tokens[:, :m], q[:, :m], None, cache, 0)
-    n, nxt, _, h = run(whole._replace(cut=(m, jnp.asarray(True))))
+    n, nxt, _, h = run(whole._replace(cut=(m, jnp.zeros((B,), bool))))
     n_m, nxt_m, _, h_m = run(head)
     np.testing.assert_array_equal(n, n_m)
     np.testing.assert_array_equal(nxt, nxt_m)
     assert h.shape == (B, k + 1, tiny_model.config.dim) and np.all(np.asarray(n) <= m)
     np.testing.assert_allclose(h[:, : m + 1], h_m, rtol=1e-6, atol=1e-6)
     assert not np.any(np.asarray(h[:, m + 1 :]))
-    got, want = run(whole._replace(cut=(m, jnp.asarray(False)))), run(whole)
+    got, want = run(whole._replace(cut=(m, jnp.asarray([False, True])))), run(whole)
     for a, b in zip((got[0], got[1], got[3]), (want[0], want[1], want[3]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
