@@ -89,11 +89,25 @@ class Eagle:
         graphdef, params = nnx.split(self.head)
         c = self.head.config
         share = draft_share(self.head)
-        kind = EagleDraft(graphdef, c.dim, c.vocab_size, share, self.lookup_ngram, self.head_tokens)
+        kind = EagleDraft(
+            graphdef,
+            c.dim,
+            c.vocab_size,
+            share,
+            self.lookup_ngram,
+            self.head_tokens,
+            weight_bytes(self.head),
+        )
         return kind, (
             params,
             packed_weights(self.head, params),
         )
+
+
+def weight_bytes(head: EagleHead) -> float:
+    """The head's bytes per weight (its parameters' mean)."""
+    params = [v[...] for _, v in nnx.to_flat_state(nnx.state(head, nnx.Param))]
+    return sum(p.nbytes for p in params) / sum(p.size for p in params)
 
 
 def draft_share(head: EagleHead) -> float:
@@ -140,6 +154,7 @@ class EagleDraft(DraftKind):
     share: float
     lookup_ngram: int | None = None
     head_tokens: int = MAX_K
+    itemsize: float = 4.0  # the head's bytes per weight (bfloat16 reads half what float32 does)
     prefill_calls = 1
     prompt_hidden = True
 
@@ -166,7 +181,8 @@ class EagleDraft(DraftKind):
         return params
 
     def costs(self, target, params) -> DraftCosts:
-        share, most = self.share, self.head_tokens
+        most = self.head_tokens
+        share = self.share * self.itemsize / jnp.dtype(target.config.jnp_dtype).itemsize
         # With lookup_ngram: an unmatched step's calls (a matched one makes only the first).
         return DraftCosts(
             PRIOR_ACCEPTANCE["eagle"], target, lambda k: min(k, most) * share, max_k=MAX_K

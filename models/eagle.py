@@ -35,6 +35,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from models import fused_decode
 from models.config import TransformerConfig
 from models.kv_cache import KVCache
 from models.medusa import (
@@ -57,7 +58,8 @@ class EagleHead(nnx.Module):
 
     ``features(h, e, positions, kv=None)``: h [B, T, dim] the target's hidden states (or the
     draft's own f), e [B, T, dim] the embeddings of the tokens after them, positions [B, T]
-    -> f [B, T, dim] (and the block's new (k, v) with ``kv``). ``logits(f)`` -> [B, T, V]
+    -> f [B, T, dim] (and the block's new (k, v) with ``kv``; a cached call of a few rows runs
+    the block as ``models.fused_decode``'s layer where that applies, as the target's do). ``logits(f)`` -> [B, T, V]
     float32, -inf outside ``vocab``; ``sub_logits(f)`` -> [B, T, V'] over ``vocab`` only.
     """
 
@@ -72,6 +74,10 @@ class EagleHead(nnx.Module):
         dt = self.config.jnp_dtype
         x = self.fc(jnp.concatenate([e.astype(dt), h.astype(dt)], -1))
         cos, sin = rope_tables(self.config, positions)
+        if fused_decode.applies(self.block, x, kv, segment_ids=segment_ids):
+            # A drafting step's block as the target's decode layers run: one native call on
+            # CPU (the modules' dozen small ops cost the head more than its weights' reads).
+            return fused_decode.layer(self.block, x, cos, sin, kv)
         return self.block(x, cos, sin, kv=kv, segment_ids=segment_ids)
 
     def sub_logits(self, f):

@@ -162,10 +162,14 @@ def pretrained(
     pass the target to ``decoding.Medusa``'s generation; they also read the root token,
     ``heads(h, target=model, tokens=next_tokens)``). For "smollm2-135m-instruct-eagle",
     ``(models.EagleHead, tokenizer)``: an EAGLE draft head self-distilled on it (``python -m
-    models.eagle_train``; draft with ``decoding.Eagle(head)``).
+    models.eagle_train``; draft with ``decoding.Eagle(head)``), in ``dtype``, default bfloat16
+    whatever the target's: a draft's arithmetic never changes the output (the verification
+    keeps it exact), and each drafted token reads half the bytes of a float32 head (its
+    weights are stored in float16).
     """
     if name in SHIPPED_MEDUSA or name in SHIPPED_EAGLE:
-        dtype = jnp.float32 if dtype is None else dtype
+        if dtype is None:
+            dtype = jnp.bfloat16 if name in SHIPPED_EAGLE else jnp.float32
         base = {**SHIPPED_MEDUSA, **SHIPPED_EAGLE}[name]
         if base in INSTALLED:  # the heads only: the target's config is read, not its weights
             config = read_config(installed_path(base), dtype=dtype)

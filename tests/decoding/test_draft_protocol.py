@@ -3,7 +3,10 @@
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 from test_medusa import random_heads
 
 from decoding import EarlyExit, Medusa, PromptLookup, TreeSpec, generate, speculative_generate
@@ -41,6 +44,27 @@ def test_every_kind_implements_the_protocol_and_states_its_costs(tiny_model):
     tree, tree_params = kinds["tree"]
     assert tree.costs(tiny_model, tree_params).fixed_k == 2 and tree.verify_width == 3
     assert kinds["prompt-lookup"][0].verify_width == 0  # a chain writes k slots only
+
+
+def test_an_eagle_heads_calls_cost_its_bytes_share_of_the_target(tiny_model):
+    """A drafting call costs the head's weights' share of the target's bytes (a memory-bound
+    step reads them): a bfloat16 head on a float32 target half its float32 self's."""
+    from test_eagle import random_head
+
+    from decoding import Eagle
+    from decoding.eagle import draft_share
+
+    head = random_head(tiny_model)
+    bf16 = random_head(tiny_model)
+    nnx.update(bf16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(bf16, nnx.Param)))
+    calls = {}
+    for name, h in (("float32", head), ("bfloat16", bf16)):
+        kind, params = draft_kind(Eagle(h, lookup_ngram=2, head_tokens=2))
+        calls[name] = kind.costs(tiny_model, params).calls
+    share = draft_share(head)
+    assert calls["float32"](1) == pytest.approx(share)
+    assert calls["float32"](5) == pytest.approx(2 * share)  # the head drafts at most 2
+    assert calls["bfloat16"](5) == pytest.approx(share)
 
 
 def test_every_kind_states_whether_its_proposals_are_deterministic(tiny_model):

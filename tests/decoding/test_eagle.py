@@ -212,13 +212,15 @@ def test_bad_arguments(tiny_model):
 
 def test_shipped_smollm2_head_loads_and_keeps_greedy_output(smollm2_gguf, capsys):
     """The shipped self-distilled head fits the real model, is small (one block, float16, and
-    the target's rows of a 4096-token draft vocabulary), its chain's greedy output is the
-    model's own (in the engine too), and the command line drafts with it."""
+    the target's rows of a 4096-token draft vocabulary), loads in bfloat16 by default, its
+    chain's greedy output is the float32 model's own (in the engine too), and the command line
+    drafts with it."""
     from decoding.__main__ import main
     from models import load_gguf, pretrained
     from models.pretrained import shipped_path
 
     head, tokenizer = pretrained("smollm2-135m-instruct-eagle")
+    assert head.fc.kernel[...].dtype == "bfloat16"  # by default: half the bytes per draft
     target = load_gguf(smollm2_gguf)
     head.check_target(target.config)
     assert head.vocab[...].size == 4096

@@ -52,6 +52,43 @@ def test_unrolled_passes_are_the_cached_drafting_features():
             np.testing.assert_allclose(F[p - 1][0, j], feat[0, 0], atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_a_packed_heads_cached_block_is_the_fused_decode_layer(dtype, tol):
+    """Packed for few-row products (as the drafts pack it), the head's cached block runs as
+    ``models.fused_decode``'s one native call on CPU, and gives the modules' features and
+    cache: a draft step's block costs what a target layer's decode step does."""
+    from decoding.packing import packed_model, packed_weights
+    from models import fused_decode
+
+    # Every projection at least DECODE_MIN_WEIGHTS weights, so packing takes them all.
+    config = TransformerConfig(
+        vocab_size=512, dim=320, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+        mlp_dim=256, dtype=dtype,
+    )  # fmt: skip
+    target = Transformer(config, rngs=nnx.Rngs(0))
+    head = _head(target)
+    packed = packed_model(*nnx.split(head), packed_weights(head))
+    rng = np.random.default_rng(1)
+    cache = head.cache(2, 32)
+    for T in (1, 4):
+        h = jnp.asarray(rng.normal(size=(2, T, head.config.dim)), dtype)
+        e = jnp.asarray(rng.normal(size=(2, T, head.config.dim)), dtype)
+        lengths = jnp.asarray([3, 7], jnp.int32)
+        pos = lengths[:, None] + jnp.arange(T)
+        kv = (cache.k[0], cache.v[0], lengths, None)
+        assert fused_decode.applies(packed.block, h, kv) == fused_decode.enabled()
+        assert not fused_decode.applies(head.block, h, kv)  # unpacked: the modules
+        step = jax.jit(lambda h, e, pos, kv: packed.features(h, e, pos, kv=kv))
+        hlo = step.lower(h, e, pos, kv).as_text()
+        assert ("pallas_attn_decode_layer" in hlo) == fused_decode.enabled()
+        f, (k, v) = step(h, e, pos, kv)
+        f0, (k0, v0) = head.features(h, e, pos, kv=kv)
+        for got, want in ((f, f0), (k, k0), (v, v0)):
+            np.testing.assert_allclose(
+                np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
+            )
+
+
 def test_save_load_round_trips_and_refuses_what_does_not_fit(tmp_path):
     target = _tiny()
     head = _head(target, vocab=list(range(0, 264, 2)))
