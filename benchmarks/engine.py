@@ -201,7 +201,7 @@ def speculation(args) -> None:
 
     model, tok = models.pretrained("smollm2-135m-instruct", dtype=getattr(jnp, args.dtype))
     heads, _ = models.pretrained("smollm2-135m-instruct-medusa")
-    head, _ = models.pretrained("smollm2-135m-instruct-eagle", dtype=getattr(jnp, args.dtype))
+    head, _ = models.pretrained("smollm2-135m-instruct-eagle")  # bfloat16, its default
     drafts = {
         "prompt-lookup": PromptLookup(),
         "medusa": Medusa(heads),

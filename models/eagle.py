@@ -59,8 +59,9 @@ class EagleHead(nnx.Module):
     ``features(h, e, positions, kv=None)``: h [B, T, dim] the target's hidden states (or the
     draft's own f), e [B, T, dim] the embeddings of the tokens after them, positions [B, T]
     -> f [B, T, dim] (and the block's new (k, v) with ``kv``; a cached call of a few rows runs
-    the block as ``models.fused_decode``'s layer where that applies, as the target's do). ``logits(f)`` -> [B, T, V]
-    float32, -inf outside ``vocab``; ``sub_logits(f)`` -> [B, T, V'] over ``vocab`` only.
+    the block as ``models.fused_decode``'s layer where that applies, as the target's do).
+    ``logits(f)`` -> [B, T, V] float32, -inf outside ``vocab``; ``sub_logits(f)`` -> [B, T, V']
+    over ``vocab`` only.
     """
 
     def __init__(self, config: TransformerConfig, *, vocab, rngs: nnx.Rngs):
