@@ -48,6 +48,7 @@ from decoding.drafts import (
     Verified,
     check_vocab,
     default_k,
+    draft_q,
     lookup_match,
     one_hot,
     split_keys,
@@ -237,10 +238,14 @@ class EagleDraft(DraftKind):
             keys = split_keys(key, m)
             pick = lambda logits, i: sample(logits, keys[i], sampling)  # noqa: E731
             tokens, logits, kc, vc = chain(head, embed, feat, kc, vc, lengths, None, k, m, pick)
-            q = jnp.stack([probabilities(head.full_logits(x), sampling) for x in logits], 1)
-            if k > m:
-                q = jnp.concatenate([q, one_hot(tokens[:, m:], self.vocab_size)], 1)
-            return tokens, q, kc, vc
+
+            def drawn():
+                q = jnp.stack([probabilities(head.full_logits(x), sampling) for x in logits], 1)
+                if k > m:
+                    q = jnp.concatenate([q, one_hot(tokens[:, m:], self.vocab_size)], 1)
+                return q
+
+            return tokens, draft_q(tokens, self.vocab_size, drawn, sampling), kc, vc
 
         calls = m  # the feed call and m - 1 drafted ones
         if self.lookup_ngram is None:

@@ -198,12 +198,26 @@ _EXECUTABLES: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.
 _COMPILED = [0]
 
 
+class _Key(tuple):
+    """An executable's key with its hash computed once: a model's ``GraphDef`` hashes its whole
+    module tree (2-3 ms for SmolLM2), and the lookup, the insertion and the reordering each
+    ask for the hash."""
+
+    def __new__(cls, key: tuple):
+        self = super().__new__(cls, key)
+        self._hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
 def run_compiled(fn, args: tuple, **static):
     """``fn(*args, **static)`` (``fn`` jitted) through a cached ahead-of-time executable ->
     (out, compile_s), compile_s the seconds spent compiling in this call (0.0 on a hit)."""
     leaves, treedef = jax.tree.flatten(args)
     avals = tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
-    key = (fn, treedef, avals, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+    key = _Key((fn, treedef, avals, tuple(sorted(static.items(), key=lambda kv: kv[0]))))
     exe, compile_s = _EXECUTABLES.get(key), 0.0
     if exe is None:
         t0 = time.perf_counter()

@@ -46,6 +46,7 @@ from decoding.drafts import (
     Verified,
     check_vocab,
     default_k,
+    draft_q,
     lookup_match,
     verify_chain,
     with_lookup,
@@ -201,7 +202,7 @@ class MedusaDraft(DraftKind):
         logits = self._logits(ctx, k)  # [B, k, V]
         B, _, V = logits.shape
         tokens = sample(logits.reshape(B * k, V), key, sampling).reshape(B, k)
-        q = probabilities(logits, sampling)
+        q = draft_q(tokens, V, lambda: probabilities(logits, sampling), sampling)
         cut = None
         if self.lookup_ngram is not None:
             found, seen = lookup_match(ctx, k, self.lookup_ngram)

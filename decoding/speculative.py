@@ -318,15 +318,20 @@ def place_on_target(draft, kind: DraftKind, params, target):
     return kind.place(draft, params, target)
 
 
-def draft_step_costs(target, kind: DraftKind, params, *, batch: int) -> StepCosts:
+def draft_step_costs(
+    target, kind: DraftKind, params, *, batch: int, target_params=None
+) -> StepCosts:
     """The measured :class:`drafts.StepCosts` :func:`chosen_num_draft_tokens` weighs for
     ``kind`` at ``batch`` rows (``drafts.measured_costs``, measured once per shape): the
     target's verifications and a draft model's step, or for a draft run by the target's own
     layers its Tq = 1 step (the kind's ``calls`` count shares of it). Looking the shape up
-    reads every parameter's dtype (40 ms for SmolLM2), so the engine keeps the result."""
+    reads every parameter's dtype: from ``target_params`` (``nnx.split(target)[1]``) where
+    given, else by a walk over the target's modules (9 ms for SmolLM2), so the engine keeps
+    the result."""
     dc = kind.costs(target, params)
     own = dc.model is target  # drafted by the target's own layers: a share of its Tq = 1 step
-    costs = measured_costs(target, None if own else dc.model, batch=batch, max_k=MAX_K)
+    draft_model = None if own else dc.model
+    costs = measured_costs(target, draft_model, batch=batch, max_k=MAX_K, params=target_params)
     return costs._replace(draft=costs.target[0]) if own else costs
 
 
@@ -432,11 +437,21 @@ def speculative_generate(
         kind.check(target, k)
     params = place_on_target(draft, kind, params, target)
     estimate = acceptance_estimate(target, kind, params)
+    graphdef, target_params = nnx.split(target)
     if k is None:  # chosen for the padded batch's rows (the prompts checked first)
         batch_rows = next_pow2(len(opts.check(target, prompts, name="target")[1]))
         last = _LAST_K.get((target.config, kind))
+        costs = functools.partial(
+            draft_step_costs, target, kind, params, batch=batch_rows, target_params=target_params
+        )
         k = chosen_num_draft_tokens(
-            target, kind, params, batch=batch_rows, acceptance=estimate.rate, keep=last
+            target,
+            kind,
+            params,
+            batch=batch_rows,
+            acceptance=estimate.rate,
+            keep=last,
+            step_costs=costs,
         )
         kind.check(target, k)
         _LAST_K[(target.config, kind)] = k
@@ -460,7 +475,6 @@ def speculative_generate(
         draft_state, draft_tables = kind.make_state(
             target, params, opts.cache, batch, page_size, num_pages
         )
-        graphdef, target_params = nnx.split(target)
         static = dict(graphdef=graphdef, draft=kind)
         x = opts.device_inputs(target, sampling, batch)
         args = (target_params, params, x["tokens"], x["prompt_lengths"], kv, draft_state)

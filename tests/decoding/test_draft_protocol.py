@@ -93,3 +93,66 @@ def test_options_are_one_definition_for_both_calls(tiny_model):
             call(max_new_tokens=4, cache="ring")
         with pytest.raises(ValueError, match="page_size"):
             call(max_new_tokens=4, page_size=0)
+
+
+def test_a_greedy_batchs_q_is_its_tokens_one_hot_without_the_drawn_distributions(tiny_model):
+    """``drafts.draft_q`` with traced settings (the loops' and the engine's): a batch of greedy
+    rows gets the one-hot of its tokens without asking for the distributions (a NaN there never
+    shows), a batch with a sampled row gets them. Each kind that draws (a model draft, Medusa,
+    EAGLE) proposes, jitted with the loop's traced settings: q is its tokens' one-hot when
+    greedy, and when sampled its tokens and q are those the settings give on the host."""
+    import numpy as np
+    from test_eagle import random_head
+    from test_medusa import random_heads
+
+    from decoding import Eagle, SamplingConfig
+    from decoding.drafts import Context, autoregressive_proposal, draft_q
+    from decoding.sampling import SamplingParams
+    from models import KVCache
+
+    greedy = SamplingParams.rows([SamplingConfig()] * 2)
+    mixed = SamplingParams.rows([SamplingConfig(), SamplingConfig(temperature=1.0)])
+    tokens = jnp.asarray([[1, 2], [3, 0]], jnp.int32)
+    nan = lambda: jnp.full((2, 2, 5), jnp.nan)  # noqa: E731
+    run = jax.jit(lambda p: draft_q(tokens, 5, nan, p))
+    np.testing.assert_array_equal(run(greedy), jax.nn.one_hot(tokens, 5))
+    assert np.isnan(run(mixed)).all()
+
+    V = tiny_model.config.vocab_size
+    seq = jnp.asarray([[5, 6, 7, 8, 9, 5, 6, 0], [1, 2, 3, 4, 5, 6, 7, 0]], jnp.int32)
+    cache = KVCache.contiguous(tiny_model.config, 2, 16).replace(
+        lengths=jnp.asarray([6, 6], jnp.int32)
+    )
+    h = jax.random.normal(jax.random.key(0), (2, tiny_model.config.dim))
+    medusa, medusa_params = Medusa(random_heads(tiny_model, 3)).split()
+    eagle, eagle_params = Eagle(random_head(tiny_model)).split()
+    draft_cache, pend, _ = eagle.empty_state(tiny_model, eagle_params, 2, 16)
+    eagle_state = (
+        draft_cache.replace(lengths=jnp.asarray([5, 5], jnp.int32)),
+        pend,
+        jnp.ones(2, jnp.int32),
+    )
+    table = jax.random.normal(jax.random.key(1), (V, V))  # a toy draft model: next logits by token
+
+    proposals = {
+        "model": lambda p, key: autoregressive_proposal(
+            lambda t, c: (table[t], c), None, table[seq[:, 6]], 3, p, key
+        )[:2],
+        "medusa": lambda p, key: medusa.propose(
+            Context(tiny_model, cache, seq, medusa_params, h), 3, p, key
+        )[:2],
+        "eagle": lambda p, key: eagle.propose(
+            Context(tiny_model, cache, seq, eagle_params, eagle_state), 3, p, key
+        )[:2],
+    }
+    key = jax.random.key(2)
+    t1 = SamplingConfig(temperature=1.0)
+    for name, propose in proposals.items():
+        fn = jax.jit(propose)  # the settings traced, as the loop passes them
+        toks, q = fn(SamplingConfig().params(), key)
+        np.testing.assert_array_equal(q, jax.nn.one_hot(toks, V), err_msg=name)
+        toks_t, q_t = fn(t1.params(), key)
+        toks_h, q_h = propose(t1, key)  # host settings: the distributions, no branch
+        np.testing.assert_array_equal(toks_t, toks_h, err_msg=name)
+        np.testing.assert_allclose(q_t, q_h, rtol=1e-5, atol=1e-7, err_msg=name)
+        assert float(q_t.max()) < 1.0, name  # a spread distribution, not a one-hot
