@@ -124,8 +124,9 @@ RECHOOSE_STEPS = 16
 # few plain steps, then one in EXPLORE_EVERY: the k rule compares its own steps' costs.
 EXPLORE_STEPS = 16
 EXPLORE_EVERY = 256
-# While Medusa's k is 0 (plain steps), one decode step in PROBE_EVERY verifies one draft token
-# per row: the heads' guesses are only judged by verifying them, and the rule needs the rate.
+# While a Medusa or EAGLE head's k is 0 (plain steps), one decode step in PROBE_EVERY verifies
+# one draft token per row: the heads' guesses are only judged by verifying them, and the rule
+# needs the rate.
 PROBE_EVERY = 32
 # What a request's own acceptance rate starts from: the engine's, worth this many tested tokens.
 ROW_PRIOR_WEIGHT = 4.0
@@ -168,8 +169,9 @@ class Engine:
         rows too, and independent of the batch). ``decoding.Eagle(head[, lookup_ngram=n,
         head_tokens=m])``: the head's one-layer pool at the target's page ids (pairs of the
         target's hidden state at each position and the token after it: every prefill chunk
-        and every verification's kept positions feed it in the same call, so it is complete
-        up to the row's length) and each slot's head feature at its row's last position; a
+        and every verification's kept positions feed it in the same call, as does a plain
+        decode step its one position, so it is complete up to the row's length) and each
+        slot's head feature at its row's last position; a
         step drafts the head's argmax chain from that feature (at most m tokens, then its
         last repeated; with n, prompt lookup's continuation where the n-gram matched), verified
         against a one-hot q like Medusa's. Its prefix-cache pages are shared only where the
@@ -198,8 +200,9 @@ class Engine:
         length is its own, up to k: the j tokens whose chance of being kept at the request's
         running rate, a^j, is at least a draft row's cost against a plain step's per row
         (timed at the decode batch; measured before: ``_row_caps``). A fixed k drafts k for
-        every row with a match. With Medusa the rule may choose 0 too: decode steps then also
-        return each row's hidden state (the heads' input), and one step in ``PROBE_EVERY``
+        every row with a match. With Medusa or EAGLE the rule may choose 0 too: decode steps
+        then also return each row's hidden state (the Medusa heads' input; an EAGLE head's
+        pair is fed into its pool and its feature kept), and one step in ``PROBE_EVERY``
         verifies a draft token per row so that the acceptance estimate follows the heads.
         ``Medusa(heads, lookup_ngram=n)`` keeps a k per source, each chosen on its own
         running acceptance: ``num_draft_tokens`` for steps where some row's n-gram matched
@@ -741,11 +744,11 @@ class Engine:
         return self._counts["decode_steps"] % every == every // 2
 
     def _probe(self) -> bool:
-        """Whether this step verifies one Medusa draft token per row although k is 0 (with
-        ``lookup_ngram``, either source's): every ``PROBE_EVERY`` decode steps, so that the
-        acceptance estimate follows the heads (rows keep their hidden states through plain
-        steps: ``Runner.decode``) and k can come back."""
-        if not isinstance(self.draft, Medusa) or self._fixed_k:
+        """Whether this step verifies one Medusa or EAGLE draft token per row although k is 0
+        (with ``lookup_ngram``, either source's): every ``PROBE_EVERY`` decode steps, so that
+        the acceptance estimate follows the heads (rows keep their hidden states, and an EAGLE
+        head's pool its pairs, through plain steps: ``Runner.decode``) and k can come back."""
+        if not isinstance(self.draft, Medusa | Eagle) or self._fixed_k:
             return False
         if self.num_draft_tokens and (self._heads_acceptance is None or self.heads_draft_tokens):
             return False
@@ -778,8 +781,8 @@ class Engine:
                 self.runner.draft_params,
                 batch=self.max_batch,
                 acceptance=estimate.rate,
-                # Medusa's guesses are judged by verifying them: while k is 0, by probes.
-                allow_zero=isinstance(self.draft, PromptLookup | Medusa),
+                # A head's guesses are judged by verifying them: while k is 0, by probes.
+                allow_zero=isinstance(self.draft, PromptLookup | Medusa | Eagle),
                 keep=keep,
                 observed=self._observed,
                 drafting=self._drafting.rate if lookup else 1.0,

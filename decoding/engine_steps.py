@@ -167,6 +167,11 @@ def decode_rows(
     wanted,
     prefill=None,
     states=None,
+    draft_params=None,
+    hk=None,
+    hv=None,
+    *,
+    eagle=None,
 ):
     """One token per row: last [B] fed at position lengths [B] through table [B, max_pages];
     ``kernels`` from ``decoding.packing.packed_weights`` (few-row products on CPU).
@@ -174,7 +179,11 @@ def decode_rows(
     Returns ``(next tokens [B] int32, logprobs, k, v)``, and with ``states`` = (hidden
     [S, dim], slots [B] int32) also hidden with row b's hidden state at its position (what its
     LM head read) in slot ``slots[b]`` (S or more: a padding row, dropped): Medusa's heads
-    draft from it, so a row that decoded plainly can draft at its next step. Seeds [B] uint32
+    draft from it, so a row that decoded plainly can draft at its next step. With ``eagle``
+    (static, a ``decoding.eagle.EagleDraft``; its params ``draft_params`` and one-layer pool
+    hk, hv) the slot gets the head's feature instead: the pair (that hidden state, the token
+    just drawn) is fed into the pool at the row's position, so the pool stays complete up to
+    the row's length as after a verification, and the return also has (hk, hv). Seeds [B] uint32
     and index [B] int32 give each row's key (``row_keys``), ``sampling`` [B] its settings: row ``b`` draws alone
     (as at batch 1), a greedy row (temperature 0) takes the argmax. ``logprobs``:
     ``sampling.Logprobs`` [B] of the tokens under ``logprobs_mode`` (static), computed only
@@ -207,7 +216,16 @@ def decode_rows(
     lp = token_logprobs(logits[:, -1], tokens, sampling, logprobs_mode, wanted)
     if states is not None:
         kept, slots = states
-        kept = kept.at[slots].set(hidden[:, -1].astype(kept.dtype), mode="drop")
+        x = hidden[:, -1]
+        if eagle is not None:
+            block = table.block if isinstance(table, RingTables) else table
+            f, hk, hv = eagle.feed(
+                model, draft_params, hk, hv, hidden, tokens[:, None], lengths, block
+            )
+            x = f[:, -1]
+        kept = kept.at[slots].set(x.astype(kept.dtype), mode="drop")
+        if eagle is not None:  # the target's pools first: the donated inputs' order
+            return tokens, lp, cache.k, cache.v, kept, hk, hv
         return tokens, lp, cache.k, cache.v, kept
     return tokens, lp, cache.k, cache.v
 
@@ -466,6 +484,14 @@ def jitted(graphdef, logprobs_mode: str = "raw"):
     prefill = jax.jit(functools.partial(prefill_chunk, graphdef), donate_argnums=(2, 3))
     decode = jax.jit(functools.partial(decode_rows, graphdef, logprobs_mode), donate_argnums=(2, 3))
     return prefill, decode
+
+
+@functools.lru_cache(maxsize=16)
+def jitted_eagle_decode(graphdef, draft, logprobs_mode: str = "raw"):
+    """``decode_rows`` with an EAGLE head's feed (``eagle=draft``), jitted for one model
+    structure, head and logprobs mode, the target's pool and the head's donated."""
+    fn = functools.partial(decode_rows, graphdef, logprobs_mode, eagle=draft)
+    return jax.jit(fn, donate_argnums=(2, 3, 14, 15))
 
 
 def _copy(x, src, dst):

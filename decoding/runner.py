@@ -203,6 +203,9 @@ class Runner:
             self.draft_prefill = engine_steps.jitted(self.draft.graphdef)[0]
         if isinstance(self.draft, EagleDraft):
             self.eagle_prefill = engine_steps.jitted_eagle_prefill(self.graphdef, self.draft)
+            self.decode_fn = engine_steps.jitted_eagle_decode(
+                self.graphdef, self.draft, logprobs_mode
+            )
         if isinstance(self.draft, ModelDraft | EagleDraft):
             self.draft_k, self.draft_v = self.new_draft_pool()
         self.compile_s = 0.0
@@ -612,14 +615,16 @@ class Runner:
         for b, row in zip(pos, rows, strict=True):
             last[b], lengths[b] = row.req.tokens[-1], row.req.computed
         inputs = self._row_inputs(rows, self.max_pages, logprobs, B if self.compact else None)
-        states = None
-        # (An EAGLE engine always verifies; were a row decoded plainly, its slot's token count
-        # would no longer match and its feature would not be used.)
-        if isinstance(self.draft, MedusaDraft):  # each row's state kept in its slot, as after a
-            slots = np.full(B, self.max_batch, np.int32)  # verification (padding: dropped)
+        states, head = None, ()
+        # Each row's state kept in its slot, as after a verification: Medusa's hidden state, or
+        # an EAGLE head's feature with the step's pair fed into its pool (padding: dropped).
+        if isinstance(self.draft, MedusaDraft | EagleDraft):
+            slots = np.full(B, self.max_batch, np.int32)
             for b, row in zip(pos, rows, strict=True):
                 slots[b] = row.req.row
             states = (self.hidden, slots)
+        if isinstance(self.draft, EagleDraft):
+            head = (self.draft_params, self.draft_k, self.draft_v)
         t0, compiled = time.perf_counter(), self.compile_s
         new, lp, self.k, self.v, *kept = self._call(
             self.decode_fn,
@@ -632,6 +637,7 @@ class Runner:
             *inputs,
             prefill,
             states,
+            *head,
         )
         wanted = inputs[-1]
         new = to_host(new)  # whole on every process, also when rows span processes
@@ -639,6 +645,8 @@ class Runner:
         self.counts["decode_steps"] += 1
         if kept:
             self.hidden = kept[0]
+            if head:
+                self.draft_k, self.draft_v = kept[1], kept[2]
             for row in rows:  # its state once the step's token is appended
                 self._hidden_of[row.req.row] = (row.req.rid, len(row.req.tokens) + 1)
         tokens = [[int(new[b])] for b in pos]

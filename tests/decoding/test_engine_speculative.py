@@ -538,18 +538,13 @@ def test_model_draft_pool_follows_the_target(tiny_model):
     assert_clean(eng)
 
 
-def test_eagle_pool_follows_the_target(model, prompts, refs):
-    """The EAGLE head's pool (the target's page ids; pairs of each chunk's hidden states and
-    the tokens after them at prefill, of each verification's kept positions after it; copied
-    with its pages; shared on prefix hits only where the token after the page agrees too) and
-    each slot's feature are, after every step, the head's uncached run over the row's whole
-    sequence: through preemptions, prefix hits and arrivals; greedy output is ``generate``'s."""
-    head = echo_head(model)
-    eng = make_engine(model, num_pages=12, draft=Eagle(head))
-    P, checked = eng.page_size, []
+def eagle_pool_check(model, head, checked: list):
+    """An ``arrivals`` callback: after a step, each running row's head pool (at its pages) and
+    its slot's feature equal the head's uncached run over the row's whole sequence (rows whose
+    slot state is another request's, or at another token count, skipped)."""
 
     def check(eng):
-        runner = eng.runner
+        runner, P = eng.runner, eng.page_size
         for req in eng.scheduler.running:
             L = req.computed
             if runner._hidden_of[req.row] != (req.rid, len(req.tokens)) or L < 2:
@@ -565,11 +560,74 @@ def test_eagle_pool_follows_the_target(model, prompts, refs):
             np.testing.assert_allclose(runner.hidden[req.row], f[0, L - 1], atol=2e-5, rtol=2e-5)
             checked.append(req.rid)
 
-    arrivals(eng, prompts, refs, [0, 1, 2, 0, 3, 1, 4, 2], after_step=check)
+    return check
+
+
+def test_eagle_pool_follows_the_target(model, prompts, refs):
+    """The EAGLE head's pool (the target's page ids; pairs of each chunk's hidden states and
+    the tokens after them at prefill, of each verification's kept positions after it; copied
+    with its pages; shared on prefix hits only where the token after the page agrees too) and
+    each slot's feature are, after every step, the head's uncached run over the row's whole
+    sequence: through preemptions, prefix hits and arrivals; greedy output is ``generate``'s."""
+    head = echo_head(model)
+    eng = make_engine(model, num_pages=12, draft=Eagle(head))
+    checked = []
+    arrivals(
+        eng,
+        prompts,
+        refs,
+        [0, 1, 2, 0, 3, 1, 4, 2],
+        after_step=eagle_pool_check(model, head, checked),
+    )
     s = eng.stats()
     assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
     assert len(checked) > 20 and s["draft_accepted"] > 0
     assert_clean(eng)
+
+
+def test_eagle_decodes_plainly_where_no_k_pays_and_probes(model, monkeypatch, prompts, refs):
+    """Where no k pays the rule chooses k = 0 for an EAGLE head too: plain decode steps feed
+    each row's pair (its hidden state, the token drawn) into the head's pool and keep its
+    feature, so after every step pool and feature are still the head's uncached run over the
+    row (as after verifications), and one step in ``PROBE_EVERY`` verifies one head token per
+    row, so the head is still judged and k can come back; greedy output stays ``generate``'s,
+    through preemptions and prefix hits."""
+    from decoding import engine as engine_mod
+
+    steep = tuple(1.0 + 8.0 * t for t in range(drafts.MAX_K + 1))
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep)
+    monkeypatch.setattr(engine_mod, "PROBE_EVERY", 4)
+    head = echo_head(model)
+    eng = make_engine(model, num_pages=12, draft=Eagle(head), num_draft_tokens=None)
+    assert eng.num_draft_tokens == 0
+    plain, decode = [], eng.runner.decode
+
+    def counted(rows, *a, **kw):
+        plain.append(len(rows))
+        return decode(rows, *a, **kw)
+
+    monkeypatch.setattr(eng.runner, "decode", counted)
+    checked = []
+    arrivals(
+        eng,
+        prompts,
+        refs,
+        [0, 1, 2, 0, 3, 1, 4, 2],
+        after_step=eagle_pool_check(model, head, checked),
+    )
+    s = eng.stats()
+    assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
+    assert len(checked) > 20
+    assert 0 < s["draft_proposed"] < s["generated_tokens"] / 2  # probes, one token per row
+    assert s["draft_accepted"] > 0 and eng.acceptance.tested > 0
+    assert sum(1 for n in plain if n) > s["decode_steps"] / 2  # most steps were plain ones
+    assert_clean(eng)
+    eng.acceptance.add(1000, 1000)  # the head seen to be always right: drafting pays again
+    monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep[:1] * 9)
+    eng._step_costs.cache_clear()
+    eng._observed = drafts.ObservedCosts()
+    eng._choose_k()
+    assert eng.num_draft_tokens > 0
 
 
 def test_eagle_prefix_pages_agree_on_the_next_token(model):
