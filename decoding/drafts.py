@@ -500,9 +500,11 @@ def autoregressive_proposal(step, cache, logits, k: int, sampling, key):
 
     (last, cache), (toks, seen) = jax.lax.scan(body, (logits, cache), jnp.arange(k - 1))
     tokens = jnp.concatenate([toks.T, sample(last, keys[k - 1], sampling)[:, None]], axis=1)
-    drawn = lambda: probabilities(  # noqa: E731
-        jnp.concatenate([jnp.moveaxis(seen, 0, 1), last[:, None]], 1), sampling
-    )
+
+    def drawn():  # step by step: ``sampling`` may hold one setting per row, [B]
+        steps = [seen[j] for j in range(k - 1)] + [last]
+        return jnp.stack([probabilities(x, sampling) for x in steps], 1)
+
     return tokens, draft_q(tokens, last.shape[-1], drawn, sampling), cache
 
 

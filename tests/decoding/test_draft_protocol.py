@@ -156,3 +156,10 @@ def test_a_greedy_batchs_q_is_its_tokens_one_hot_without_the_drawn_distributions
         np.testing.assert_array_equal(toks_t, toks_h, err_msg=name)
         np.testing.assert_allclose(q_t, q_h, rtol=1e-5, atol=1e-7, err_msg=name)
         assert float(q_t.max()) < 1.0, name  # a spread distribution, not a one-hot
+    # The engine's settings, one per row [B] (a model draft there): the greedy row's q is its
+    # tokens' one-hot, the sampled row's tokens and q those of an all-sampled batch.
+    fn = jax.jit(proposals["model"])
+    (toks_m, q_m), (toks_s, q_s) = fn(mixed, key), fn(SamplingParams.rows([t1] * 2), key)
+    np.testing.assert_array_equal(q_m[0], jax.nn.one_hot(toks_m[0], V))
+    np.testing.assert_array_equal(toks_m[1], toks_s[1])
+    np.testing.assert_allclose(q_m[1], q_s[1], rtol=1e-5, atol=1e-7)
