@@ -563,6 +563,20 @@ def eagle_pool_check(model, head, checked: list):
     return check
 
 
+def eagle_arrivals_checked(eng, model, head, prompts, refs) -> dict:
+    """``arrivals`` with :func:`eagle_pool_check` after every step, on a pool small enough to
+    preempt and prompts that share prefixes -> the engine's stats (both seen; the engine clean
+    after)."""
+    checked = []
+    order = [0, 1, 2, 0, 3, 1, 4, 2]
+    arrivals(eng, prompts, refs, order, after_step=eagle_pool_check(model, head, checked))
+    s = eng.stats()
+    assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
+    assert len(checked) > 20
+    assert_clean(eng)
+    return s
+
+
 def test_eagle_pool_follows_the_target(model, prompts, refs):
     """The EAGLE head's pool (the target's page ids; pairs of each chunk's hidden states and
     the tokens after them at prefill, of each verification's kept positions after it; copied
@@ -571,18 +585,8 @@ def test_eagle_pool_follows_the_target(model, prompts, refs):
     sequence: through preemptions, prefix hits and arrivals; greedy output is ``generate``'s."""
     head = echo_head(model)
     eng = make_engine(model, num_pages=12, draft=Eagle(head))
-    checked = []
-    arrivals(
-        eng,
-        prompts,
-        refs,
-        [0, 1, 2, 0, 3, 1, 4, 2],
-        after_step=eagle_pool_check(model, head, checked),
-    )
-    s = eng.stats()
-    assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
-    assert len(checked) > 20 and s["draft_accepted"] > 0
-    assert_clean(eng)
+    s = eagle_arrivals_checked(eng, model, head, prompts, refs)
+    assert s["draft_accepted"] > 0
 
 
 def test_eagle_decodes_plainly_where_no_k_pays_and_probes(model, monkeypatch, prompts, refs):
@@ -607,21 +611,10 @@ def test_eagle_decodes_plainly_where_no_k_pays_and_probes(model, monkeypatch, pr
         return decode(rows, *a, **kw)
 
     monkeypatch.setattr(eng.runner, "decode", counted)
-    checked = []
-    arrivals(
-        eng,
-        prompts,
-        refs,
-        [0, 1, 2, 0, 3, 1, 4, 2],
-        after_step=eagle_pool_check(model, head, checked),
-    )
-    s = eng.stats()
-    assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
-    assert len(checked) > 20
+    s = eagle_arrivals_checked(eng, model, head, prompts, refs)
     assert 0 < s["draft_proposed"] < s["generated_tokens"] / 2  # probes, one token per row
     assert s["draft_accepted"] > 0 and eng.acceptance.tested > 0
     assert sum(1 for n in plain if n) > s["decode_steps"] / 2  # most steps were plain ones
-    assert_clean(eng)
     eng.acceptance.add(1000, 1000)  # the head seen to be always right: drafting pays again
     monkeypatch.setattr(drafts, "measure_step_costs", lambda *a, **kw: steep[:1] * 9)
     eng._step_costs.cache_clear()
